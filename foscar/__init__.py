@@ -1,0 +1,22 @@
+"""FOSCAR: decode attention over 2- and 4-bit KV caches through affine folding.
+
+A variant is a :class:`Scheme`; ``quantize_kv`` builds a paged cache for it; the references in
+``foscar.reference`` define what every kernel computes.
+"""
+
+from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups, quantize_kv
+from .scheme import Axis, Construction, FoldingPlan, Scheme, TensorQuant
+
+__all__ = [
+    "Axis",
+    "Construction",
+    "FoldingPlan",
+    "PAGE_SIZES",
+    "QuantizedKV",
+    "Scheme",
+    "TensorQuant",
+    "dequantize_groups",
+    "quantize_groups",
+    "quantize_kv",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,215 @@
+"""BF16/FP16 K and V -> packed codes + per-group (scale, offset), in pages; and back.
+
+Rounding (asymmetric min-max per group, the same in every variant):
+
+* ``offset = fp16(min)`` and ``scale = fp16((max - min) / (2^bits - 1))`` over the group's valid
+  elements (round to nearest even, in float32);
+* ``code = clamp(round_half_even((x - offset) / scale), 0, 2^bits - 1)`` in float32, using the
+  *stored* fp16 scale and offset, so the dequantized ``scale*code + offset`` is the nearest grid
+  point of the grid the kernel actually sees. A constant group has ``scale = 0`` and codes 0.
+* Tokens past a sequence's length take no part in any group's statistics and get code 0.
+
+Cache format (:class:`QuantizedKV`): ``k_codes``/``v_codes`` int32
+``[num_pages, kv_heads, page_size // 64, tile_words]`` (each 64-token tile packed as
+``foscar.layouts.fragment`` documents), ``k_params``/``v_params`` float16 with last dim
+(scale, offset): ``[num_pages, kv_heads, page_size, head_dim // G, 2]`` for token-wise groups,
+``[num_pages, kv_heads, page_size // G, head_dim, 2]`` for channel-wise groups. ``page_table``
+int32 ``[batch, max_pages]`` and ``lengths`` int32 ``[batch]``: token ``i`` of sequence ``b`` is in
+page ``page_table[b, i // page_size]``, slot ``i % page_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .layouts import TILE_TOKENS, TileGeometry, pack_tiles, unpack_tiles
+from .scheme import PARAM_DTYPE, Axis, Scheme, TensorQuant
+
+__all__ = ["PAGE_SIZES", "QuantizedKV", "quantize_groups", "dequantize_groups", "quantize_kv"]
+
+PAGE_SIZES = (64, 128, 256)
+
+
+def _grouped(x: torch.Tensor, quant: TensorQuant) -> torch.Tensor:
+    """View ``[..., L, D]`` as ``[..., groups_l, gl, groups_d, gd]`` (one group = gl x gd)."""
+    *lead, length, dim = x.shape
+    if quant.axis is Axis.TOKEN:
+        return x.reshape(*lead, length, 1, dim // quant.group, quant.group)
+    return x.reshape(*lead, length // quant.group, quant.group, dim, 1)
+
+
+def _params_shape(quant: TensorQuant, length: int, dim: int):
+    return (length, dim // quant.group) if quant.axis is Axis.TOKEN else (length // quant.group, dim)
+
+
+def quantize_groups(x: torch.Tensor, bits: int, quant: TensorQuant, valid: torch.Tensor | None = None):
+    """Quantize ``x [..., L, D]`` into codes (uint8, same shape) and fp16 scale, offset.
+
+    ``scale``/``offset`` have shape ``[..., L, D // G]`` (token-wise) or ``[..., L // G, D]``
+    (channel-wise; L must be a multiple of G). ``valid [..., L]`` (bool) excludes tokens.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"x must have shape [..., tokens, channels], got {tuple(x.shape)}")
+    length, dim = x.shape[-2:]
+    if quant.axis is Axis.TOKEN and dim % quant.group:
+        raise ValueError(f"token-wise group {quant.group} must divide the channel count {dim}")
+    if quant.axis is Axis.CHANNEL and length % quant.group:
+        raise ValueError(f"channel-wise group {quant.group} must divide the token count {length}")
+    levels = 2**bits - 1
+    xf = x.to(torch.float32)
+    if not torch.isfinite(xf).all():
+        raise ValueError("x holds inf or nan")
+    mask = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if valid is None else valid.to(x.device)
+    mask = mask[..., None].expand(xf.shape)
+    grouped, gmask = _grouped(xf, quant), _grouped(mask, quant)
+    lo = torch.where(gmask, grouped, torch.inf).amin(dim=(-3, -1), keepdim=True)
+    hi = torch.where(gmask, grouped, -torch.inf).amax(dim=(-3, -1), keepdim=True)
+    empty = ~torch.isfinite(lo)
+    lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
+    offset = lo.to(PARAM_DTYPE)
+    scale = ((hi - lo) / levels).to(PARAM_DTYPE)
+    if not (torch.isfinite(offset).all() and torch.isfinite(scale).all()):
+        raise ValueError("x exceeds the float16 range of the group scale/offset")
+    s32, z32 = scale.to(torch.float32), offset.to(torch.float32)
+    codes = torch.round((grouped - z32) / torch.where(s32 == 0, 1.0, s32)).clamp_(0, levels)
+    codes = torch.where(gmask & (s32 != 0), codes, 0.0).to(torch.uint8).reshape(x.shape)
+    pshape = (*x.shape[:-2], *_params_shape(quant, length, dim))
+    return codes, scale.reshape(pshape), offset.reshape(pshape)
+
+
+def dequantize_groups(codes, scale, offset, quant: TensorQuant, dtype=torch.float32):
+    """``scale*code + offset`` for ``codes [..., L, D]`` and the params of :func:`quantize_groups`."""
+    grouped = _grouped(codes.to(dtype), quant)
+    # params [..., rows, cols] broadcast over the group's two in-group modes
+    s, z = (t.to(dtype)[..., :, None, :, None] for t in (scale, offset))
+    return (grouped * s + z).reshape(codes.shape)
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """A paged quantized KV cache (format in the module docstring)."""
+
+    scheme: Scheme
+    page_size: int
+    k_codes: torch.Tensor
+    k_params: torch.Tensor
+    v_codes: torch.Tensor
+    v_params: torch.Tensor
+    page_table: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_codes.shape[1]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.page_table.shape[1] * self.page_size
+
+    def codes_and_params(self, role: str):
+        """Gather per sequence: uint8 codes ``[batch, kv_heads, max_tokens, D]`` and fp16 scale,
+        offset ``[batch, kv_heads, *params]`` in token order (what the references consume)."""
+        codes, params = (self.k_codes, self.k_params) if role == "k" else (self.v_codes, self.v_params)
+        quant = self.scheme.k if role == "k" else self.scheme.v
+        geom = TileGeometry(role, self.scheme.bits, self.scheme.head_dim)
+        table = self.page_table.long()
+        batch, max_pages = table.shape
+        d = self.scheme.head_dim
+        tiles = unpack_tiles(codes[table], geom)  # [batch, max_pages, kvh, tiles, 64, D]
+        tiles = tiles.permute(0, 2, 1, 3, 4, 5).reshape(batch, self.kv_heads, self.max_tokens, d)
+        p = params[table].movedim(2, 1)  # [batch, kvh, max_pages, rows, cols, 2]
+        p = p.reshape(batch, self.kv_heads, max_pages * p.shape[3], p.shape[4], 2)
+        return tiles, p[..., 0], p[..., 1], quant
+
+    def dequantize(self, dtype=torch.float32):
+        """Dense ``(k, v)`` ``[batch, kv_heads, max_tokens, D]``; tokens past a length are zero."""
+        positions = torch.arange(self.max_tokens, device=self.lengths.device)
+        valid = (positions[None, :] < self.lengths[:, None].long())[:, None, :, None]
+        out = []
+        for role in ("k", "v"):
+            codes, scale, offset, quant = self.codes_and_params(role)
+            out.append(torch.where(valid.to(codes.device), dequantize_groups(codes, scale, offset, quant, dtype), 0))
+        return tuple(out)
+
+    def shuffle_pages(self, generator: torch.Generator | None = None) -> "QuantizedKV":
+        """The same cache with its pages stored in a random order (page table remapped)."""
+        num_pages = self.k_codes.shape[0]
+        perm = torch.randperm(num_pages, generator=generator).to(self.k_codes.device)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(num_pages, device=perm.device)
+        return replace(
+            self,
+            k_codes=self.k_codes[perm],
+            k_params=self.k_params[perm],
+            v_codes=self.v_codes[perm],
+            v_params=self.v_params[perm],
+            page_table=inverse[self.page_table.long()].to(torch.int32),
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_codes, self.k_params, self.v_codes, self.v_params))
+
+
+def _check_kv(name, x, scheme):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != scheme.q_dtype:
+        raise TypeError(f"{name} must have dtype {scheme.q_dtype} (Scheme.q_dtype), got {x.dtype}")
+    if x.dim() != 4 or x.shape[-1] != scheme.head_dim:
+        raise ValueError(f"{name} must have shape [batch, kv_heads, tokens, {scheme.head_dim}], got {tuple(x.shape)}")
+
+
+def quantize_kv(k, v, scheme: Scheme, page_size: int = 64, lengths=None) -> QuantizedKV:
+    """Quantize dense ``k, v [batch, kv_heads, tokens, head_dim]`` into a paged cache.
+
+    ``lengths`` (int tensor ``[batch]``, default: all ``tokens``) marks each sequence's valid
+    prefix. Sequence ``b`` gets pages ``b*max_pages ... (b+1)*max_pages - 1`` (identity page table);
+    :meth:`QuantizedKV.shuffle_pages` scatters them.
+    """
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
+    _check_kv("k", k, scheme)
+    _check_kv("v", v, scheme)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.device != v.device:
+        raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {page_size!r}")
+    for name, quant in (("k", scheme.k), ("v", scheme.v)):
+        if quant.axis is Axis.CHANNEL and page_size % quant.group:
+            raise ValueError(f"page_size={page_size} must be a multiple of the channel-wise {name} group {quant.group}")
+    batch, kv_heads, tokens, dim = k.shape
+    if tokens < 1:
+        raise ValueError("k and v must hold at least one token")
+    if lengths is None:
+        lengths = torch.full((batch,), tokens, dtype=torch.int32, device=k.device)
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,) or lengths.dtype.is_floating_point:
+        raise ValueError(f"lengths must be an integer tensor of shape [{batch}]")
+    if lengths.min() < 1 or lengths.max() > tokens:
+        raise ValueError(f"lengths must lie in [1, {tokens}], got [{int(lengths.min())}, {int(lengths.max())}]")
+    lengths = lengths.to(device=k.device, dtype=torch.int32)
+    max_pages = -(-tokens // page_size)
+    padded = max_pages * page_size
+    valid = torch.arange(padded, device=k.device)[None, :] < lengths[:, None]
+    valid = valid[:, None, :].expand(batch, kv_heads, padded)
+    fields = {}
+    for role, x, quant in (("k", k, scheme.k), ("v", v, scheme.v)):
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - tokens))
+        codes, scale, offset = quantize_groups(x, scheme.bits, quant, valid)
+        geom = TileGeometry(role, scheme.bits, dim)
+        tiles = codes.reshape(batch, kv_heads, max_pages, page_size // TILE_TOKENS, TILE_TOKENS, dim)
+        words = pack_tiles(tiles, geom).permute(0, 2, 1, 3, 4)  # [batch, max_pages, kvh, tiles, words]
+        params = torch.stack([scale, offset], dim=-1)  # [batch, kvh, rows, cols, 2]
+        rows_per_page = params.shape[2] // max_pages
+        params = params.reshape(batch, kv_heads, max_pages, rows_per_page, params.shape[3], 2).permute(0, 2, 1, 3, 4, 5)
+        fields[f"{role}_codes"] = words.reshape(batch * max_pages, kv_heads, *words.shape[3:]).contiguous()
+        fields[f"{role}_params"] = params.reshape(batch * max_pages, kv_heads, *params.shape[3:]).contiguous()
+    page_table = torch.arange(batch * max_pages, dtype=torch.int32, device=k.device).reshape(batch, max_pages)
+    return QuantizedKV(scheme, page_size, page_table=page_table, lengths=lengths, **fields)

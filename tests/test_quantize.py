@@ -1,0 +1,89 @@
+import pytest
+import torch
+
+from foscar.quantize import dequantize_groups, quantize_groups, quantize_kv
+from foscar.scheme import Axis, Scheme, TensorQuant
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("quant", [TensorQuant(Axis.TOKEN, 32), TensorQuant(Axis.TOKEN, 128), TensorQuant(Axis.CHANNEL, 64)])
+def test_round_trip_error_is_at_most_half_a_step(bits, quant, rng):
+    x = torch.randn(2, 128, 128, generator=rng) * 3 + 0.5
+    codes, scale, offset = quantize_groups(x, bits, quant)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 2**bits - 1
+    assert scale.dtype == offset.dtype == torch.float16
+    err = (dequantize_groups(codes, scale, offset, quant, torch.float64) - x.double()).abs()
+    step = dequantize_groups(torch.ones_like(codes), scale, torch.zeros_like(offset), quant, torch.float64)
+    # half a step, plus the fp16 rounding of scale and offset (relative 2^-11 of the range)
+    assert (err <= step / 2 + 2e-3 * (x.abs().max() + 1)).all()
+
+
+def test_constant_group_has_zero_scale_and_exact_values():
+    x = torch.full((64, 128), 0.75)
+    codes, scale, offset = quantize_groups(x, 2, TensorQuant(Axis.TOKEN, 128))
+    assert (scale == 0).all() and (codes == 0).all() and (offset == 0.75).all()
+
+
+def test_invalid_tokens_do_not_enter_channel_group_statistics(rng):
+    x = torch.randn(1, 64, 64, generator=rng)
+    x[:, 40:] = 1000.0  # padding garbage past the length
+    valid = torch.arange(64)[None] < 40
+    codes, scale, offset = quantize_groups(x, 4, TensorQuant(Axis.CHANNEL, 64), valid)
+    assert float(scale.float().max()) < 1.0 and (codes[:, 40:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "scheme, page_size",
+    [
+        (Scheme.make(2, head_dim=128, gqa_ratio=4), 64),
+        (Scheme.make(4, k="channel", k_group=32, v="channel", v_group=128, head_dim=64), 128),
+        (Scheme.make(2, k="channel", k_group=128, v_group=32, head_dim=256), 256),
+    ],
+    ids=lambda p: getattr(p, "name", str(p)),
+)
+def test_paged_cache_round_trip_with_ragged_lengths_and_shuffled_pages(scheme, page_size, rng):
+    batch, heads, tokens, dim = 3, 2, 2 * page_size + 1, scheme.head_dim
+    k = torch.randn(batch, heads, tokens, dim, generator=rng).to(scheme.q_dtype)
+    v = torch.randn(batch, heads, tokens, dim, generator=rng).to(scheme.q_dtype)
+    lengths = torch.tensor([tokens, 1, page_size + 1], dtype=torch.int32)
+    cache = quantize_kv(k, v, scheme, page_size, lengths)
+    max_pages = 3
+    assert cache.k_codes.shape == (batch * max_pages, heads, page_size // 64, 64 * dim * scheme.bits // 32)
+    assert cache.page_table.shape == (batch, max_pages)
+    shuffled = cache.shuffle_pages(rng)
+    assert not torch.equal(shuffled.page_table, cache.page_table)
+    for a, b in zip(cache.dequantize(torch.float64), shuffled.dequantize(torch.float64)):
+        assert torch.equal(a, b)
+    kd, vd = cache.dequantize(torch.float64)
+    for bi, n in enumerate(lengths.tolist()):
+        assert (kd[bi, :, n:] == 0).all()
+        for x, xd in ((k, kd), (v, vd)):
+            assert (xd[bi, :, :n] - x[bi, :, :n].double()).abs().max() < 2.5  # well under a 2-bit step of N(0,1) groups
+    assert cache.nbytes() > 0
+
+
+def test_quantize_kv_rejects_bad_input():
+    s = Scheme.make(2)
+    good = torch.randn(1, 1, 64, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="k must have dtype"):
+        quantize_kv(good.float(), good, s)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        quantize_kv([1], good, s)
+    with pytest.raises(ValueError, match="v must have shape"):
+        quantize_kv(good, good[..., :64], s)
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        quantize_kv(good, good[:, :, :32], s)
+    with pytest.raises(ValueError, match="page_size"):
+        quantize_kv(good, good, s, page_size=32)
+    with pytest.raises(ValueError, match="page_size=64 must be a multiple"):
+        quantize_kv(good, good, Scheme.make(2, k="channel", k_group=128), page_size=64)
+    with pytest.raises(ValueError, match="lengths must lie"):
+        quantize_kv(good, good, s, lengths=torch.tensor([65]))
+    with pytest.raises(ValueError, match="lengths must be an integer tensor"):
+        quantize_kv(good, good, s, lengths=torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="scheme"):
+        quantize_kv(good, good, "int2")
+    bad = good.clone()
+    bad[0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="inf or nan"):
+        quantize_kv(bad, good, s)

@@ -1,0 +1,87 @@
+"""The folded float64 reference equals dequantize-then-attend: the algebra the kernels run is exact."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from foscar.quantize import quantize_kv
+from foscar.reference import attend_dequantized, attend_dequantized_torch, attend_folded
+from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, HOPPER_BF16, Scheme
+
+
+@st.composite
+def problems(draw):
+    bits = draw(st.sampled_from([2, 4]))
+    head_dim = draw(st.sampled_from([64, 128, 256]))
+    groups = sorted({32, 64, 128, head_dim})
+    k_axis, v_axis = draw(st.sampled_from(["token", "channel"])), draw(st.sampled_from(["token", "channel"]))
+    k_group = draw(st.sampled_from([g for g in groups if k_axis == "channel" or head_dim % g == 0]))
+    v_group = draw(st.sampled_from([g for g in groups if v_axis == "channel" or head_dim % g == 0]))
+    ratio = draw(st.integers(1, 16))
+    scheme = Scheme.make(bits, k_axis, k_group, v_axis, v_group, head_dim, ratio)
+    channel_groups = [g for a, g in ((k_axis, k_group), (v_axis, v_group)) if a == "channel"]
+    page_size = draw(st.sampled_from([p for p in (64, 128, 256) if all(p % g == 0 for g in channel_groups)]))
+    batch = draw(st.integers(1, 3))
+    lengths = draw(st.lists(st.integers(1, 2 * page_size + 3), min_size=batch, max_size=batch))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return scheme, page_size, lengths, seed
+
+
+def _make(scheme, page_size, lengths, seed, kv_heads=2):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = max(lengths)
+    shape = (len(lengths), kv_heads, tokens, scheme.head_dim)
+    k = (torch.randn(shape, generator=gen) * 2 + torch.randn(scheme.head_dim, generator=gen)).to(scheme.q_dtype)
+    v = torch.randn(shape, generator=gen).to(scheme.q_dtype)
+    q = torch.randn(len(lengths), kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=gen).to(scheme.q_dtype)
+    cache = quantize_kv(k, v, scheme, page_size, torch.tensor(lengths, dtype=torch.int32)).shuffle_pages(gen)
+    return q, cache
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from(["hopper", "fp4", "fp8"]))
+def test_folded_reference_equals_dequantize_then_attend(problem, construction):
+    scheme, page_size, lengths, seed = problem
+    con = {"hopper": HOPPER_BF16[scheme.bits], "fp4": BLACKWELL_FP4, "fp8": BLACKWELL_FP8}[construction]
+    q, cache = _make(scheme, page_size, lengths, seed)
+    sm_scale = scheme.head_dim**-0.5
+    out, lse = attend_dequantized(q, cache, sm_scale)
+    out_f, lse_f = attend_folded(q, cache, sm_scale, con)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert ((out_f - out).norm() / out.norm()) <= 1e-9
+    assert ((out_f - out).abs().max() / out.abs().max()) <= 1e-9
+    assert ((lse_f - lse).abs() / lse.abs().clamp_min(1)).max() <= 1e-9
+
+
+def test_reference_matches_a_direct_softmax_for_one_token():
+    scheme = Scheme.make(2, gqa_ratio=3)
+    q, cache = _make(scheme, 64, [1], seed=1)
+    out, lse = attend_dequantized(q, cache, 0.1)
+    k, v = cache.dequantize(torch.float64)
+    # one token: the output is that token's V for every query head of the group
+    assert torch.allclose(out[0], v[0, :, 0].repeat_interleave(3, dim=0), atol=1e-12)
+    assert torch.allclose(lse[0], 0.1 * (q[0].double() * k[0, :, 0].repeat_interleave(3, dim=0)).sum(-1), atol=1e-12)
+
+
+def test_bf16_torch_reference_is_close_but_not_exact():
+    scheme = Scheme.make(4, gqa_ratio=4)
+    q, cache = _make(scheme, 64, [200, 65], seed=2)
+    out, _ = attend_dequantized(q, cache, scheme.head_dim**-0.5)
+    out_bf16 = attend_dequantized_torch(q, cache, scheme.head_dim**-0.5)
+    err = (out_bf16.double() - out).abs().max()
+    assert 0 < err < 2e-2
+
+
+@pytest.mark.parametrize("fn", [attend_dequantized, attend_folded, attend_dequantized_torch])
+def test_references_reject_bad_queries(fn):
+    scheme = Scheme.make(2, gqa_ratio=2)
+    q, cache = _make(scheme, 64, [10], seed=3)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        fn(q.float(), cache, 0.1)
+    with pytest.raises(ValueError, match=r"q must have shape"):
+        fn(q[:, :1], cache, 0.1)
+    with pytest.raises(ValueError, match="sm_scale"):
+        fn(q, cache, -1.0)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        fn([0.0], cache, 0.1)
