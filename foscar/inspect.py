@@ -88,14 +88,16 @@ _EIFMT_SVAL = 0x04  # (format, attr, u16 size, payload); other formats carry a u
 class KernelResources:
     """Per-kernel resources read from the cubin.
 
-    ``shared_bytes`` is *static* shared memory (the ``.nv.shared.<kernel>`` section); dynamic shared
-    memory is a launch parameter and is not in the cubin. ``local_bytes`` is the per-thread stack
-    frame (register spills and local arrays): a kernel that does not spill has 0.
+    ``static_shared_bytes``: the ``.nv.shared.<kernel>`` section. CuTe DSL kernels allocate their
+    shared memory dynamically (``SmemAllocator``, sized at launch), which no cubin records; what
+    shows here is static shared memory only (seen: 1 KiB whenever a kernel declares the DSL's
+    1024-byte-aligned dynamic area, 0 otherwise). ``local_bytes``: the per-thread stack frame
+    (register spills and local arrays); a kernel that does not spill has 0.
     """
 
     name: str
     registers: int
-    shared_bytes: int
+    static_shared_bytes: int
     local_bytes: int
     max_stack_bytes: int
 
@@ -163,7 +165,7 @@ def kernel_resources(cubin: bytes) -> dict[str, KernelResources]:
         out[name] = KernelResources(
             name=name,
             registers=attrs.get(_EIATTR_REGCOUNT, 0),
-            shared_bytes=shared["size"] if shared else 0,
+            static_shared_bytes=shared["size"] if shared else 0,
             local_bytes=attrs.get(_EIATTR_FRAME_SIZE, 0),
             max_stack_bytes=attrs.get(_EIATTR_MAX_STACK_SIZE, 0),
         )
@@ -243,6 +245,7 @@ class Instruction:
     address: int
     opcode: str  # full, with modifiers: "HGMMA.64x64x16.F32.BF16"
     text: str
+    predicated: bool
     target: str | None  # branch target label, if any
 
     @property
@@ -269,21 +272,27 @@ def parse_instructions(function_sass: str) -> tuple[list[Instruction], dict[str,
         body = _PRED_RE.sub("", text)
         opcode = body.split()[0] if body.split() else ""
         target = _TARGET_RE.search(body)
-        instructions.append(Instruction(address, opcode, text, target.group(1) if target else None))
+        instructions.append(
+            Instruction(address, opcode, text, body != text, target.group(1) if target else None)
+        )
     return instructions, labels
 
 
 def loop_regions(function_sass: str) -> list[tuple[int, int]]:
-    """(start, end) addresses of every backward branch region: a branch at ``end`` to ``start <= end``.
+    """(start, end) addresses of every loop: a backward branch at ``end`` to ``start < end``.
 
-    Self-branches (the ``BRA`` trap nvdisasm shows after the last ``EXIT``) are not loops.
+    Not loops: self-branches (the ``BRA`` trap after the last ``EXIT``), and backward branches
+    from out-of-line blocks that ptxas places after the function's ``EXIT`` (e.g. the divergent
+    fallback of a warp shuffle reduction jumping back into the main path). The latter are
+    recognised by spanning an unpredicated ``EXIT``, which no loop body contains.
     """
     instructions, labels = parse_instructions(function_sass)
+    exits = [i.address for i in instructions if i.base == "EXIT" and not i.predicated]
     regions = set()
     for ins in instructions:
         if ins.base in _BRANCHES and ins.target in labels:
             start = labels[ins.target]
-            if start < ins.address:
+            if start < ins.address and not any(start <= e <= ins.address for e in exits):
                 regions.add((start, ins.address))
     return sorted(regions)
 

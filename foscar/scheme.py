@@ -27,7 +27,7 @@ __all__ = [
     "Correction",
     "OperandFold",
     "FoldingPlan",
-    "HOPPER_BF16",
+    "HOPPER_FP16",
     "BLACKWELL_FP4",
     "BLACKWELL_FP8",
     "GROUP_SIZES",
@@ -105,8 +105,8 @@ class Construction:
         return codes.to(torch.float64) * float(self.a) + float(self.b)
 
 
-# Hopper: codes ORed into the top mantissa bits of BF16 1.0 -> 1 + c/2^bits (foscar.operands).
-HOPPER_BF16 = {bits: Construction(f"bf16-1+c/{2**bits}", "bfloat16", Fraction(1, 2**bits), Fraction(1)) for bits in BITS}
+# Hopper: codes ORed into the top mantissa bits of FP16 1.0 -> 1 + c/2^bits (foscar.operands).
+HOPPER_FP16 = {bits: Construction(f"fp16-1+c/{2**bits}", "float16", Fraction(1, 2**bits), Fraction(1)) for bits in BITS}
 # Blackwell: an INT2 code zero-extended into an FP4 E2M1 nibble is c/2; INT4 codes are exact in FP8 E4M3.
 BLACKWELL_FP4 = Construction("fp4e2m1-c/2", "float4_e2m1fn", Fraction(1, 2), Fraction(0))
 BLACKWELL_FP8 = Construction("fp8e4m3-c", "float8_e4m3fn", Fraction(1), Fraction(0))
@@ -202,8 +202,8 @@ class Scheme:
         )
 
     def plan(self, construction: Construction | None = None) -> FoldingPlan:
-        """Where every scale and offset goes, for ``construction`` (default: Hopper BF16)."""
-        construction = construction or HOPPER_BF16[self.bits]
+        """Where every scale and offset goes, for ``construction`` (default: Hopper FP16)."""
+        construction = construction or HOPPER_FP16[self.bits]
         if self.k.axis is Axis.TOKEN:
             k = OperandFold(Axis.TOKEN, self.k.group, Site.PARTIAL_SUM, Correction.OFFSET_TIMES_QSUM, self.k.group)
         else:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from foscar.quantize import quantize_kv
 from foscar.reference import attend_dequantized, attend_dequantized_torch, attend_folded
-from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, HOPPER_BF16, Scheme
+from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, HOPPER_FP16, Scheme
 
 
 @st.composite
@@ -43,7 +43,7 @@ def _make(scheme, page_size, lengths, seed, kv_heads=2):
 @given(problems(), st.sampled_from(["hopper", "fp4", "fp8"]))
 def test_folded_reference_equals_dequantize_then_attend(problem, construction):
     scheme, page_size, lengths, seed = problem
-    con = {"hopper": HOPPER_BF16[scheme.bits], "fp4": BLACKWELL_FP4, "fp8": BLACKWELL_FP8}[construction]
+    con = {"hopper": HOPPER_FP16[scheme.bits], "fp4": BLACKWELL_FP4, "fp8": BLACKWELL_FP8}[construction]
     q, cache = _make(scheme, page_size, lengths, seed)
     sm_scale = scheme.head_dim**-0.5
     out, lse = attend_dequantized(q, cache, sm_scale)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from foscar.scheme import BLACKWELL_FP4, HOPPER_BF16, Axis, Correction, Scheme, Site, TensorQuant
+from foscar.scheme import BLACKWELL_FP4, HOPPER_FP16, Axis, Correction, Scheme, Site, TensorQuant
 
 
 def test_scheme_is_frozen_and_hashable():
@@ -26,12 +26,12 @@ def test_plan_places_scales_and_offsets_as_in_design_table(k_axis, v_axis, k_sit
     plan = Scheme.make(2, k=k_axis, k_group=64, v=v_axis, v_group=32).plan()
     assert (plan.k.scale_site, plan.k.correction, plan.k.block) == (k_site, k_corr, 64)
     assert (plan.v.scale_site, plan.v.correction, plan.v.block) == (v_site, v_corr, 32)
-    assert plan.construction is HOPPER_BF16[2]
+    assert plan.construction is HOPPER_FP16[2]
     assert Scheme.make(2).plan(BLACKWELL_FP4).construction is BLACKWELL_FP4
 
 
 def test_construction_folds_bias_into_offset():
-    con = HOPPER_BF16[2]  # operand = 1 + c/4
+    con = HOPPER_FP16[2]  # operand = 1 + c/4
     s, z, c = 0.3, -1.1, torch.arange(4)
     x = con.fold_scale(s) * con.operand(c) + con.fold_offset(s, z)
     assert torch.allclose(x, s * c.double() + z, rtol=0, atol=1e-12)

@@ -1,0 +1,325 @@
+"""Decode-attention benchmark: FOSCAR variants and the baselines, side by side, in one process.
+
+    python -m benchmarks.decode [--quick] [--out benchmarks/results]
+
+Baselines: FlashInfer BF16 paged decode (tensor cores), FlashInfer FP8 (e4m3) KV decode, torch SDPA
+BF16 (enable_gqa), and a Triton read-bandwidth ceiling. A baseline that cannot be imported is
+reported as missing, never dropped silently.
+
+Timing: every method is captured in one CUDA graph that runs it over ``copies`` distinct buffer
+sets ("layers"), enough that the working set of one replay is at least 4x the 60 MB L2, so no
+layer finds its data in L2; the graph is replayed after a warm-up and the median replay time over
+``copies`` is the time of one layer call. Bytes are those the method must read (codes, params,
+Q) and write (O).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+L2_BYTES = 60 * 2**20
+WORKING_SET = 4 * L2_BYTES
+
+# (batch, context) of the standard sweep; Qwen3-8B attention: 32 q heads, 8 KV heads, head_dim 128
+STANDARD = [(1, 32768), (1, 131072), (8, 32768), (32, 8192), (32, 32768), (64, 16384), (128, 8192)]
+QUICK = [(1, 32768), (8, 32768), (128, 8192)]
+MODELS = {"qwen3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "mha-32": (32, 32, 128)}
+EXTRA = [("llama3-70b", 8, 32768), ("llama3-70b", 32, 8192), ("mha-32", 8, 8192), ("mha-32", 1, 32768)]
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    context: int
+    method: str
+    us: float | None = None
+    bytes: int = 0
+    copies: int = 0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tbps(self):
+        return None if not self.us else self.bytes / self.us / 1e6
+
+
+def progress(items, desc):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # still show where the sweep is
+        def tqdm(it, desc, total):
+            for i, x in enumerate(it):
+                print(f"[{desc}] {i + 1}/{total}", file=sys.stderr, flush=True)
+                yield x
+    return tqdm(items, desc=desc, total=len(items))
+
+
+def copies_for(nbytes: int) -> int:
+    return max(1, math.ceil(WORKING_SET / max(nbytes, 1)))
+
+
+def time_layers(layer_fns, reps: int = 30) -> float:
+    """Median microseconds per layer: one CUDA graph runs every layer once; replay it ``reps`` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in layer_fns:  # warm-up outside the graph (JIT, workspace allocation)
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in layer_fns:
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3 / len(layer_fns))
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- baselines
+def read_ceiling_us(nbytes=4 * 2**30):
+    """Time the Triton read kernel of ``benchmarks.ceiling`` over ``nbytes``."""
+    from .ceiling import read_layer
+
+    x = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
+    grid = torch.cuda.get_device_properties(0).multi_processor_count * 8
+    out = torch.empty(grid, dtype=torch.int32, device="cuda")
+    return time_layers([read_layer(x, out, grid)], reps=20), nbytes
+
+
+class FlashInferDecode:
+    """FlashInfer BatchDecodeWithPagedKVCacheWrapper (HND pages of 64, tensor cores)."""
+
+    def __init__(self, batch, context, q_heads, kv_heads, head_dim, kv_dtype):
+        import flashinfer
+
+        page = 64
+        pages_per_seq = context // page
+        self.kv_dtype = kv_dtype
+        num_pages = batch * pages_per_seq
+        dev = "cuda"
+        self.cache = torch.randn(num_pages, 2, kv_heads, page, head_dim, device=dev, dtype=torch.bfloat16).to(kv_dtype)
+        indptr = torch.arange(batch + 1, device=dev, dtype=torch.int32) * pages_per_seq
+        indices = torch.arange(num_pages, device=dev, dtype=torch.int32)
+        last = torch.full((batch,), page, device=dev, dtype=torch.int32)
+        self.workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=dev)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True)
+        self.wrapper.plan(indptr, indices, last, q_heads, kv_heads, head_dim, page, q_data_type=torch.bfloat16,
+                          kv_data_type=kv_dtype)
+        self.q = torch.randn(batch, q_heads, head_dim, device=dev, dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.q)
+        self.nbytes = self.cache.numel() * self.cache.element_size() + 2 * self.q.numel() * 2
+
+    def __call__(self, cache=None):
+        kw = dict(k_scale=1.0, v_scale=1.0) if self.kv_dtype != torch.bfloat16 else {}
+        self.wrapper.run(self.q, self.cache if cache is None else cache, out=self.out, **kw)
+
+
+def sdpa_layer(batch, context, q_heads, kv_heads, head_dim):
+    k = torch.randn(batch, kv_heads, context, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+
+    def run():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return run, nbytes
+
+
+# ----------------------------------------------------------------------------- FOSCAR
+def foscar_layers(scheme, batch, context, kv_heads, page_size=128):
+    """Layer closures over ``copies`` clones of one quantized cache (same codes, distinct buffers)."""
+    from foscar.decode import decode_paged, plan_splits
+    from foscar.testing import random_problem
+
+    q, cache = random_problem(scheme, [context] * batch, kv_heads=kv_heads, page_size=page_size, shuffle=False)
+    nbytes = cache.nbytes() + 2 * q.numel() * q.element_size()
+    copies = copies_for(nbytes)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = plan_splits(batch, kv_heads, cache.max_tokens, sms)
+    sets = [cache] + [
+        type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in ("k_codes", "k_params", "v_codes", "v_params")}})
+        for _ in range(copies - 1)
+    ]
+    fns = [
+        (lambda c=c: decode_paged(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths, scheme,
+                                  page_size, num_splits=splits, check_pages=False))
+        for c in sets
+    ]
+    return fns, nbytes, copies, splits
+
+
+def variants():
+    from foscar import Scheme
+
+    return {
+        "int2-kt128": Scheme.make(2, "token", 128, "token", 128, 128, 4),
+        "int2-kc128": Scheme.make(2, "channel", 128, "token", 128, 128, 4),
+        "int4-kt128": Scheme.make(4, "token", 128, "token", 128, 128, 4),
+        "int4-kc128": Scheme.make(4, "channel", 128, "token", 128, 128, 4),
+    }
+
+
+def run_sweep(shapes, methods, reps):
+    rows = []
+    for model, batch, context in progress(shapes, "configs"):
+        q_heads, kv_heads, head_dim = MODELS[model]
+        for method in methods:
+            row = Row(model, batch, context, method)
+            try:
+                if method in ("flashinfer-bf16", "flashinfer-fp8"):
+                    dtype = torch.bfloat16 if method.endswith("bf16") else torch.float8_e4m3fn
+                    fi = FlashInferDecode(batch, context, q_heads, kv_heads, head_dim, dtype)
+                    row.bytes, row.copies = fi.nbytes, copies_for(fi.nbytes)
+                    caches = [fi.cache] + [fi.cache.clone() for _ in range(row.copies - 1)]
+                    row.us = time_layers([lambda c=c: fi(c) for c in caches], reps)
+                elif method == "sdpa-bf16":
+                    row.copies = copies_for(4 * batch * context * kv_heads * head_dim)
+                    layers = [sdpa_layer(batch, context, q_heads, kv_heads, head_dim) for _ in range(row.copies)]
+                    row.bytes = layers[0][1]
+                    row.us = time_layers([fn for fn, _ in layers], reps)
+                else:
+                    scheme = variants()[method]
+                    scheme = type(scheme)(scheme.bits, scheme.k, scheme.v, head_dim, q_heads // kv_heads, scheme.q_dtype)
+                    fns, row.bytes, row.copies, splits = foscar_layers(scheme, batch, context, kv_heads)
+                    row.extra["splits"] = splits
+                    row.us = time_layers(fns, reps)
+            except ImportError as exc:
+                row.note = f"missing: {exc}"
+            except Exception as exc:  # report, keep sweeping
+                row.note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def summarize(rows, ceiling_tbps):
+    by = {(r.model, r.batch, r.context, r.method): r for r in rows}
+    lines = ["| model | batch | context | method | us | TB/s | % ceiling | vs FI bf16 | vs FI fp8 | vs SDPA | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    speedups = {}
+    for r in rows:
+        key = (r.model, r.batch, r.context)
+        rel = {}
+        for base in ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16"):
+            b = by.get((*key, base))
+            rel[base] = (b.us / r.us) if (b and b.us and r.us) else None
+            if r.method not in ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16") and rel[base]:
+                speedups.setdefault((r.method, base), []).append(rel[base])
+        pct = (100 * r.tbps / ceiling_tbps) if (r.tbps and ceiling_tbps) else None
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        lines.append(f"| {r.model} | {r.batch} | {r.context} | {r.method} | {fmt(r.us, '.1f')} | {fmt(r.tbps, '.2f')} | "
+                     f"{fmt(pct, '.0f')} | {fmt(rel['flashinfer-bf16'], '.2f')} | {fmt(rel['flashinfer-fp8'], '.2f')} | "
+                     f"{fmt(rel['sdpa-bf16'], '.2f')} | {r.note} |")
+    geo = {f"{m} vs {b}": geomean(v) for (m, b), v in speedups.items()}
+    return "\n".join(lines), geo
+
+
+def plot(rows, ceiling_tbps, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = sorted({r.method for r in rows})
+    configs = sorted({(r.model, r.batch, r.context) for r in rows}, key=lambda c: (c[0], c[1] * c[2]))
+    by = {(r.model, r.batch, r.context, r.method): r for r in rows}
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, len(configs) * 1.2), 8))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        sp = [((by.get((*c, "flashinfer-bf16")) or Row(*c, "")).us or 0) / r.us if (r := by.get((*c, m))) and r.us else 0 for c in configs]
+        fr = [100 * r.tbps / ceiling_tbps if (r := by.get((*c, m))) and r.tbps and ceiling_tbps else 0 for c in configs]
+        xs = [j + i * width for j in range(len(configs))]
+        ax1.bar(xs, sp, width, label=m)
+        ax2.bar(xs, fr, width, label=m)
+    labels = [f"{c[0]}\nB{c[1]} L{c[2] // 1024}K" for c in configs]
+    for ax, title in ((ax1, "speedup over FlashInfer BF16"), (ax2, "% of measured HBM read ceiling")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(configs))], labels, fontsize=7)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    ax1.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="three configs, fewer replays (about a minute)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--methods", default="flashinfer-bf16,flashinfer-fp8,sdpa-bf16,int2-kt128,int2-kc128,int4-kt128,int4-kc128")
+    parser.add_argument("--tag", default="decode")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.decode needs a CUDA GPU")
+    shapes = [("qwen3-8b", b, l) for b, l in (QUICK if args.quick else STANDARD)] + ([] if args.quick else EXTRA)
+    reps = 10 if args.quick else 30
+    ceiling_us, ceiling_bytes = read_ceiling_us()
+    ceiling = ceiling_bytes / ceiling_us / 1e6
+    rows = run_sweep(shapes, args.methods.split(","), reps)
+    table, geo = summarize(rows, ceiling)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "versions": _versions(),
+        "read_ceiling_tbps": ceiling,
+        "timing": f"CUDA graph over >= {WORKING_SET >> 20} MB working set per replay (>= 4x L2), median of {reps} replays",
+    }
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.tag)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "geomean": geo, "rows": [asdict(r) | {"tbps": r.tbps} for r in rows]}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Decode benchmark ({meta['device']}, {meta['date']})\n\n")
+        f.write(f"Read ceiling: {ceiling:.2f} TB/s. {meta['timing']}. Versions: {meta['versions']}\n\n{table}\n\n")
+        f.write("Geo-mean speedups:\n\n" + "\n".join(f"- {k}: {v:.2f}x" for k, v in geo.items() if v) + "\n")
+    try:
+        plot(rows, ceiling, stem + ".png")
+    except Exception as exc:  # a plot is a convenience; the JSON and table are the record
+        print(f"plot failed: {exc}", file=sys.stderr)
+    print(table)
+    print(f"read ceiling {ceiling:.2f} TB/s")
+    for k, v in geo.items():
+        print(f"geomean {k}: {v:.2f}x" if v else f"geomean {k}: -")
+
+
+def _versions():
+    out = {}
+    for name in ("flashinfer", "cutlass", "triton"):
+        try:
+            mod = __import__(name)
+            out[name] = getattr(mod, "__version__", "?")
+        except Exception as exc:
+            out[name] = f"missing ({type(exc).__name__})"
+    return out
+
+
+if __name__ == "__main__":
+    main()

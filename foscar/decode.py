@@ -1,0 +1,145 @@
+"""Public decode API: validation, split-KV planning, arch dispatch.
+
+``decode(q, cache)`` attends each query head over its sequence in a :class:`QuantizedKV` cache;
+``decode_paged(...)`` takes the raw cache tensors (what a serving engine holds). Every argument is
+checked here, with an error naming it, before anything reaches the compiler or the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .quantize import PAGE_SIZES, QuantizedKV
+from .scheme import Axis, Scheme
+
+__all__ = ["decode", "decode_paged", "plan_splits", "validate_paged"]
+
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
+    """How many CTAs share one (sequence, KV head), flash-decoding style.
+
+    Enough CTAs to fill about two waves of the GPU, but no split shorter than
+    ``MIN_TOKENS_PER_SPLIT`` tokens (the combine and the per-CTA prologue would dominate). Uses the
+    page table's capacity, not the lengths, so planning needs no device-to-host sync.
+    """
+    for name, value in (("batch", batch), ("kv_heads", kv_heads), ("max_tokens", max_tokens), ("num_sms", num_sms)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    want = math.ceil(2 * num_sms / (batch * kv_heads))
+    most = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+def _tensor(name, t, dtype, dims, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(dims):
+        raise ValueError(f"{name} must have shape {list(dims)}, got {list(t.shape)}")
+    for size, want, label in zip(t.shape, dims, dims):
+        if isinstance(want, int) and size != want:
+            raise ValueError(f"{name} must have shape {list(dims)}, got {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of q), got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme: Scheme, page_size: int,
+                   sm_scale: float | None, check_pages: bool = True) -> None:
+    """Raise a TypeError/ValueError naming the first bad argument.
+
+    ``check_pages`` reads ``page_table`` and ``lengths`` back to the host to check every used page
+    index is in range; it is skipped while a CUDA graph is being captured.
+    """
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {page_size!r}")
+    for name, quant in (("k", scheme.k), ("v", scheme.v)):
+        if quant.axis is Axis.CHANNEL and page_size % quant.group:
+            raise ValueError(f"page_size={page_size} must be a multiple of the channel-wise {name} group {quant.group}")
+    if sm_scale is not None and (
+        not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale) or sm_scale <= 0
+    ):
+        raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape [batch, q_heads, head_dim], got {list(q.shape)}")
+    batch, q_heads, dim = q.shape
+    if dim != scheme.head_dim:
+        raise ValueError(f"q's head_dim {dim} must equal Scheme.head_dim {scheme.head_dim}")
+    device = q.device
+    _tensor("q", q, scheme.q_dtype, ("batch", "q_heads", dim), None)
+    if not isinstance(k_codes, torch.Tensor) or k_codes.dim() != 4:
+        raise ValueError("k_codes must be a 4-d int32 tensor [num_pages, kv_heads, page_size // 64, tile_words]")
+    num_pages, kv_heads = k_codes.shape[:2]
+    if q_heads != kv_heads * scheme.gqa_ratio:
+        raise ValueError(f"q has {q_heads} heads; must be kv_heads ({kv_heads}) * Scheme.gqa_ratio ({scheme.gqa_ratio})")
+    tile_words = 64 * dim * scheme.bits // 32
+    codes_shape = (num_pages, kv_heads, page_size // 64, tile_words)
+    for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
+        _tensor(name, t, torch.int32, codes_shape, device)
+    for name, t, quant in (("k_params", k_params, scheme.k), ("v_params", v_params, scheme.v)):
+        rows, cols = (page_size, dim // quant.group) if quant.axis is Axis.TOKEN else (page_size // quant.group, dim)
+        _tensor(name, t, torch.float16, (num_pages, kv_heads, rows, cols, 2), device)
+    _tensor("page_table", page_table, torch.int32, (batch, "max_pages"), device)
+    _tensor("lengths", lengths, torch.int32, (batch,), device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if check_pages and not capturing:
+        lens = lengths.cpu()
+        if lens.numel() and (int(lens.min()) < 1 or int(lens.max()) > page_table.shape[1] * page_size):
+            raise ValueError(f"lengths must lie in [1, max_pages*page_size = {page_table.shape[1] * page_size}]")
+        used = torch.arange(page_table.shape[1])[None, :] * page_size < lens[:, None]
+        pages = page_table.cpu()[used]
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+            raise ValueError(f"page_table holds page indices outside [0, {num_pages}) for tokens below lengths")
+
+
+def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme: Scheme, page_size: int,
+                 sm_scale: float | None = None, return_lse: bool = False, num_splits: int | None = None,
+                 check_pages: bool = True, out=None, lse=None):
+    """Decode attention over a paged quantized cache; returns ``out`` (and ``lse`` if asked).
+
+    ``out`` ([batch, q_heads, head_dim], q's dtype) and ``lse`` ([batch, q_heads], fp32) may be
+    given to write in place. ``check_pages=False`` skips the host read-back of the page table
+    (it is skipped anyway under CUDA-graph capture).
+    """
+    validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme, page_size, sm_scale, check_pages)
+    sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    if q.device.type != "cuda":
+        raise ValueError(f"q must be a CUDA tensor to run the kernel, got device {q.device}")
+    major, _ = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        raise NotImplementedError(f"no runnable kernel for compute capability {major}.x yet (Hopper sm_90a runs)")
+    if num_splits is None:
+        props = torch.cuda.get_device_properties(q.device)
+        num_splits = plan_splits(q.shape[0], k_codes.shape[1], page_table.shape[1] * page_size, props.multi_processor_count)
+    from .hopper.decode import run_decode
+
+    batch, q_heads, dim = q.shape
+    if out is not None:
+        _tensor("out", out, q.dtype, (batch, q_heads, dim), q.device)
+    if lse is not None:
+        _tensor("lse", lse, torch.float32, (batch, q_heads), q.device)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    out, lse = run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme, num_splits,
+                          out, lse)
+    return (out, lse) if return_lse else out
+
+
+def decode(q, cache: QuantizedKV, sm_scale: float | None = None, return_lse: bool = False, num_splits: int | None = None,
+           out=None, lse=None):
+    """Decode attention of ``q [batch, kv_heads*gqa_ratio, head_dim]`` over ``cache``."""
+    if not isinstance(cache, QuantizedKV):
+        raise TypeError(f"cache must be a foscar.QuantizedKV, got {type(cache).__name__}")
+    return decode_paged(q, cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.page_table, cache.lengths,
+                        cache.scheme, cache.page_size, sm_scale, return_lse, num_splits, out=out, lse=lse)

@@ -1,0 +1,129 @@
+"""Host entry points of the Hopper decode kernel: compile (cached) and run on torch CUDA tensors.
+
+The compiled kernel takes raw pointers plus a few runtime int32 extents (batch, kv_heads,
+max_pages, num_splits) and the fp32 sm_scale, so one compilation serves every batch size,
+sequence length, page count and split count. The compile cache is keyed on
+``(scheme, page_size, partial_output, arch)`` only.
+
+``partial_output`` selects the output format: False writes ``o`` bf16 ``[B, Hq, D]`` and ``lse``
+fp32 ``[B, Hq]`` (natural log); True writes normalized fp32 partials ``o [B, Hq, S, D]`` and
+``lse [B, Hq, S]`` for a combine kernel (an empty split has ``lse = -inf`` and ``o = 0``).
+"""
+
+from __future__ import annotations
+
+from ..inspect import compile_for
+from ..jit import cached_compile
+from ..scheme import Scheme
+from .kernel import DecodeConfig
+
+__all__ = ["compile_decode", "run_decode", "DEFAULT_ARCH"]
+
+DEFAULT_ARCH = "sm_90a"
+
+
+def compile_decode(scheme: Scheme, page_size: int, partial_output: bool = False, arch: str = DEFAULT_ARCH):
+    """Compile (or fetch from the in-process cache) the decode kernel of ``scheme``.
+
+    Works without a GPU (fake pointers); the result keeps its PTX and cubin (``foscar.inspect``).
+    """
+    key = ("hopper_decode", scheme, int(page_size), bool(partial_output), arch)
+    return cached_compile(key, lambda: _build(scheme, page_size, partial_output, arch))
+
+
+def _build(scheme, page_size, partial_output, arch):
+    import cuda.bindings.driver as cuda
+
+    from cutlass import BFloat16, Float16, Float32, Int32
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    from .kernel import HopperDecodeKernel
+
+    cfg = DecodeConfig(scheme, page_size, partial_output)
+    kernel = HopperDecodeKernel(cfg)
+    q_type = cfg.q_dtype
+
+    def fake(dtype):
+        return make_ptr(dtype, 0, AddressSpace.gmem, assumed_align=16)
+
+    return compile_for(
+        arch,
+        kernel,
+        fake(q_type),  # q
+        fake(Int32),  # k codes
+        fake(Float16),  # k params
+        fake(Int32),  # v codes
+        fake(Float16),  # v params
+        fake(Int32),  # page table
+        fake(Int32),  # lengths
+        fake(Float32 if partial_output else q_type),  # o
+        fake(Float32),  # lse
+        Int32(1),  # batch
+        Int32(1),  # kv_heads
+        Int32(1),  # max_pages
+        Int32(1),  # num_splits
+        Float32(1.0),  # sm_scale
+        cuda.CUstream(0),
+    )
+
+
+def _ptr(t, dtype):
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    if t.data_ptr() % 16:
+        raise ValueError("every tensor passed to the Hopper decode kernel must be 16-byte aligned")
+    return make_ptr(dtype, t.data_ptr(), AddressSpace.gmem, assumed_align=16)
+
+
+def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme, num_splits: int = 1,
+               out=None, lse=None, arch: str = DEFAULT_ARCH):
+    """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out, lse)``.
+
+    ``out`` (q's dtype ``[B, Hq, D]``) and ``lse`` (fp32 ``[B, Hq]``) are written in place when
+    given (a caller can poison them, or keep them static for CUDA graphs). With ``num_splits > 1``
+    the kernel writes fp32 partials that ``foscar.kernels.combine`` merges into them.
+    """
+    import torch
+
+    import cuda.bindings.driver as cuda
+
+    from cutlass import Float16, Float32, Int32
+
+    from ..kernels.combine import combine_splits
+
+    device = q.device
+    batch, hq, d = q.shape
+    page_size = k_codes.shape[2] * 64
+    partial = num_splits > 1
+    compiled = compile_decode(scheme, page_size, partial, arch)
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=device) if lse is None else lse
+    if partial:
+        o_part = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=device)
+        lse_part = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=device)
+    else:
+        o_part, lse_part = out, lse
+    q_type = DecodeConfig.cute_dtype(q.dtype)
+    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    compiled(
+        _ptr(q, q_type),
+        _ptr(k_codes, Int32),
+        _ptr(k_params, Float16),
+        _ptr(v_codes, Int32),
+        _ptr(v_params, Float16),
+        _ptr(page_table, Int32),
+        _ptr(lengths, Int32),
+        _ptr(o_part, Float32 if partial else q_type),
+        _ptr(lse_part, Float32),
+        Int32(batch),
+        Int32(k_codes.shape[1]),
+        Int32(page_table.shape[1]),
+        Int32(num_splits),
+        Float32(float(sm_scale)),
+        stream,
+    )
+    if partial:
+        combine_splits(o_part, lse_part, out, lse)
+    return out, lse

@@ -1,0 +1,53 @@
+"""Arch detection and the compile cache.
+
+Kernels compile at first call. The cache key is a tuple of what changes the generated code --
+the kernel's name, the :class:`~foscar.scheme.Scheme`, page size, dtypes, the arch -- never batch
+size, lengths, page counts or split counts (those are dynamic extents of the compiled kernel).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+__all__ = ["ARCHS", "device_arch", "cached_compile", "compile_count"]
+
+ARCHS = ("sm_90a", "sm_100a")
+
+_cache: dict = {}
+_lock = threading.Lock()
+_compiles = 0
+
+
+def device_arch(device=None) -> str:
+    """The arch to compile for: ``FOSCAR_ARCH`` if set, else the CUDA device's, as 'sm_XXa'."""
+    forced = os.environ.get("FOSCAR_ARCH")
+    if forced:
+        if forced not in ARCHS:
+            raise ValueError(f"FOSCAR_ARCH must be one of {ARCHS}, got {forced!r}")
+        return forced
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: pass an arch explicitly to compile without a GPU")
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm_{major}{minor}a"
+    if arch not in ARCHS:
+        raise NotImplementedError(f"compute capability {major}.{minor} is not supported (supported: {ARCHS})")
+    return arch
+
+
+def cached_compile(key: tuple, build):
+    """Return the compiled object for ``key``, calling ``build()`` once per key per process."""
+    global _compiles
+    with _lock:  # cute.compile is not thread-safe
+        hit = _cache.get(key)
+        if hit is None:
+            hit = _cache[key] = build()
+            _compiles += 1
+        return hit
+
+
+def compile_count() -> int:
+    """How many compilations this process has done (tests use it to prove cache hits)."""
+    return _compiles

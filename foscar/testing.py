@@ -1,0 +1,81 @@
+"""Shared by the GPU tests, ``python -m foscar`` and the benchmarks: random problems and the
+accuracy gate.
+
+Tolerance rule (FlashAttention's): a kernel's max error against the float64 dequantize-then-attend
+reference may be at most twice the max error of what a PyTorch user would compute in BF16 on the
+same cache (``attend_dequantized_torch``), plus a small absolute floor for outputs that happen to be
+nearly exact in BF16 (a few BF16 ulps of an O(1) output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .quantize import QuantizedKV, quantize_kv
+from .reference import attend_dequantized, attend_dequantized_torch
+from .scheme import Axis, Scheme
+
+ATOL_FLOOR = 1e-3
+
+
+def random_problem(scheme: Scheme, lengths, kv_heads=2, page_size=64, device="cuda", generator=None, shuffle=True):
+    """Fresh random ``q`` and a paged cache of random K/V (a per-channel K bias, as real keys have)."""
+    lengths = list(lengths)
+    gen = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    shape = (len(lengths), kv_heads, max(lengths), scheme.head_dim)
+    k = torch.randn(shape, generator=gen) + 2 * torch.randn(scheme.head_dim, generator=gen)
+    v = torch.randn(shape, generator=gen)
+    q = torch.randn(len(lengths), kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=gen)
+    to = dict(device=device, dtype=scheme.q_dtype)
+    cache = quantize_kv(k.to(**to), v.to(**to), scheme, page_size, torch.tensor(lengths, dtype=torch.int32, device=device))
+    if shuffle:
+        cache = cache.shuffle_pages(gen)
+    return q.to(**to), cache
+
+
+@dataclass
+class Accuracy:
+    err: float  # max |out - ref|
+    lse_err: float  # max |lse - ref_lse|
+    bf16_err: float  # max |torch bf16 - ref|
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.tol and self.lse_err <= max(self.tol, 1e-3)
+
+
+def check_output(out, lse, q, cache: QuantizedKV, sm_scale: float) -> Accuracy:
+    """Compare every element of ``out`` (and ``lse`` if not None) with the float64 reference."""
+    ref, ref_lse = attend_dequantized(q, cache, sm_scale)
+    bf16 = attend_dequantized_torch(q, cache, sm_scale, dtype=q.dtype)
+    bf16_err = float((bf16.double() - ref).abs().max())
+    err = float((out.double() - ref).abs().max()) if torch.isfinite(out).all() else float("inf")
+    lse_err = 0.0 if lse is None else (float((lse.double() - ref_lse).abs().max()) if torch.isfinite(lse).all() else float("inf"))
+    return Accuracy(err, lse_err, bf16_err, 2 * bf16_err + ATOL_FLOOR)
+
+
+def coverage_matrix():
+    """(scheme, page_size, lengths) covering the kernel issue's matrix without its full product."""
+    cases = []
+    ragged = [1, 63, 65, 1000]
+    for bits in (2, 4):
+        for k_axis in Axis:
+            for v_axis in Axis:
+                cases.append((Scheme.make(bits, k_axis.value, 128, v_axis.value, 128, 128, 4), 128, ragged))
+    for group in (32, 64):
+        cases.append((Scheme.make(2, "token", group, "token", group, 128, 4), 64, ragged))
+        cases.append((Scheme.make(4, "channel", group, "channel", group, 128, 4), 64, ragged))
+        cases.append((Scheme.make(2, "channel", group, "token", group, 128, 6), 128, ragged))
+        cases.append((Scheme.make(4, "token", group, "channel", group, 128, 5), 256, ragged))
+    for head_dim in (64, 256):
+        for bits in (2, 4):
+            cases.append((Scheme.make(bits, "token", head_dim, "token", head_dim, head_dim, 7), 64, [129, 255, 2]))
+            cases.append((Scheme.make(bits, "channel", 64, "channel", 64, head_dim, 2), 128, [129, 255, 2]))
+    for ratio in (1, 2, 3, 5, 6, 7, 8, 16):
+        cases.append((Scheme.make(2, "channel", 128, "token", 128, 128, ratio), 128, [300, 1]))
+    cases.append((Scheme.make(2, "token", 128, "token", 128, 128, 4), 256, [100_003]))
+    cases.append((Scheme.make(4, "channel", 128, "token", 128, 128, 8), 128, [1 + (i * 37) % 300 for i in range(256)]))
+    return cases

@@ -1,0 +1,80 @@
+"""The public decode API rejects bad input with errors naming the argument (CPU: before any kernel)."""
+
+import pytest
+import torch
+
+from foscar import Scheme, quantize_kv
+from foscar.decode import decode, decode_paged, plan_splits
+
+
+@pytest.fixture
+def case(rng):
+    scheme = Scheme.make(2, k="channel", k_group=64, gqa_ratio=4)
+    k = torch.randn(2, 2, 130, 128, generator=rng).bfloat16()
+    cache = quantize_kv(k, k.clone(), scheme, 64, torch.tensor([130, 7], dtype=torch.int32))
+    q = torch.randn(2, 8, 128, generator=rng).bfloat16()
+    args = dict(q=q, k_codes=cache.k_codes, k_params=cache.k_params, v_codes=cache.v_codes, v_params=cache.v_params,
+                page_table=cache.page_table, lengths=cache.lengths, scheme=scheme, page_size=64)
+    return cache, args
+
+
+def _call(args, **change):
+    a = dict(args)
+    a.update(change)
+    return decode_paged(**a)
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        (lambda a: dict(q=a["q"].float()), TypeError, "q must have dtype"),
+        (lambda a: dict(q=a["q"][:, :6].contiguous()), ValueError, "kv_heads"),
+        (lambda a: dict(q=a["q"][..., :64]), ValueError, "head_dim"),
+        (lambda a: dict(q=a["q"].transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "q must be contiguous"),
+        (lambda a: dict(k_codes=a["k_codes"].long()), TypeError, "k_codes must have dtype"),
+        (lambda a: dict(v_codes=a["v_codes"][:, :, :, :100]), ValueError, "v_codes must have shape"),
+        (lambda a: dict(k_params=a["k_params"].float()), TypeError, "k_params must have dtype"),
+        (lambda a: dict(v_params=a["v_params"][..., :1]), ValueError, "v_params must have shape"),
+        (lambda a: dict(page_table=a["page_table"].long()), TypeError, "page_table must have dtype"),
+        (lambda a: dict(page_table=a["page_table"] + 100), ValueError, "page_table holds page indices outside"),
+        (lambda a: dict(page_table=a["page_table"] - 1), ValueError, "page_table holds page indices outside"),
+        (lambda a: dict(lengths=a["lengths"][:1]), ValueError, "lengths must have shape"),
+        (lambda a: dict(lengths=a["lengths"] * 0), ValueError, "lengths must lie"),
+        (lambda a: dict(lengths=a["lengths"] + 1000), ValueError, "lengths must lie"),
+        (lambda a: dict(page_size=32), ValueError, "page_size must be one of"),
+        (lambda a: dict(scheme="int2"), TypeError, "scheme must be"),
+        (lambda a: dict(scheme=Scheme.make(4, gqa_ratio=4)), ValueError, "k_codes must have shape"),
+        (lambda a: dict(sm_scale=float("nan")), ValueError, "sm_scale"),
+        (lambda a: dict(q=None), TypeError, "q must be a torch.Tensor"),
+    ],
+)
+def test_bad_arguments_are_named(case, change, exc, match):
+    _, args = case
+    with pytest.raises(exc, match=match):
+        _call(args, **change(args))
+
+
+def test_page_index_beyond_a_sequence_length_is_not_checked(case):
+    """Unused page-table slots (past the length) may hold anything, as in serving engines."""
+    _, args = case
+    table = args["page_table"].clone()
+    table[1, 2] = 10_000  # sequence 1 has 7 tokens: page 2 is unused
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):  # validation passed; no GPU here
+        _call(args, page_table=table)
+
+
+def test_decode_checks_the_cache_type(case):
+    cache, args = case
+    with pytest.raises(TypeError, match="cache must be"):
+        decode(args["q"], "cache")
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        decode(args["q"], cache)
+
+
+def test_split_planning():
+    assert plan_splits(1, 8, 32768, 132) == 33  # 8 CTAs -> split to fill two waves
+    assert plan_splits(128, 8, 8192, 132) == 1  # 1024 CTAs already fill the GPU
+    assert plan_splits(1, 8, 300, 132) == 1  # too short to split
+    assert plan_splits(1, 1, 1 << 20, 132) == 64  # capped
+    with pytest.raises(ValueError, match="batch"):
+        plan_splits(0, 8, 100, 132)

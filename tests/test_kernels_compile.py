@@ -1,0 +1,49 @@
+"""The standalone kernels compile for sm_90a and sm_100a on a CPU machine, with the loads we expect."""
+
+import re
+
+import pytest
+
+from foscar.inspect import ARCHS, artifacts
+from foscar.kernels import DequantizeConfig, compile_combine, compile_dequantize
+
+DEQUANT_CONFIGS = [
+    DequantizeConfig(2, 128, "k", "token", 128),  # OSCAR-style K
+    DequantizeConfig(2, 64, "k", "channel", 32),  # KIVI-style K
+    DequantizeConfig(4, 256, "v", "channel", 64),
+]
+
+
+def _no_local_memory(art):
+    assert not re.search(r"\.local\b|ld\.local|st\.local", art.ptx)
+    assert art.resources().local_bytes == 0
+    mix = art.mix()
+    assert mix["LDL"] == 0 and mix["STL"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg", DEQUANT_CONFIGS, ids=lambda c: f"{c.role}{c.bits}d{c.head_dim}{c.axis.value}{c.group}")
+def test_dequantize_compiles(cfg, arch):
+    art = artifacts(compile_dequantize(cfg, arch=arch))
+    assert art.arch == arch and re.search(rf"^\.target {arch}$", art.ptx, re.M)
+    # packed tile: 16-byte (8-byte for the smallest tile) global loads, staged to shared memory;
+    # ptx spells an 8-byte vector v2.b32 for sm_90a and b64 for sm_100a
+    vec = r"v4\.b32" if cfg.tile_words >= 512 else r"(v2\.b32|b64)"
+    assert re.search(rf"ld\.global\.{vec}\s", art.ptx) and re.search(rf"st\.shared\.{vec}\s", art.ptx)
+    assert "ld.shared.b32" in art.ptx  # codes gathered through the bit layout
+    assert "st.global.v4.b32" in art.ptx  # 8 bf16 per store
+    assert "ld.global.v2.b16" in art.ptx or "ld.global.b16" in art.ptx  # fp16 (scale, offset)
+    _no_local_memory(art)
+    assert art.resources().registers <= 64
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_combine_compiles(arch):
+    art = artifacts(compile_combine(128, arch))
+    assert art.arch == arch and re.search(rf"^\.target {arch}$", art.ptx, re.M)
+    assert "ld.global.v4.b32" in art.ptx  # 4 fp32 partial-output channels per lane
+    assert "st.global.v2.b32" in art.ptx  # 4 bf16 output channels per lane
+    assert "ex2.approx" in art.ptx and "lg2.approx" in art.ptx
+    _no_local_memory(art)
+    loop = art.loop_mix()  # the pass over splits: one weight, one vector load, 4 FMAs
+    assert loop["MUFU"] == 1 and loop["FFMA"] >= 4
