@@ -9,6 +9,7 @@ nearly exact in BF16 (a few BF16 ulps of an O(1) output).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,15 +24,18 @@ ATOL_FLOOR = 1e-3
 def random_problem(scheme: Scheme, lengths, kv_heads=2, page_size=64, device="cuda", generator=None, shuffle=True):
     """Fresh random ``q`` and a paged cache of random K/V (a per-channel K bias, as real keys have)."""
     lengths = list(lengths)
-    gen = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    if generator is None:  # a fresh seed every call, drawn on the host, generated on the device
+        generator = torch.Generator(device).manual_seed(int.from_bytes(os.urandom(4), "little"))
     shape = (len(lengths), kv_heads, max(lengths), scheme.head_dim)
-    k = torch.randn(shape, generator=gen) + 2 * torch.randn(scheme.head_dim, generator=gen)
-    v = torch.randn(shape, generator=gen)
-    q = torch.randn(len(lengths), kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=gen)
+    kw = dict(generator=generator, device=generator.device)
+    k = torch.randn(shape, **kw) + 2 * torch.randn(scheme.head_dim, **kw)
+    v = torch.randn(shape, **kw)
+    q = torch.randn(len(lengths), kv_heads * scheme.gqa_ratio, scheme.head_dim, **kw)
     to = dict(device=device, dtype=scheme.q_dtype)
     cache = quantize_kv(k.to(**to), v.to(**to), scheme, page_size, torch.tensor(lengths, dtype=torch.int32, device=device))
+    del k, v
     if shuffle:
-        cache = cache.shuffle_pages(gen)
+        cache = cache.shuffle_pages(torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))
     return q.to(**to), cache
 
 
