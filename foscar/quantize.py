@@ -53,6 +53,10 @@ def quantize_groups(x: torch.Tensor, bits: int, quant: TensorQuant, valid: torch
     if x.dim() < 2:
         raise ValueError(f"x must have shape [..., tokens, channels], got {tuple(x.shape)}")
     length, dim = x.shape[-2:]
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits!r}")
+    if valid is not None and tuple(valid.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"valid must have shape {list(x.shape[:-1])}, got {list(valid.shape)}")
     if quant.axis is Axis.TOKEN and dim % quant.group:
         raise ValueError(f"token-wise group {quant.group} must divide the channel count {dim}")
     if quant.axis is Axis.CHANNEL and length % quant.group:
@@ -81,6 +85,12 @@ def quantize_groups(x: torch.Tensor, bits: int, quant: TensorQuant, valid: torch
 
 def dequantize_groups(codes, scale, offset, quant: TensorQuant, dtype=torch.float32):
     """``scale*code + offset`` for ``codes [..., L, D]`` and the params of :func:`quantize_groups`."""
+    if codes.dim() < 2:
+        raise ValueError(f"codes must have shape [..., tokens, channels], got {tuple(codes.shape)}")
+    want = (*codes.shape[:-2], *_params_shape(quant, *codes.shape[-2:]))
+    for name, t in (("scale", scale), ("offset", offset)):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must have shape {list(want)} for codes {list(codes.shape)} and {quant}, got {list(t.shape)}")
     grouped = _grouped(codes.to(dtype), quant)
     # params [..., rows, cols] broadcast over the group's two in-group modes
     s, z = (t.to(dtype)[..., :, None, :, None] for t in (scale, offset))
@@ -115,6 +125,8 @@ class QuantizedKV:
     def codes_and_params(self, role: str):
         """Gather per sequence: uint8 codes ``[batch, kv_heads, max_tokens, D]`` and fp16 scale,
         offset ``[batch, kv_heads, *params]`` in token order (what the references consume)."""
+        if role not in ("k", "v"):
+            raise ValueError(f"role must be 'k' or 'v', got {role!r}")
         codes, params = (self.k_codes, self.k_params) if role == "k" else (self.v_codes, self.v_params)
         quant = self.scheme.k if role == "k" else self.scheme.v
         geom = TileGeometry(role, self.scheme.bits, self.scheme.head_dim)

@@ -87,3 +87,25 @@ def test_quantize_kv_rejects_bad_input():
     bad[0, 0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match="inf or nan"):
         quantize_kv(bad, good, s)
+
+
+def test_group_functions_reject_bad_input():
+    quant = TensorQuant(Axis.TOKEN, 32)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="x must have shape"):
+        quantize_groups(torch.randn(64), 2, quant)
+    with pytest.raises(ValueError, match="bits must be 2 or 4"):
+        quantize_groups(x, 3, quant)
+    with pytest.raises(ValueError, match="token-wise group 128 must divide"):
+        quantize_groups(x, 2, TensorQuant(Axis.TOKEN, 128))
+    with pytest.raises(ValueError, match="channel-wise group 32 must divide the token count 4"):
+        quantize_groups(x, 2, TensorQuant(Axis.CHANNEL, 32))
+    with pytest.raises(ValueError, match="valid must have shape"):
+        quantize_groups(x, 2, quant, valid=torch.ones(5, dtype=torch.bool))
+    codes, scale, offset = quantize_groups(x, 2, quant)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        dequantize_groups(codes, scale[:2], offset, quant)
+    with pytest.raises(ValueError, match="offset must have shape"):
+        dequantize_groups(codes, scale, offset[..., :1], quant)
+    with pytest.raises(ValueError, match="codes must have shape"):
+        dequantize_groups(codes[0, 0], scale, offset, quant)

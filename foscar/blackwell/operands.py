@@ -1,0 +1,81 @@
+"""Blackwell (tcgen05 ``kind::f8f6f4``) operand recipes: packed codes -> FP4/FP8 bits, and back.
+
+Constructions (``foscar.scheme.Construction``: ``operand = a*c + b``, exact, ``b = 0`` for both):
+
+* INT2 -> FP4 E2M1, ``BLACKWELL_FP4`` (``a = 1/2``): the code zero-extended into a nibble.
+* INT4 -> FP8 E4M3, :data:`BLACKWELL_FP8_SUBNORMAL` (``a = 2^-9``): the code zero-extended into a
+  byte; bytes 0..7 are the E4M3 subnormals ``c * 2^-9``, bytes 8..15 the first normal binade
+  ``2^-6 * (1 + (c-8)/8) = c * 2^-9``. One mask per 4 codes instead of the 16-entry PRMT table that
+  ``scheme.BLACKWELL_FP8`` (``a = 1``, byte = E4M3(c)) needs; the folded scale is ``512*s``.
+  (Relies on the Tensor Core honouring E4M3 subnormal inputs, which the FP8 formats define.)
+
+Recipe per packed word ``w`` (``foscar.layouts.blackwell`` word order)::
+
+    lo = w & MASK                 # LOP3      elements 0 .. E/2-1
+    hi = (w >> bits) & MASK       # SHF + LOP3 elements E/2 .. E-1
+    8 bytes (lo, hi) -> shared memory: 16 FP4 nibbles (b4x16_p64 chunk) or 8 E4M3 bytes
+
+``MASK`` = 0x33333333 (INT2) or 0x0F0F0F0F (INT4). :func:`tile_operands` runs exactly this on the
+CPU and decodes the resulting bits, so a test can compare codes -> bits -> values bit-exactly.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+
+from ..layouts.blackwell import BlackwellTile
+from ..layouts.fragment import TileGeometry
+from ..operands import e2m1_value, e4m3_value
+from ..scheme import BLACKWELL_FP4, Construction
+
+__all__ = [
+    "BLACKWELL_FP8_SUBNORMAL",
+    "construction_for",
+    "build_word",
+    "tile_operand_bits",
+    "tile_operands",
+    "operand_dtype_name",
+]
+
+BLACKWELL_FP8_SUBNORMAL = Construction("fp8e4m3-c/512", "float8_e4m3fn", Fraction(1, 512), Fraction(0))
+
+
+def construction_for(bits: int) -> Construction:
+    """The construction the sm_100a kernel uses for ``bits``."""
+    return BLACKWELL_FP4 if bits == 2 else BLACKWELL_FP8_SUBNORMAL
+
+
+def operand_dtype_name(bits: int) -> str:
+    return construction_for(bits).operand_dtype
+
+
+def build_word(words: torch.Tensor, bits: int):
+    """(lo, hi) 32-bit operand words (int64 holding 32 bits) of packed int32 ``words``."""
+    tile = BlackwellTile("k", bits, 64)
+    u = words.to(torch.int64) & 0xFFFFFFFF
+    return u & tile.mask, (u >> tile.shift) & tile.mask
+
+
+def tile_operand_bits(words: torch.Tensor, geom: TileGeometry) -> torch.Tensor:
+    """Operand element bit patterns ``[rows, cols]`` (nibbles or bytes) as the kernel stores them.
+
+    ``rows``/``cols`` are the MMA's M and K modes (tokens x channels for K, channels x tokens for V).
+    """
+    tile = BlackwellTile(geom.role, geom.bits, geom.head_dim)
+    lo, hi = build_word(words, geom.bits)
+    width = 4 if geom.bits == 2 else 8
+    per = 32 // width  # elements per output word
+    shifts = torch.arange(per, dtype=torch.int64) * width
+    elo = (lo[:, None] >> shifts) & ((1 << width) - 1)  # [words, per]
+    ehi = (hi[:, None] >> shifts) & ((1 << width) - 1)
+    elems = torch.cat([elo, ehi], dim=1)  # [words, E]: consecutive K elements
+    return elems.reshape(tile.rows, tile.cols)
+
+
+def tile_operands(words: torch.Tensor, geom: TileGeometry) -> torch.Tensor:
+    """Operand values ``[64 tokens, head_dim]`` (float64) the kernel feeds the MMA for one tile."""
+    bits_ = tile_operand_bits(words, geom)
+    values = e2m1_value(bits_) if geom.bits == 2 else e4m3_value(bits_.to(torch.uint8))
+    return values if geom.role == "k" else values.T.contiguous()
