@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .jit import device_arch
+from .layouts import ARCH_LAYOUT
 from .quantize import PAGE_SIZES, QuantizedKV
 from .scheme import Axis, Scheme
 
@@ -18,21 +20,29 @@ __all__ = ["decode", "decode_paged", "plan_splits", "validate_paged"]
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
+CTAS_PER_SM = 1  # the Hopper kernel: producer + 2 consumer warpgroups hold an SM's registers (setmaxnreg)
+SPLIT_OVERHEAD_TOKENS = 256  # per-CTA prologue, ring fill and combine traffic, in tokens of work
 
 
 def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
     """How many CTAs share one (sequence, KV head), flash-decoding style.
 
-    Enough CTAs to fill about two waves of the GPU, but no split shorter than
-    ``MIN_TOKENS_PER_SPLIT`` tokens (the combine and the per-CTA prologue would dominate). Uses the
-    page table's capacity, not the lengths, so planning needs no device-to-host sync.
+    ``CTAS_PER_SM`` CTAs run per SM, so ``n`` splits take ``waves(n) = ceil(batch*kv_heads*n /
+    (num_sms*CTAS_PER_SM))`` waves of ``max_tokens/n + SPLIT_OVERHEAD_TOKENS`` tokens each; pick
+    the ``n`` with the least total (the fewest splits among equals), with no split shorter than
+    ``MIN_TOKENS_PER_SPLIT`` tokens. Uses the page table's capacity, not the lengths, so planning
+    needs no device-to-host sync.
     """
     for name, value in (("batch", batch), ("kv_heads", kv_heads), ("max_tokens", max_tokens), ("num_sms", num_sms)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    want = math.ceil(2 * num_sms / (batch * kv_heads))
-    most = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, most, MAX_SPLITS))
+    slots = num_sms * CTAS_PER_SM
+    most = max(1, min(MAX_SPLITS, max_tokens // MIN_TOKENS_PER_SPLIT))
+
+    def cost(n):
+        return math.ceil(batch * kv_heads * n / slots) * (max_tokens / n + SPLIT_OVERHEAD_TOKENS)
+
+    return min(range(1, most + 1), key=lambda n: (cost(n), n))
 
 
 def _tensor(name, t, dtype, dims, device):
@@ -105,24 +115,32 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
 
 def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme: Scheme, page_size: int,
                  sm_scale: float | None = None, return_lse: bool = False, num_splits: int | None = None,
-                 check_pages: bool = True, out=None, lse=None):
+                 check_pages: bool = True, out=None, lse=None, layout: str | None = None):
     """Decode attention over a paged quantized cache; returns ``out`` (and ``lse`` if asked).
 
     ``out`` ([batch, q_heads, head_dim], q's dtype) and ``lse`` ([batch, q_heads], fp32) may be
     given to write in place. ``check_pages=False`` skips the host read-back of the page table
-    (it is skipped anyway under CUDA-graph capture).
+    (it is skipped anyway under CUDA-graph capture). ``layout`` (optional) names the bit order the
+    codes were packed in; it must be the device's (``foscar.layouts.ARCH_LAYOUT``).
     """
     validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme, page_size, sm_scale, check_pages)
     sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    if layout is not None and layout not in ARCH_LAYOUT.values():
+        raise ValueError(f"layout must be None or one of {sorted(ARCH_LAYOUT.values())}, got {layout!r}")
     if q.device.type != "cuda":
         raise ValueError(f"q must be a CUDA tensor to run the kernel, got device {q.device}")
-    major, _ = torch.cuda.get_device_capability(q.device)
-    if major != 9:
-        raise NotImplementedError(f"no runnable kernel for compute capability {major}.x yet (Hopper sm_90a runs)")
+    arch = device_arch(q.device)
+    expected = ARCH_LAYOUT[arch]
+    if layout is not None and layout != expected:
+        raise ValueError(f"layout: the cache is packed for {layout!r} but this {arch} device reads {expected!r} "
+                         f"(quantize with layout={expected!r})")
     if num_splits is None:
         props = torch.cuda.get_device_properties(q.device)
         num_splits = plan_splits(q.shape[0], k_codes.shape[1], page_table.shape[1] * page_size, props.multi_processor_count)
-    from .hopper.decode import run_decode
+    if arch == "sm_90a":
+        from .hopper.decode import run_decode
+    else:
+        from .blackwell.decode import run_decode
 
     batch, q_heads, dim = q.shape
     if out is not None:
@@ -142,4 +160,5 @@ def decode(q, cache: QuantizedKV, sm_scale: float | None = None, return_lse: boo
     if not isinstance(cache, QuantizedKV):
         raise TypeError(f"cache must be a foscar.QuantizedKV, got {type(cache).__name__}")
     return decode_paged(q, cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.page_table, cache.lengths,
-                        cache.scheme, cache.page_size, sm_scale, return_lse, num_splits, out=out, lse=lse)
+                        cache.scheme, cache.page_size, sm_scale, return_lse, num_splits, out=out, lse=lse,
+                        layout=cache.layout)

@@ -16,7 +16,8 @@ is rounded to the MMA type: FP16's 10-bit mantissa makes that rounding 4x smalle
 which is what keeps the kernels within 2x of a BF16 PyTorch computation's error.
 
 Blackwell (tcgen05 kind::f8f6f4): an INT2 code zero-extended into an E2M1 nibble encodes ``c/2``;
-INT4 codes 0..15 are exact in E4M3.
+an INT4 code zero-extended into a byte encodes ``c * 2^-9`` in E4M3 (``foscar/blackwell/operands.py``
+has the word-level recipes of the Blackwell layout).
 """
 
 from __future__ import annotations
@@ -100,9 +101,8 @@ def blackwell_int2_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def blackwell_int4_e4m3(codes: torch.Tensor) -> torch.Tensor:
-    """E4M3 bytes of INT4 codes 0..15 (a 16-entry table a PRMT pair can serve)."""
-    table = torch.arange(16, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
-    return table[codes.long()]
+    """INT4 codes zero-extended into bytes: byte ``c`` is the E4M3 encoding of ``c * 2^-9``."""
+    return codes.to(torch.uint8) & 0xF
 
 
 def e4m3_value(bytes_: torch.Tensor) -> torch.Tensor:

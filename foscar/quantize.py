@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .layouts import TILE_TOKENS, TileGeometry, pack_tiles, unpack_tiles
+from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .scheme import PARAM_DTYPE, Axis, Scheme, TensorQuant
 
 __all__ = ["PAGE_SIZES", "QuantizedKV", "quantize_groups", "dequantize_groups", "quantize_kv"]
@@ -109,6 +109,7 @@ class QuantizedKV:
     v_params: torch.Tensor
     page_table: torch.Tensor
     lengths: torch.Tensor
+    layout: str = "hopper"  # bit order inside a tile (foscar.layouts.PACKERS)
 
     @property
     def batch(self) -> int:
@@ -133,7 +134,7 @@ class QuantizedKV:
         table = self.page_table.long()
         batch, max_pages = table.shape
         d = self.scheme.head_dim
-        tiles = unpack_tiles(codes[table], geom)  # [batch, max_pages, kvh, tiles, 64, D]
+        tiles = PACKERS[self.layout][1](codes[table], geom)  # [batch, max_pages, kvh, tiles, 64, D]
         tiles = tiles.permute(0, 2, 1, 3, 4, 5).reshape(batch, self.kv_heads, self.max_tokens, d)
         p = params[table].movedim(2, 1)  # [batch, kvh, max_pages, rows, cols, 2]
         p = p.reshape(batch, self.kv_heads, max_pages * p.shape[3], p.shape[4], 2)
@@ -177,13 +178,16 @@ def _check_kv(name, x, scheme):
         raise ValueError(f"{name} must have shape [batch, kv_heads, tokens, {scheme.head_dim}], got {tuple(x.shape)}")
 
 
-def quantize_kv(k, v, scheme: Scheme, page_size: int = 64, lengths=None) -> QuantizedKV:
+def quantize_kv(k, v, scheme: Scheme, page_size: int = 64, lengths=None, layout: str = "hopper") -> QuantizedKV:
     """Quantize dense ``k, v [batch, kv_heads, tokens, head_dim]`` into a paged cache.
 
     ``lengths`` (int tensor ``[batch]``, default: all ``tokens``) marks each sequence's valid
     prefix. Sequence ``b`` gets pages ``b*max_pages ... (b+1)*max_pages - 1`` (identity page table);
-    :meth:`QuantizedKV.shuffle_pages` scatters them.
+    :meth:`QuantizedKV.shuffle_pages` scatters them. ``layout`` is the bit order inside a tile,
+    "hopper" or "blackwell" (the arch whose kernel will read the cache).
     """
+    if layout not in PACKERS:
+        raise ValueError(f"layout must be one of {sorted(PACKERS)}, got {layout!r}")
     if not isinstance(scheme, Scheme):
         raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
     _check_kv("k", k, scheme)
@@ -217,11 +221,11 @@ def quantize_kv(k, v, scheme: Scheme, page_size: int = 64, lengths=None) -> Quan
         codes, scale, offset = quantize_groups(x, scheme.bits, quant, valid)
         geom = TileGeometry(role, scheme.bits, dim)
         tiles = codes.reshape(batch, kv_heads, max_pages, page_size // TILE_TOKENS, TILE_TOKENS, dim)
-        words = pack_tiles(tiles, geom).permute(0, 2, 1, 3, 4)  # [batch, max_pages, kvh, tiles, words]
+        words = PACKERS[layout][0](tiles, geom).permute(0, 2, 1, 3, 4)  # [batch, max_pages, kvh, tiles, words]
         params = torch.stack([scale, offset], dim=-1)  # [batch, kvh, rows, cols, 2]
         rows_per_page = params.shape[2] // max_pages
         params = params.reshape(batch, kv_heads, max_pages, rows_per_page, params.shape[3], 2).permute(0, 2, 1, 3, 4, 5)
         fields[f"{role}_codes"] = words.reshape(batch * max_pages, kv_heads, *words.shape[3:]).contiguous()
         fields[f"{role}_params"] = params.reshape(batch * max_pages, kv_heads, *params.shape[3:]).contiguous()
     page_table = torch.arange(batch * max_pages, dtype=torch.int32, device=k.device).reshape(batch, max_pages)
-    return QuantizedKV(scheme, page_size, page_table=page_table, lengths=lengths, **fields)
+    return QuantizedKV(scheme, page_size, page_table=page_table, lengths=lengths, layout=layout, **fields)

@@ -30,6 +30,7 @@ __all__ = [
     "HOPPER_FP16",
     "BLACKWELL_FP4",
     "BLACKWELL_FP8",
+    "construction_for",
     "GROUP_SIZES",
     "HEAD_DIMS",
     "BITS",
@@ -107,9 +108,19 @@ class Construction:
 
 # Hopper: codes ORed into the top mantissa bits of FP16 1.0 -> 1 + c/2^bits (foscar.operands).
 HOPPER_FP16 = {bits: Construction(f"fp16-1+c/{2**bits}", "float16", Fraction(1, 2**bits), Fraction(1)) for bits in BITS}
-# Blackwell: an INT2 code zero-extended into an FP4 E2M1 nibble is c/2; INT4 codes are exact in FP8 E4M3.
+# Blackwell: an INT2 code zero-extended into an FP4 E2M1 nibble is c/2; an INT4 code zero-extended
+# into a byte is the E4M3 encoding of c * 2^-9 (subnormals 0..7, then the first binade: one mask, no table).
 BLACKWELL_FP4 = Construction("fp4e2m1-c/2", "float4_e2m1fn", Fraction(1, 2), Fraction(0))
-BLACKWELL_FP8 = Construction("fp8e4m3-c", "float8_e4m3fn", Fraction(1), Fraction(0))
+BLACKWELL_FP8 = Construction("fp8e4m3-c/512", "float8_e4m3fn", Fraction(1, 512), Fraction(0))
+
+
+def construction_for(arch: str, bits: int) -> Construction:
+    """The operand construction each arch's kernel uses."""
+    if arch == "sm_90a":
+        return HOPPER_FP16[bits]
+    if arch == "sm_100a":
+        return BLACKWELL_FP4 if bits == 2 else BLACKWELL_FP8
+    raise ValueError(f"arch must be 'sm_90a' or 'sm_100a', got {arch!r}")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ def _call(args, **change):
         (lambda a: dict(scheme=Scheme.make(4, gqa_ratio=4)), ValueError, "k_codes must have shape"),
         (lambda a: dict(sm_scale=float("nan")), ValueError, "sm_scale"),
         (lambda a: dict(q=None), TypeError, "q must be a torch.Tensor"),
+        (lambda a: dict(layout="ampere"), ValueError, "layout must be"),
     ],
 )
 def test_bad_arguments_are_named(case, change, exc, match):
@@ -72,9 +73,13 @@ def test_decode_checks_the_cache_type(case):
 
 
 def test_split_planning():
-    assert plan_splits(1, 8, 32768, 132) == 33  # 8 CTAs -> split to fill two waves
+    from foscar.decode import MAX_SPLITS, MIN_TOKENS_PER_SPLIT
+
+    few = plan_splits(1, 8, 32768, 132)  # 8 CTAs on 132 SMs: must split
+    assert 4 <= few <= MAX_SPLITS and 32768 / few >= MIN_TOKENS_PER_SPLIT
     assert plan_splits(128, 8, 8192, 132) == 1  # 1024 CTAs already fill the GPU
     assert plan_splits(1, 8, 300, 132) == 1  # too short to split
-    assert plan_splits(1, 1, 1 << 20, 132) == 64  # capped
+    assert plan_splits(1, 1, 1 << 20, 132) <= MAX_SPLITS
+    assert plan_splits(1, 8, 131072, 132) >= few  # longer context, at least as many splits
     with pytest.raises(ValueError, match="batch"):
         plan_splits(0, 8, 100, 132)

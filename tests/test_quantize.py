@@ -41,12 +41,14 @@ def test_invalid_tokens_do_not_enter_channel_group_statistics(rng):
     ],
     ids=lambda p: getattr(p, "name", str(p)),
 )
-def test_paged_cache_round_trip_with_ragged_lengths_and_shuffled_pages(scheme, page_size, rng):
+@pytest.mark.parametrize("layout", ["hopper", "blackwell"])
+def test_paged_cache_round_trip_with_ragged_lengths_and_shuffled_pages(scheme, page_size, layout, rng):
     batch, heads, tokens, dim = 3, 2, 2 * page_size + 1, scheme.head_dim
     k = torch.randn(batch, heads, tokens, dim, generator=rng).to(scheme.q_dtype)
     v = torch.randn(batch, heads, tokens, dim, generator=rng).to(scheme.q_dtype)
     lengths = torch.tensor([tokens, 1, page_size + 1], dtype=torch.int32)
-    cache = quantize_kv(k, v, scheme, page_size, lengths)
+    cache = quantize_kv(k, v, scheme, page_size, lengths, layout=layout)
+    assert cache.layout == layout
     max_pages = 3
     assert cache.k_codes.shape == (batch * max_pages, heads, page_size // 64, 64 * dim * scheme.bits // 32)
     assert cache.page_table.shape == (batch, max_pages)
@@ -83,6 +85,8 @@ def test_quantize_kv_rejects_bad_input():
         quantize_kv(good, good, s, lengths=torch.tensor([1.0]))
     with pytest.raises(TypeError, match="scheme"):
         quantize_kv(good, good, "int2")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        quantize_kv(good, good, s, layout="ampere")
     bad = good.clone()
     bad[0, 0, 0, 0] = float("inf")
     with pytest.raises(ValueError, match="inf or nan"):

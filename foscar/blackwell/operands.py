@@ -3,10 +3,10 @@
 Constructions (``foscar.scheme.Construction``: ``operand = a*c + b``, exact, ``b = 0`` for both):
 
 * INT2 -> FP4 E2M1, ``BLACKWELL_FP4`` (``a = 1/2``): the code zero-extended into a nibble.
-* INT4 -> FP8 E4M3, :data:`BLACKWELL_FP8_SUBNORMAL` (``a = 2^-9``): the code zero-extended into a
+* INT4 -> FP8 E4M3, ``scheme.BLACKWELL_FP8`` (``a = 2^-9``): the code zero-extended into a
   byte; bytes 0..7 are the E4M3 subnormals ``c * 2^-9``, bytes 8..15 the first normal binade
-  ``2^-6 * (1 + (c-8)/8) = c * 2^-9``. One mask per 4 codes instead of the 16-entry PRMT table that
-  ``scheme.BLACKWELL_FP8`` (``a = 1``, byte = E4M3(c)) needs; the folded scale is ``512*s``.
+  ``2^-6 * (1 + (c-8)/8) = c * 2^-9``. One mask per 4 codes instead of a 16-entry PRMT table
+  for E4M3(c); the folded scale is ``512*s``.
   (Relies on the Tensor Core honouring E4M3 subnormal inputs, which the FP8 formats define.)
 
 Recipe per packed word ``w`` (``foscar.layouts.blackwell`` word order)::
@@ -21,17 +21,15 @@ CPU and decodes the resulting bits, so a test can compare codes -> bits -> value
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 import torch
 
 from ..layouts.blackwell import BlackwellTile
 from ..layouts.fragment import TileGeometry
 from ..operands import e2m1_value, e4m3_value
-from ..scheme import BLACKWELL_FP4, Construction
+from ..scheme import Construction
+from ..scheme import construction_for as scheme_construction_for
 
 __all__ = [
-    "BLACKWELL_FP8_SUBNORMAL",
     "construction_for",
     "build_word",
     "tile_operand_bits",
@@ -39,12 +37,9 @@ __all__ = [
     "operand_dtype_name",
 ]
 
-BLACKWELL_FP8_SUBNORMAL = Construction("fp8e4m3-c/512", "float8_e4m3fn", Fraction(1, 512), Fraction(0))
-
-
 def construction_for(bits: int) -> Construction:
     """The construction the sm_100a kernel uses for ``bits``."""
-    return BLACKWELL_FP4 if bits == 2 else BLACKWELL_FP8_SUBNORMAL
+    return scheme_construction_for("sm_100a", bits)
 
 
 def operand_dtype_name(bits: int) -> str:

@@ -1,6 +1,25 @@
-"""Packed-code and tile layouts shared by both arches (see fragment.py for the bit layout)."""
+"""Packed-code and tile layouts.
 
+Every arch reads the same tile sizes (64 tokens x head_dim of one KV head, same tensor shapes) but
+wants its own bit order inside a tile: ``hopper`` is the wgmma A-fragment order (fragment.py),
+``blackwell`` runs of consecutive reduction-axis elements per word (blackwell.py).
+"""
+
+from .blackwell import bw_pack_tiles, bw_unpack_tiles
 from .fragment import TILE_TOKENS, TileGeometry, evaluate_layout, tile_layout, tile_position
 from .packing import pack_tiles, unpack_tiles
 
-__all__ = ["TILE_TOKENS", "TileGeometry", "evaluate_layout", "tile_layout", "tile_position", "pack_tiles", "unpack_tiles"]
+PACKERS = {"hopper": (pack_tiles, unpack_tiles), "blackwell": (bw_pack_tiles, bw_unpack_tiles)}
+ARCH_LAYOUT = {"sm_90a": "hopper", "sm_100a": "blackwell"}
+
+__all__ = [
+    "ARCH_LAYOUT",
+    "PACKERS",
+    "TILE_TOKENS",
+    "TileGeometry",
+    "evaluate_layout",
+    "tile_layout",
+    "tile_position",
+    "pack_tiles",
+    "unpack_tiles",
+]

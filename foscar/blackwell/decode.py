@@ -1,0 +1,91 @@
+"""Host entry points of the Blackwell decode kernel: compile-only (any machine) and run (sm_100).
+
+``compile_decode(scheme, page_size, partial_output, arch="sm_100a")`` compiles with fake pointers
+(no GPU needed) and returns the compiled function with its PTX and cubin
+(``foscar.inspect.artifacts``). Argument order and output format are those of
+``foscar.hopper.decode`` so ``foscar.decode`` can dispatch either variant the same way; the cache
+itself must be packed in the Blackwell word order (``foscar.layouts.blackwell``).
+"""
+
+from __future__ import annotations
+
+from ..inspect import compile_for
+from ..jit import cached_compile
+from ..scheme import Scheme
+from .kernel import BlackwellConfig
+
+__all__ = ["compile_decode", "run_decode", "DEFAULT_ARCH"]
+
+DEFAULT_ARCH = "sm_100a"
+
+
+def compile_decode(scheme: Scheme, page_size: int, partial_output: bool = False, arch: str = DEFAULT_ARCH):
+    """Compile (or fetch from the in-process cache) the sm_100a decode kernel of ``scheme``."""
+    if arch != "sm_100a":
+        raise ValueError(f"the Blackwell kernel targets sm_100a, got arch={arch!r}")
+    key = ("blackwell_decode", scheme, int(page_size), bool(partial_output), arch)
+    return cached_compile(key, lambda: _build(scheme, page_size, partial_output, arch))
+
+
+def _build(scheme, page_size, partial_output, arch):
+    import cuda.bindings.driver as cuda
+
+    from cutlass import Float16, Float32, Int32
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    from .kernel import BlackwellDecodeKernel
+
+    cfg = BlackwellConfig(scheme, page_size, partial_output)
+    kernel = BlackwellDecodeKernel(cfg)
+
+    def fake(dtype):
+        return make_ptr(dtype, 0, AddressSpace.gmem, assumed_align=16)
+
+    return compile_for(
+        arch, kernel,
+        fake(cfg.q_dtype), fake(Int32), fake(Float16), fake(Int32), fake(Float16), fake(Int32), fake(Int32),
+        fake(Float32 if partial_output else cfg.q_dtype), fake(Float32),
+        Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0), cuda.CUstream(0),
+    )
+
+
+def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme, num_splits: int = 1,
+               out=None, lse=None, arch: str = DEFAULT_ARCH):
+    """Launch on validated CUDA tensors of an sm_100 device (same contract as ``foscar.hopper.decode.run_decode``).
+
+    Never run here (no Blackwell GPU): compile-verified only.
+    """
+    import torch
+
+    import cuda.bindings.driver as cuda
+    from cutlass import Float16, Float32, Int32
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    from ..kernels.combine import combine_splits
+
+    def ptr(t, dtype):
+        return make_ptr(dtype, t.data_ptr(), AddressSpace.gmem, assumed_align=16)
+
+    batch, hq, d = q.shape
+    page_size = k_codes.shape[2] * 64
+    partial = num_splits > 1
+    compiled = compile_decode(scheme, page_size, partial, arch)
+    cfg = BlackwellConfig(scheme, page_size, partial)
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device) if lse is None else lse
+    if partial:
+        o_part = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = out, lse
+    compiled(
+        ptr(q, cfg.q_dtype), ptr(k_codes, Int32), ptr(k_params, Float16), ptr(v_codes, Int32), ptr(v_params, Float16),
+        ptr(page_table, Int32), ptr(lengths, Int32), ptr(o_part, Float32 if partial else cfg.q_dtype), ptr(lse_part, Float32),
+        Int32(batch), Int32(k_codes.shape[1]), Int32(page_table.shape[1]), Int32(num_splits), Float32(float(sm_scale)),
+        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream),
+    )
+    if partial:
+        combine_splits(o_part, lse_part, out, lse)
+    return out, lse
