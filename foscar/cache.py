@@ -1,0 +1,537 @@
+"""A paged, quantized KV cache for many sequences: BF16 attention sink + BF16 recent window + packed pages.
+
+Token ``t`` of a sequence of ``n`` tokens lives in one of three parts (OSCAR/KIVI convention)::
+
+    [0, S)               sink:       BF16, kept forever (the attention-sink tokens)
+    [S, S + Q)           quantized:  packed codes + fp16 (scale, offset), in pages of ``page_size``
+    [S + Q, n)           recent:     BF16 ring buffer, W .. W + T - 1 tokens once n >= S + W
+
+``S`` = ``sink``, ``W`` = ``window``, ``T`` = the *granule* (``foscar.kernels.quantize.granule_of``:
+64 tokens, or the longest channel-wise group). ``Q(n) = T * max(0, (n - S - W) // T)`` depends on
+``n`` only: whenever the recent part reaches ``W + T`` tokens its oldest granule is quantized as one
+block, so every channel-wise group is complete when quantized (KIVI keeps a partial group in full
+precision for the same reason) and every packed word is written once, never read-modify-written.
+
+Why a ring: attention is order-invariant, so the recent part can sit in a fixed ``W + T``-slot ring
+(slot ``(t - S) % (W + T)``); an append writes one slot and a flush reads ``T`` slots, with no
+shifting. Requires ``W % T == 0`` so a granule is contiguous in the ring.
+
+Layout (all layers in one object; a layer is an index): packed pages
+``k_codes [layers, num_pages + 1, kv_heads, page_size // 64, tile_words]`` and params as in
+``foscar/quantize.py``, with one extra *trash page* (index ``num_pages``) that unused page-table
+entries point at, so every page index a kernel may read is valid. BF16 parts
+``k_bf16 [layers, max_seqs, kv_heads, S + W + T, D]``. Pages are shared by all layers: a sequence
+owns a list of page indices, used at the same index in every layer's pool.
+
+Decode (:meth:`PagedKVCache.attend`) runs the FOSCAR kernel over the quantized pages (Hopper), and
+torch over the small BF16 part, then merges the two by log-sum-exp. Append (:meth:`append`) of one
+token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush
+runs every step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no
+host sync or page allocation happens inside. Pages must then be reserved up front
+(:meth:`reserve`); temporaries come from the capturing graph's private memory pool.
+
+On CPU tensors (CI) the same logic runs with the torch quantizer (``foscar.quantize``) and a torch
+dequantize-then-attend for the quantized part.
+
+Optional Hadamard rotation (QuaRot/OSCAR): K and Q are multiplied per head by the normalized
+Sylvester Hadamard matrix ``H`` (orthogonal, so ``(qH)(kH)^T = qk^T``): outliers spread over all
+channels, which cuts the 2-bit error. V is not rotated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .kernels.quantize import granule_of
+from .layouts import TILE_TOKENS, TileGeometry, pack_tiles
+from .quantize import PAGE_SIZES, QuantizedKV, quantize_groups
+from .scheme import Axis, Scheme
+
+__all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
+
+
+class PagePoolFull(RuntimeError):
+    """The page pool (or the sequence slots) cannot hold what was asked; the cache is unchanged."""
+
+
+def hadamard(dim: int, device=None) -> torch.Tensor:
+    """The normalized ``dim x dim`` Sylvester Hadamard matrix (fp32, symmetric, orthogonal)."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"dim must be a power of two, got {dim}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(dim)).to(device)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class PagedKVCache:
+    """Paged KV cache of ``num_layers`` layers for up to ``max_seqs`` sequences (module docstring).
+
+    ``scheme``: the quantization variant (its ``q_dtype`` is the K/V/Q dtype, its ``gqa_ratio`` the
+    query heads per KV head). ``num_pages``: pages in the pool, each ``page_size`` quantized tokens
+    of every layer. ``max_seq_len``: the longest sequence (sizes the page table). ``sink``,
+    ``window``: BF16 parts (OSCAR: 64 and 256). ``rotate``: Hadamard-rotate K and Q.
+    ``use_kernels``: quantize and attend with the CuTe DSL kernels (default: on CUDA devices).
+    """
+
+    def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, num_pages: int, max_seqs: int, max_seq_len: int,
+                 page_size: int | None = None, sink: int = 64, window: int = 256, rotate: bool = False,
+                 device="cuda", use_kernels: bool | None = None):
+        if not isinstance(scheme, Scheme):
+            raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
+        self.scheme = scheme
+        self.granule = granule = granule_of(scheme)
+        page_size = max(128, granule) if page_size is None else page_size
+        if page_size not in PAGE_SIZES or page_size % granule:
+            raise ValueError(f"page_size must be one of {PAGE_SIZES} and a multiple of the granule {granule}, got {page_size!r}")
+        for name, value, low in (("num_layers", num_layers, 1), ("kv_heads", kv_heads, 1), ("num_pages", num_pages, 1),
+                                 ("max_seqs", max_seqs, 1), ("max_seq_len", max_seq_len, 1), ("sink", sink, 0),
+                                 ("window", window, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if window % granule:
+            raise ValueError(f"window must be a multiple of the granule {granule} (scheme {scheme.name}), got {window}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.use_kernels = self.device.type == "cuda" if use_kernels is None else bool(use_kernels)
+        if self.use_kernels and self.device.type != "cuda":
+            raise ValueError("use_kernels=True needs a CUDA device")
+        self.num_layers, self.kv_heads, self.num_pages, self.max_seqs = num_layers, kv_heads, num_pages, max_seqs
+        self.page_size, self.sink, self.window, self.max_seq_len = page_size, sink, window, max_seq_len
+        self.ring = window + granule  # recent-part slots
+        self.max_pages = max(1, -(-self.quantized_tokens(max_seq_len) // page_size))
+        self.trash_page = num_pages
+        d, dtype, dev = scheme.head_dim, scheme.q_dtype, self.device
+        pool = num_pages + 1
+        self.k_codes, self.k_params = self._pool("k", scheme.k, pool)
+        self.v_codes, self.v_params = self._pool("v", scheme.v, pool)
+        bf16_shape = (num_layers, max_seqs, kv_heads, sink + self.ring, d)
+        self.k_bf16 = torch.zeros(bf16_shape, dtype=dtype, device=dev)
+        self.v_bf16 = torch.zeros(bf16_shape, dtype=dtype, device=dev)
+        self.lengths = torch.zeros(num_layers, max_seqs, dtype=torch.int64, device=dev)
+        self.page_table = torch.full((max_seqs, self.max_pages), self.trash_page, dtype=torch.int32, device=dev)
+        self.rotation = hadamard(d, dev) if rotate else None
+        # host state: the page allocator, and a mirror of ``lengths`` for reservation and validation
+        self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest index
+        self._pages: list[list[int] | None] = [None] * max_seqs  # None: slot free
+        self._host_len = np.zeros((num_layers, max_seqs), dtype=np.int64)
+        self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
+        self._index_cache: dict[tuple, torch.Tensor] = {}
+        self._heads = torch.arange(kv_heads, device=dev)
+        self._granule_steps = torch.arange(granule, device=dev)
+        self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+
+    def _pool(self, role, quant, pool):
+        d, ps = self.scheme.head_dim, self.page_size
+        words = TileGeometry(role, self.scheme.bits, d).words
+        codes = torch.zeros(self.num_layers, pool, self.kv_heads, ps // TILE_TOKENS, words, dtype=torch.int32,
+                            device=self.device)
+        rows, cols = (ps, d // quant.group) if quant.axis is Axis.TOKEN else (ps // quant.group, d)
+        params = torch.zeros(self.num_layers, pool, self.kv_heads, rows, cols, 2, dtype=torch.float16, device=self.device)
+        return codes, params
+
+    # ------------------------------------------------------------------ sizes and accounting
+
+    def quantized_tokens(self, n: int) -> int:
+        """Tokens of a sequence of ``n`` tokens that live in quantized pages."""
+        return self.granule * max(0, (n - self.sink - self.window) // self.granule)
+
+    def _quantized_tokens_dev(self, n: torch.Tensor) -> torch.Tensor:
+        return torch.div((n - self.sink - self.window).clamp(min=0), self.granule, rounding_mode="floor") * self.granule
+
+    def pages_for(self, n: int) -> int:
+        """Pages a sequence of ``n`` tokens needs."""
+        return -(-self.quantized_tokens(n) // self.page_size)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def sequences(self) -> list[int]:
+        """Ids of the allocated sequences."""
+        return [i for i, pages in enumerate(self._pages) if pages is not None]
+
+    def seq_len(self, seq_id: int, layer: int = 0) -> int:
+        """Tokens held by sequence ``seq_id`` in ``layer`` (host mirror; re-read after graph replays)."""
+        self._check_seq("seq_id", seq_id)
+        self._check_layer(layer)
+        self._sync_mirror()
+        return int(self._host_len[layer, seq_id])
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        self._check_seq("seq_id", seq_id)
+        return list(self._pages[seq_id])
+
+    def nbytes(self) -> dict:
+        """Device bytes of each part (all layers): packed pool, BF16 sink + window, page table."""
+        size = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {"quantized": size(self.k_codes, self.k_params, self.v_codes, self.v_params),
+                "bf16": size(self.k_bf16, self.v_bf16), "page_table": size(self.page_table)}
+
+    def bytes_per_page(self) -> int:
+        """Bytes of one page over all layers (K and V codes and params)."""
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.k_codes, self.k_params, self.v_codes, self.v_params))
+
+    def used_bytes(self) -> int:
+        """Bytes the allocated sequences occupy: their pages plus their BF16 slots (all layers)."""
+        pages = sum(len(p) for p in self._pages if p is not None)
+        slot = self.k_bf16[:, 0].numel() * self.k_bf16.element_size() * 2
+        return pages * self.bytes_per_page() + len(self.sequences) * slot
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate(self, num_tokens: int = 0) -> int:
+        """Claim a free sequence slot (and pages for ``num_tokens`` tokens); returns its id."""
+        self._no_capture("allocate")
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= self.max_seq_len:
+            raise ValueError(f"num_tokens must be an int in [0, max_seq_len={self.max_seq_len}], got {num_tokens!r}")
+        try:
+            seq_id = self._pages.index(None)
+        except ValueError:
+            raise PagePoolFull(f"all max_seqs={self.max_seqs} sequence slots are in use; free one first") from None
+        need = self.pages_for(num_tokens)
+        if need > self.free_pages:
+            raise PagePoolFull(f"num_tokens={num_tokens} needs {need} pages, {self.free_pages} of num_pages="
+                               f"{self.num_pages} are free")
+        self._pages[seq_id] = []
+        self._grow(seq_id, need)
+        return seq_id
+
+    def free(self, seq_id: int) -> None:
+        """Return the pages of ``seq_id`` to the pool and release its slot."""
+        self._no_capture("free")
+        self._check_seq("seq_id", seq_id)
+        self._sync_mirror()
+        self._free_pages.extend(reversed(self._pages[seq_id]))
+        self._pages[seq_id] = None
+        self.page_table[seq_id].fill_(self.trash_page)
+        self.lengths[:, seq_id] = 0
+        self._host_len[:, seq_id] = 0
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        """Make sure ``seq_id`` has pages for ``num_tokens`` tokens in total (call before capturing
+        a graph whose replays append tokens: replays cannot allocate)."""
+        self._no_capture("reserve")
+        self._check_seq("seq_id", seq_id)
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= self.max_seq_len:
+            raise ValueError(f"num_tokens must be an int in [0, max_seq_len={self.max_seq_len}], got {num_tokens!r}")
+        need = self.pages_for(num_tokens) - len(self._pages[seq_id])
+        if need > self.free_pages:
+            raise PagePoolFull(f"sequence {seq_id} needs {need} more pages for num_tokens={num_tokens}, "
+                               f"{self.free_pages} of num_pages={self.num_pages} are free")
+        self._grow(seq_id, need)
+
+    def _grow(self, seq_id: int, count: int) -> None:
+        if count <= 0:
+            return
+        pages = self._pages[seq_id]
+        new = [self._free_pages.pop() for _ in range(count)]
+        self.page_table[seq_id, len(pages):len(pages) + count] = torch.tensor(new, dtype=torch.int32).to(self.device)
+        pages.extend(new)
+
+    def _reserve_for_append(self, layer: int, ids: tuple, tokens: int) -> None:
+        """All-or-nothing page reservation for appending ``tokens`` to ``ids`` in ``layer``
+        (pages are shared by the layers: the first layer to grow reserves them for all)."""
+        totals = self._host_len[layer, list(ids)] + tokens
+        need = [self.pages_for(int(n)) - len(self._pages[s]) for s, n in zip(ids, totals)]
+        if sum(max(0, x) for x in need) > self.free_pages:
+            raise PagePoolFull(f"page pool full: appending {tokens} token(s) to seq_ids {list(ids)} needs "
+                               f"{sum(max(0, x) for x in need)} more pages, {self.free_pages} of num_pages="
+                               f"{self.num_pages} are free")
+        for seq_id, count in zip(ids, need):
+            self._grow(seq_id, count)
+
+    # ------------------------------------------------------------------ validation helpers
+
+    def _no_capture(self, what: str) -> None:
+        if _capturing(self.device):
+            raise RuntimeError(f"{what}() runs on the host and cannot be captured in a CUDA graph")
+
+    def _check_layer(self, layer) -> None:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+
+    def _check_seq(self, name: str, seq_id) -> None:
+        if not isinstance(seq_id, (int, np.integer)) or isinstance(seq_id, bool):
+            raise TypeError(f"{name} must be an int sequence id, got {type(seq_id).__name__}")
+        if not 0 <= seq_id < self.max_seqs or self._pages[seq_id] is None:
+            raise ValueError(f"{name}: unknown sequence id {seq_id} (allocated: {self.sequences})")
+
+    def _rows(self, seq_ids) -> tuple[tuple, torch.Tensor]:
+        """Validated ids and their device index (cached, so that graph replays find it)."""
+        if isinstance(seq_ids, torch.Tensor) or not isinstance(seq_ids, (list, tuple, range)):
+            raise TypeError(f"seq_ids must be a list, tuple or range of ints, got {type(seq_ids).__name__}")
+        ids = tuple(int(s) if isinstance(s, np.integer) else s for s in seq_ids)
+        if not ids:
+            raise ValueError("seq_ids must not be empty")
+        for s in ids:
+            self._check_seq("seq_ids", s)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids must not repeat a sequence, got {list(ids)}")
+        index = self._index_cache.get(ids)
+        if index is None:
+            if _capturing(self.device):
+                raise RuntimeError(f"seq_ids {list(ids)} were never used before capture: run the step once eagerly")
+            index = self._index_cache[ids] = torch.tensor(ids, dtype=torch.int64).to(self.device)
+        return ids, index
+
+    def _check_tensor(self, name: str, t, batch: int, heads: int, tokens: int | None) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != self.scheme.q_dtype:
+            raise TypeError(f"{name} must have dtype {self.scheme.q_dtype} (the cache's Scheme.q_dtype), got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} must be on the cache's device {self.device}, got {t.device}")
+        d = self.scheme.head_dim
+        if tokens is None:
+            if t.dim() != 3 or t.shape[0] != batch or t.shape[2] != d:
+                raise ValueError(f"{name} must have shape [batch={batch}, heads, head_dim={d}], got {list(t.shape)}")
+            if t.shape[1] != heads:
+                raise ValueError(f"{name} has {t.shape[1]} heads; the cache needs kv_heads*gqa_ratio = {heads}")
+            return
+        if t.dim() != 4 or t.shape[0] != batch or t.shape[3] != d or t.shape[2] < 1:
+            raise ValueError(f"{name} must have shape [batch={batch}, kv_heads, tokens >= 1, head_dim={d}], "
+                             f"got {list(t.shape)}")
+        if t.shape[1] != heads:
+            raise ValueError(f"{name} has {t.shape[1]} heads; the cache holds kv_heads = {heads}")
+
+    def _sync_mirror(self) -> None:
+        if self._mirror_stale and not _capturing(self.device):
+            self._host_len[:] = self.lengths.cpu().numpy()
+            self._mirror_stale = False
+
+    # ------------------------------------------------------------------ append
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotation is None:
+            return x
+        return (x.float() @ self.rotation).to(x.dtype)
+
+    def append(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``k, v [len(seq_ids), kv_heads, tokens, head_dim]`` to the sequences of ``seq_ids``.
+
+        One token per sequence (decode) is fully device-side and CUDA-graph capturable; several
+        tokens (prefill) plan on the host. Every argument is checked before anything changes.
+        """
+        self._check_layer(layer)
+        ids, index = self._rows(seq_ids)
+        self._check_tensor("k", k, len(ids), self.kv_heads, 1)
+        self._check_tensor("v", v, len(ids), self.kv_heads, 1)
+        if v.shape != k.shape:
+            raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
+        tokens = k.shape[2]
+        capturing = _capturing(self.device)
+        if capturing:
+            if tokens != 1:
+                raise RuntimeError("append of several tokens per sequence plans on the host: not capturable")
+            self._mirror_stale = True
+        else:
+            self._sync_mirror()
+            longest = int(self._host_len[layer, list(ids)].max()) + tokens
+            if longest > self.max_seq_len:
+                raise ValueError(f"k: appending {tokens} token(s) would exceed max_seq_len={self.max_seq_len}")
+            self._reserve_for_append(layer, ids, tokens)
+        k = self._rotate(k)
+        if tokens == 1:
+            self._append_step(layer, index, k, v)
+        else:
+            self._append_bulk(layer, ids, index, k, v)
+        if not capturing:
+            self._host_len[layer, list(ids)] += tokens
+
+    def _ring_slot(self, pos):
+        """BF16 slot of absolute token position ``pos`` (int or tensor) in the sink + ring buffer."""
+        if isinstance(pos, torch.Tensor):
+            return torch.where(pos < self.sink, pos, self.sink + (pos - self.sink) % self.ring)
+        return pos if pos < self.sink else self.sink + (pos - self.sink) % self.ring
+
+    def _append_step(self, layer, index, k, v):
+        n0 = self.lengths[layer, index]  # [B]
+        slot = self._ring_slot(n0)
+        where = (index[:, None], self._heads[None, :], slot[:, None])
+        self.k_bf16[layer].index_put_(where, k[:, :, 0])
+        self.v_bf16[layer].index_put_(where, v[:, :, 0])
+        n1 = n0 + 1
+        self.lengths[layer].index_copy_(0, index, n1)
+        q0, q1 = self._quantized_tokens_dev(n0), self._quantized_tokens_dev(n1)
+        # the granule that may be due: tokens S + q0 .. S + q0 + T - 1, all in the ring now
+        ring = self.sink + (q0[:, None] + self._granule_steps[None, :]) % self.ring  # [B, T]
+        column = torch.div(q0, self.page_size, rounding_mode="floor").clamp(max=self.max_pages - 1)
+        page = self.page_table[index, column]
+        page = torch.where(q1 > q0, page, -1).to(torch.int32)
+        slot_in_page = (q0 % self.page_size).to(torch.int32)
+        for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
+            src = bf16[layer][index[:, None], :, ring].permute(0, 2, 1, 3).contiguous()  # [B, kvh, T, D]
+            self._quantize(layer, role, src, page, slot_in_page)
+
+    def _append_bulk(self, layer, ids, index, k, v):
+        srcs, pages, slots = {"k": [], "v": []}, [], []
+        ring_pos, ring_vals = [], {"k": [], "v": []}
+        T = self.granule
+        for b, seq_id in enumerate(ids):
+            n0 = int(self._host_len[layer, seq_id])
+            n1 = n0 + k.shape[2]
+            q0, q1 = self.quantized_tokens(n0), self.quantized_tokens(n1)
+            s0, s1 = self.sink + q0, self.sink + q1  # token range to quantize now
+            first_recent = max(n0, s1)  # new tokens from here on stay in the ring (fewer than its slots)
+            for role, new, bf16 in (("k", k, self.k_bf16), ("v", v, self.v_bf16)):
+                if s1 > s0:
+                    parts = []
+                    if min(n0, s1) > s0:  # older tokens, still in the ring
+                        old = torch.tensor([self._ring_slot(p) for p in range(s0, min(n0, s1))], device=self.device)
+                        parts.append(bf16[layer, seq_id][:, old])
+                    if s1 > max(n0, s0):
+                        parts.append(new[b, :, max(n0, s0) - n0:s1 - n0])
+                    block = torch.cat(parts, dim=1)  # [kvh, q1 - q0, D]
+                    srcs[role].append(block.reshape(self.kv_heads, (q1 - q0) // T, T, -1).transpose(0, 1))
+                if n0 < self.sink:
+                    end = min(n1, self.sink)
+                    bf16[layer, seq_id, :, n0:end] = new[b, :, :end - n0]
+                ring_vals[role].append(new[b, :, first_recent - n0:])
+            ring_pos.append((seq_id, range(first_recent, n1)))
+            for q in range(q0, q1, T):
+                pages.append(self._pages[seq_id][q // self.page_size])
+                slots.append(q % self.page_size)
+        if pages:
+            page = torch.tensor(pages, dtype=torch.int32).to(self.device)
+            slot = torch.tensor(slots, dtype=torch.int32).to(self.device)
+            for role in ("k", "v"):
+                self._quantize(layer, role, torch.cat(srcs[role]).contiguous(), page, slot)
+        # ring writes after the quantize sources were copied out of the ring
+        rows = torch.tensor([s for s, r in ring_pos for _ in r], dtype=torch.int64)
+        cols = torch.tensor([self._ring_slot(p) for _, r in ring_pos for p in r], dtype=torch.int64)
+        if rows.numel():
+            rows, cols = rows.to(self.device), cols.to(self.device)
+            for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
+                vals = torch.cat([x.transpose(0, 1) for x in ring_vals[role]])  # [tokens, kvh, D]
+                bf16[layer].index_put_((rows[:, None], self._heads[None, :], cols[:, None]), vals)
+        self.lengths[layer].index_copy_(0, index, torch.from_numpy(self._host_len[layer, list(ids)] + k.shape[2]).to(
+            self.device))
+
+    def _quantize(self, layer, role, src, page, slot):
+        """Quantize granules ``src [N, kvh, T, D]`` into ``page`` (< 0: skip) at token ``slot``."""
+        codes = (self.k_codes if role == "k" else self.v_codes)[layer]
+        params = (self.k_params if role == "k" else self.v_params)[layer]
+        if self.use_kernels:
+            from .kernels.quantize import quantize_tiles
+
+            quantize_tiles(src, page, slot, codes, params, self.scheme, role)
+            return
+        quant = self.scheme.k if role == "k" else self.scheme.v
+        page = torch.where(page < 0, self.trash_page, page).long()
+        c, scale, offset = quantize_groups(src, self.scheme.bits, quant)
+        n, kvh, t, d = src.shape
+        words = pack_tiles(c.reshape(n, kvh, t // TILE_TOKENS, TILE_TOKENS, d), TileGeometry(role, self.scheme.bits, d))
+        tiles = (slot.long() // TILE_TOKENS)[:, None] + torch.arange(t // TILE_TOKENS, device=src.device)[None, :]
+        codes[page[:, None], :, tiles] = words.transpose(1, 2)
+        rows_per_granule = t if quant.axis is Axis.TOKEN else t // quant.group
+        first = slot.long() if quant.axis is Axis.TOKEN else slot.long() // quant.group
+        rows = first[:, None] + torch.arange(rows_per_granule, device=src.device)[None, :]
+        params[page[:, None], :, rows] = torch.stack([scale, offset], dim=-1).transpose(1, 2)
+
+    # ------------------------------------------------------------------ attend
+
+    def num_splits(self, batch: int) -> int:
+        """Split-KV factor for a decode batch: fixed by capacities only (graph-stable)."""
+        from .decode import plan_splits
+
+        return plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms)
+
+    def attend(self, layer: int, seq_ids, q: torch.Tensor, sm_scale: float | None = None, return_lse: bool = False):
+        """Decode attention of ``q [len(seq_ids), kv_heads*gqa_ratio, head_dim]`` over each sequence.
+
+        Returns ``out`` (q's dtype) and, if asked, ``lse`` (fp32, natural log, scores scaled by
+        ``sm_scale``, default ``head_dim**-0.5``). Capturable in a CUDA graph.
+        """
+        self._check_layer(layer)
+        ids, index = self._rows(seq_ids)
+        scheme = self.scheme
+        self._check_tensor("q", q, len(ids), self.kv_heads * scheme.gqa_ratio, None)
+        if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool)
+                                     or not math.isfinite(sm_scale) or sm_scale <= 0):
+            raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
+        sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
+        q = self._rotate(q)
+        contiguous = ids == tuple(range(ids[0], ids[0] + len(ids)))
+        rows = slice(ids[0], ids[0] + len(ids)) if contiguous else index  # slices avoid gathers
+        n = self.lengths[layer, index]
+        qlen = self._quantized_tokens_dev(n)
+        out_q, lse_q = self._attend_quantized(layer, rows, q, qlen, sm_scale)
+        out_b, lse_b = self._attend_bf16(layer, rows, q, n, qlen, sm_scale)
+        has_q = (qlen > 0)[:, None]
+        lse_q = torch.where(has_q, lse_q, -torch.inf)
+        lse = torch.logaddexp(lse_q, lse_b)
+        w_q = torch.exp(lse_q - lse)[..., None]
+        w_b = torch.exp(lse_b - lse)[..., None]
+        out = torch.where(has_q[..., None], out_q.float(), 0.0) * w_q + out_b * w_b
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
+
+    def _attend_quantized(self, layer, rows, q, qlen, sm_scale):
+        # a sequence with no quantized token attends one token of its first page (a valid page:
+        # the trash page at worst); attend() drops that result by its lse
+        lengths = qlen.clamp(min=1).to(torch.int32)
+        table = self.page_table[rows]
+        if self.use_kernels:
+            from .decode import decode_paged
+
+            return decode_paged(q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
+                                table.contiguous(), lengths, self.scheme, self.page_size, sm_scale, return_lse=True,
+                                num_splits=self.num_splits(q.shape[0]), check_pages=False)
+        cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
+                            self.v_params[layer], table, lengths)
+        k, v = cache.dequantize(torch.float32)  # [B, kvh, max_tokens, D], zero past the lengths
+        valid = torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None]
+        return self._softmax_attend(q, k, v, valid[:, None, :].expand(-1, self.kv_heads, -1), sm_scale)
+
+    def _attend_bf16(self, layer, rows, q, n, qlen, sm_scale):
+        k, v = self.k_bf16[layer][rows], self.v_bf16[layer][rows]  # [B, kvh, S + ring, D]
+        j = torch.arange(self.sink + self.ring, device=self.device)[None, :]
+        recent = (n - self.sink - qlen).clamp(min=0)[:, None]
+        in_ring = (j - self.sink - qlen[:, None]) % self.ring < recent
+        valid = torch.where(j < self.sink, j < n[:, None], in_ring)
+        return self._softmax_attend(q, k.float(), v.float(), valid[:, None, :].expand(-1, self.kv_heads, -1), sm_scale)
+
+    def _softmax_attend(self, q, k, v, valid, sm_scale):
+        """fp32 attention of ``q [B, Hq, D]`` over ``k, v [B, kvh, L, D]`` where ``valid [B, kvh, L]``;
+        a row with no valid token gets ``out = 0``, ``lse = -inf``."""
+        batch, hq, d = q.shape
+        qg = q.float().reshape(batch, self.kv_heads, hq // self.kv_heads, d)
+        scores = torch.einsum("bhrd,bhld->bhrl", qg, k) * sm_scale
+        scores = scores.masked_fill(~valid[:, :, None, :], -torch.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+        p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+        out = torch.einsum("bhrl,bhld->bhrd", p, v)
+        return out.reshape(batch, hq, d), lse.reshape(batch, hq)
+
+    # ------------------------------------------------------------------ inspection
+
+    def dense(self, layer: int, seq_id: int):
+        """(k, v) ``[kv_heads, n, D]`` fp32 of one sequence in token order, the quantized part
+        dequantized (still rotated if ``rotate``): what :meth:`attend` attends over."""
+        self._check_layer(layer)
+        self._check_seq("seq_id", seq_id)
+        self._sync_mirror()
+        n = int(self._host_len[layer, seq_id])
+        qn = self.quantized_tokens(n)
+        out = []
+        for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
+            parts = [bf16[layer, seq_id, :, :min(n, self.sink)].float()]
+            if qn:
+                cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer],
+                                    self.v_codes[layer], self.v_params[layer], self.page_table[seq_id:seq_id + 1],
+                                    torch.tensor([qn], dtype=torch.int32, device=self.device))
+                parts.append(cache.dequantize(torch.float32)[0 if role == "k" else 1][0, :, :qn])
+            recent = [self._ring_slot(p) for p in range(self.sink + qn, n)]
+            parts.append(bf16[layer, seq_id][:, torch.tensor(recent, dtype=torch.int64, device=self.device)].float())
+            out.append(torch.cat(parts, dim=1))
+        return tuple(out)

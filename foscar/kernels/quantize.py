@@ -1,0 +1,319 @@
+"""Quantize BF16/FP16 token tiles into the packed paged cache (CuTe DSL, sm_90a and sm_100a).
+
+Why this kernel exists: the paged cache manager (``foscar.cache``) keeps the newest tokens in
+BF16 and moves them into the packed cache a whole *granule* at a time (a granule is
+``max(64, channel-wise group sizes)`` tokens, so every group and every packed 64-token tile it
+touches is complete). That move must run on the GPU, inside a CUDA graph, and must give exactly
+the cache that ``foscar.quantize.quantize_groups`` + ``foscar.layouts.pack_tiles`` give, so the
+decode kernels and references see one format whichever path wrote it. It is bit-identical by
+construction, following the rounding rules documented in ``foscar/quantize.py`` step by step:
+
+* ``lo``/``hi``: exact FP32 min/max of the group (BF16/FP16 -> FP32 is exact);
+* ``offset = fp16(lo)``, ``scale = fp16((hi - lo) / (2^bits - 1))``: an FP32 subtraction and an
+  IEEE-rounded FP32 division (``div.rn.f32``, not the approximate one), then ``cvt.rn.f16.f32``;
+* ``code = clamp(roundeven((x - offset) / scale), 0, 2^bits - 1)`` with the *stored* fp16 values
+  widened to FP32, the same ``div.rn.f32`` and round-half-even; a group with ``scale == 0`` has
+  codes 0.
+
+Work split: one CTA (128 threads) per (granule, KV head). Phase 1: one thread per group computes
+``(scale, offset)``, writes them to the params page and keeps their FP32 values in shared memory.
+Phase 2: one thread per packed 32-bit word gathers the word's codes through the inverse of the
+tile layout (:func:`word_code_coords`), quantizes them and writes the word once: no
+read-modify-write, and a warp's stores are contiguous. Reads of the BF16 tile are gathers, but the
+tile (16-64 KB) is L1/L2-resident after phase 1; the cache quantizes one granule per sequence
+every ``granule`` decode steps, so this kernel is far off the decode critical path.
+
+Formats::
+
+    src         bf16/fp16 [tiles, kv_heads, granule, D]        contiguous
+    dest_page   int32     [tiles]   page of each granule; < 0: skip this granule (no writes)
+    dest_slot   int32     [tiles]   first token slot of the granule in its page (multiple of granule)
+    codes       int32     [num_pages, kv_heads, page_size // 64, tile_words]
+    params      float16   [num_pages, kv_heads, page_size, D // G, 2]      token-wise groups
+                float16   [num_pages, kv_heads, page_size // G, D, 2]      channel-wise groups
+
+A granule whose elements exceed the float16 range gets infinite params (the torch quantizer raises;
+a kernel cannot, without a host sync): keep K/V finite and within float16 range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_ptr
+
+from ..jit import cached_compile, device_arch
+from ..layouts.fragment import THREADS as TILE_THREADS
+from ..layouts.fragment import TILE_TOKENS, TileGeometry
+from ..scheme import Axis, Scheme
+
+__all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "compile_quantize", "quantize_tiles", "granule_of"]
+
+THREADS = 128
+SRC_DTYPES = ("bfloat16", "float16")
+
+
+def granule_of(scheme: Scheme) -> int:
+    """Tokens quantized together: 64 (one packed tile), or a channel-wise group if longer."""
+    groups = [q.group for q in (scheme.k, scheme.v) if q.axis is Axis.CHANNEL]
+    return max([TILE_TOKENS, *groups])
+
+
+def word_code_coords(geom: TileGeometry, word, e: int, k: int):
+    """(token, channel) of the code in slot (``e``, ``k``) of packed ``word`` of a 64-token tile.
+
+    The inverse of ``foscar.layouts.fragment.tile_position``: that code sits at bit
+    ``bits * (e * regs_per_word + k)`` of the word. ``word`` may be a Python int or a DSL Int32
+    (only ``+ * // %`` by constants are used), so the kernel and the CPU test run this one function.
+    """
+    ppw, cw = geom.regs_per_word, geom.vector_words
+    wi = word % cw
+    thread = (word // cw) % TILE_THREADS
+    j = word // (cw * TILE_THREADS)
+    # fragment register n = (j*cw + wi)*ppw + k; ppw is a multiple of 4, so n % 4 == k % 4
+    kbm = (j * cw + wi) * (ppw // 4) + k // 4
+    reg = k % 4
+    h_r, h_c = reg % 2, reg // 2
+    kb, mt = kbm % geom.k_blocks, kbm // geom.k_blocks
+    warp, g, tq = thread // 32, (thread % 32) // 4, thread % 4
+    row = mt * 64 + 16 * warp + 8 * h_r + g
+    col = 16 * kb + 8 * h_c + 2 * tq + e
+    return (row, col) if geom.role == "k" else (col, row)
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """Everything the compiled kernel depends on (the compile-cache key)."""
+
+    bits: int
+    head_dim: int
+    role: str  # 'k' or 'v': which packed tile layout
+    axis: Axis
+    group: int
+    granule: int  # tokens per CTA: a multiple of 64 and of a channel-wise group
+    src_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        object.__setattr__(self, "axis", Axis(self.axis))
+        TileGeometry(self.role, self.bits, self.head_dim)  # validates role, bits, head_dim
+        if self.axis is Axis.TOKEN and self.head_dim % self.group:
+            raise ValueError(f"token-wise group {self.group} must divide head_dim {self.head_dim}")
+        if self.granule % TILE_TOKENS or (self.axis is Axis.CHANNEL and self.granule % self.group):
+            raise ValueError(f"granule {self.granule} must be a multiple of 64 and of a channel-wise group ({self.group})")
+        if self.src_dtype not in SRC_DTYPES:
+            raise ValueError(f"src_dtype must be one of {SRC_DTYPES}, got {self.src_dtype!r}")
+
+    @classmethod
+    def of(cls, scheme: Scheme, role: str) -> "QuantizeConfig":
+        if not isinstance(scheme, Scheme) or role not in ("k", "v"):
+            raise TypeError("pass a Scheme and role='k' or 'v'")
+        quant = scheme.k if role == "k" else scheme.v
+        src = str(scheme.q_dtype).removeprefix("torch.")
+        return cls(scheme.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src)
+
+    @property
+    def geometry(self) -> TileGeometry:
+        return TileGeometry(self.role, self.bits, self.head_dim)
+
+    @property
+    def groups(self) -> int:
+        """(scale, offset) pairs per granule."""
+        if self.axis is Axis.TOKEN:
+            return self.granule * (self.head_dim // self.group)
+        return (self.granule // self.group) * self.head_dim
+
+    @property
+    def cute_src(self):
+        return cutlass.BFloat16 if self.src_dtype == "bfloat16" else cutlass.Float16
+
+
+class Quantize:
+    """One CTA (128 threads) per (granule, KV head); see the module docstring for the two phases."""
+
+    def __init__(self, config: QuantizeConfig):
+        self.cfg = config
+        geom = config.geometry
+        self.words = geom.words
+        self.word_steps = self.words // THREADS
+        self.group_steps = -(-config.groups // THREADS)
+        self.tiles = config.granule // TILE_TOKENS
+        self.levels = (1 << config.bits) - 1
+        self.ppw = geom.regs_per_word
+
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Pointer,
+        dest_page: cute.Pointer,
+        dest_slot: cute.Pointer,
+        codes: cute.Pointer,
+        params: cute.Pointer,
+        tiles: cutlass.Int32,
+        kv_heads: cutlass.Int32,
+        num_pages: cutlass.Int32,
+        page_size: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        D, G, T = cfg.head_dim, cfg.group, cfg.granule
+        # (tiles, kv_heads, granule, D)
+        mSrc = cute.make_tensor(src, cute.make_ordered_layout((tiles, kv_heads, T, D), (3, 2, 1, 0)))
+        # (tiles,)
+        mPage = cute.make_tensor(dest_page, cute.make_layout(tiles))
+        mSlot = cute.make_tensor(dest_slot, cute.make_layout(tiles))
+        # (num_pages, kv_heads, page_size // 64, tile_words)
+        mCodes = cute.make_tensor(
+            codes, cute.make_ordered_layout((num_pages, kv_heads, page_size // TILE_TOKENS, self.words), (3, 2, 1, 0))
+        )
+        if cutlass.const_expr(cfg.axis is Axis.TOKEN):
+            # (num_pages, kv_heads, page_size, D // G, 2)
+            params_shape = (num_pages, kv_heads, page_size, D // G, 2)
+        else:
+            # (num_pages, kv_heads, page_size // G, D, 2)
+            params_shape = (num_pages, kv_heads, page_size // G, D, 2)
+        mParams = cute.make_tensor(params, cute.make_ordered_layout(params_shape, (4, 3, 2, 1, 0)))
+        self.kernel(mSrc, mPage, mSlot, mCodes, mParams).launch(grid=[tiles, kv_heads, 1], block=[THREADS, 1, 1],
+                                                                  stream=stream)
+
+    @cute.kernel
+    def kernel(self, mSrc: cute.Tensor, mPage: cute.Tensor, mSlot: cute.Tensor, mCodes: cute.Tensor,
+               mParams: cute.Tensor):
+        cfg = self.cfg
+        D, G = cfg.head_dim, cfg.group
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, head, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sScale = smem.allocate_tensor(cutlass.Float32, cute.make_layout(cfg.groups), byte_alignment=16)
+        sOffset = smem.allocate_tensor(cutlass.Float32, cute.make_layout(cfg.groups), byte_alignment=16)
+        page = mPage[tile]
+        if page >= 0:  # uniform per CTA: a skipped granule writes nothing
+            slot = mSlot[tile]
+            levels = cutlass.Float32(self.levels)
+
+            # ---- phase 1: (scale, offset) of every group ----------------------------------------
+            for step in cutlass.range_constexpr(self.group_steps):
+                grp = step * THREADS + tidx
+                if grp < cfg.groups:
+                    if cutlass.const_expr(cfg.axis is Axis.TOKEN):
+                        token, c0 = grp // (D // G), (grp % (D // G)) * G
+                        lo = mSrc[tile, head, token, c0].to(cutlass.Float32)
+                        hi = lo
+                        for i in cutlass.range(1, G, unroll=8):
+                            x = mSrc[tile, head, token, c0 + i].to(cutlass.Float32)
+                            lo = cute.arch.fmin(lo, x)
+                            hi = cute.arch.fmax(hi, x)
+                    else:
+                        t0, channel = (grp // D) * G, grp % D
+                        lo = mSrc[tile, head, t0, channel].to(cutlass.Float32)
+                        hi = lo
+                        for i in cutlass.range(1, G, unroll=8):
+                            x = mSrc[tile, head, t0 + i, channel].to(cutlass.Float32)
+                            lo = cute.arch.fmin(lo, x)
+                            hi = cute.arch.fmax(hi, x)
+                    offset = lo.to(cutlass.Float16)
+                    scale = cute.math.div(hi - lo, levels, rounding=cute.math.RoundingMode.NEAREST_EVEN).to(
+                        cutlass.Float16
+                    )
+                    if cutlass.const_expr(cfg.axis is Axis.TOKEN):
+                        mParams[page, head, slot + token, c0 // G, 0] = scale
+                        mParams[page, head, slot + token, c0 // G, 1] = offset
+                    else:
+                        mParams[page, head, slot // G + t0 // G, channel, 0] = scale
+                        mParams[page, head, slot // G + t0 // G, channel, 1] = offset
+                    sScale[grp] = scale.to(cutlass.Float32)
+                    sOffset[grp] = offset.to(cutlass.Float32)
+            cute.arch.sync_threads()
+
+            # ---- phase 2: one packed word per thread and step -----------------------------------
+            geom = cfg.geometry
+            for t in cutlass.range_constexpr(self.tiles):
+                for step in cutlass.range_constexpr(self.word_steps):
+                    word = step * THREADS + tidx
+                    packed = cutlass.Int32(0)
+                    for e in cutlass.range_constexpr(2):
+                        for k in cutlass.range_constexpr(self.ppw):
+                            token, channel = word_code_coords(geom, word, e, k)
+                            token = token + t * TILE_TOKENS
+                            if cutlass.const_expr(cfg.axis is Axis.TOKEN):
+                                grp = token * (D // G) + channel // G
+                            else:
+                                grp = (token // G) * D + channel
+                            s = sScale[grp]
+                            z = sOffset[grp]
+                            x = mSrc[tile, head, token, channel].to(cutlass.Float32)
+                            code = cutlass.Int32(0)  # a constant group (scale 0) has codes 0
+                            if s != cutlass.Float32(0.0):
+                                y = cute.math.div(x - z, s, rounding=cute.math.RoundingMode.NEAREST_EVEN)
+                                y = cute.arch.fmin(cute.arch.fmax(cute.math.roundeven(y), cutlass.Float32(0.0)), levels)
+                                code = y.to(cutlass.Int32)
+                            packed = packed | (code << (cfg.bits * (e * self.ppw + k)))
+                    mCodes[page, head, slot // TILE_TOKENS + t, word] = packed
+
+
+def _fake_ptr(dtype):
+    return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
+
+
+def compile_quantize(config: QuantizeConfig, arch: str = "sm_90a"):
+    """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``."""
+    from ..inspect import compile_for
+
+    i32 = cutlass.Int32(1)
+    return compile_for(
+        arch,
+        Quantize(config),
+        _fake_ptr(config.cute_src),
+        _fake_ptr(cutlass.Int32),
+        _fake_ptr(cutlass.Int32),
+        _fake_ptr(cutlass.Int32),
+        _fake_ptr(cutlass.Float16),
+        i32, i32, i32, i32,
+        cuda.CUstream(0),
+    )
+
+
+def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, role: str):
+    """Quantize ``src [tiles, kv_heads, granule, D]`` (CUDA) into pages ``dest_page`` at ``dest_slot``.
+
+    No allocation, no host sync: safe inside CUDA-graph capture. Runs on the current torch stream.
+    Shapes are checked here (host metadata only); ``foscar.cache`` is the usual caller.
+    """
+    import torch
+
+    cfg = QuantizeConfig.of(scheme, role)
+    tiles, kv_heads, granule, dim = src.shape
+    num_pages, _, tiles_per_page, words = codes.shape
+    page_size = tiles_per_page * TILE_TOKENS
+    if cfg.axis is Axis.TOKEN:
+        params_shape = (num_pages, kv_heads, page_size, dim // cfg.group, 2)
+    else:
+        params_shape = (num_pages, kv_heads, page_size // cfg.group, dim, 2)
+    expected = [
+        ("src", src, scheme.q_dtype, (tiles, kv_heads, cfg.granule, cfg.head_dim)),
+        ("dest_page", dest_page, torch.int32, (tiles,)),
+        ("dest_slot", dest_slot, torch.int32, (tiles,)),
+        ("codes", codes, torch.int32, (num_pages, kv_heads, tiles_per_page, cfg.geometry.words)),
+        ("params", params, torch.float16, params_shape),
+    ]
+    for name, t, dtype, shape in expected:
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{name}: need a contiguous CUDA {dtype} tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if page_size % cfg.granule:
+        raise ValueError(f"page_size {page_size} must be a multiple of the granule {cfg.granule}")
+    if tiles == 0:
+        return
+    arch = device_arch(src.device)
+    compiled = cached_compile(("quantize", cfg, arch), lambda: compile_quantize(cfg, arch=arch))
+
+    def ptr(t, dtype):
+        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+
+    stream = cuda.CUstream(torch.cuda.current_stream(src.device).cuda_stream)
+    compiled(
+        ptr(src, cfg.cute_src), ptr(dest_page, cutlass.Int32), ptr(dest_slot, cutlass.Int32),
+        ptr(codes, cutlass.Int32), ptr(params, cutlass.Float16), tiles, kv_heads, num_pages, page_size, stream,
+    )

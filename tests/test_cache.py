@@ -1,0 +1,184 @@
+"""PagedKVCache logic on CPU tensors (torch quantizer path): page accounting, round trips through
+the sink / quantized pages / recent ring, append paths, attention, rotation, and error paths that
+must leave the cache unchanged."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from foscar import Scheme
+from foscar.cache import PagedKVCache, PagePoolFull, hadamard
+from foscar.quantize import dequantize_groups, quantize_groups
+
+SCHEMES = [
+    Scheme.make(2, "channel", 128, "token", 64, 64, 2),  # KIVI-style: 128-token granule
+    Scheme.make(4, "token", 64, "token", 64, 64, 2),  # OSCAR-style: 64-token granule
+    Scheme.make(2, "channel", 64, "channel", 32, 64, 1),
+]
+
+
+def make_cache(scheme=SCHEMES[0], layers=2, num_pages=24, max_seqs=4, sink=16, window=128, **kw):
+    return PagedKVCache(scheme, layers, 2, num_pages, max_seqs, 1500, sink=sink, window=window, device="cpu", **kw)
+
+
+def kv(rng, scheme, batch, tokens, heads=2):
+    shape = (batch, heads, tokens, scheme.head_dim)
+    k = torch.randn(shape, generator=rng) + 2 * torch.randn(scheme.head_dim, generator=rng)
+    return k.to(scheme.q_dtype), torch.randn(shape, generator=rng).to(scheme.q_dtype)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_round_trip_and_append_paths(scheme, rng):
+    """Token by token, in chunks and at once give the same cache; dense() is the sink and recent
+    tokens exactly and the quantized span exactly as quantize_groups + dequantize_groups give it."""
+    k, v = kv(rng, scheme, 2, 900)
+    caches = [make_cache(scheme) for _ in range(3)]
+    ids = [[c.allocate(), c.allocate()] for c in caches]
+    caches[0].append(1, ids[0], k, v)
+    for t in range(0, 900, 97):
+        caches[1].append(1, ids[1], k[:, :, t:t + 97], v[:, :, t:t + 97])
+    caches[2].append(1, ids[2], k[:, :, :600], v[:, :, :600])
+    for t in range(600, 900):
+        caches[2].append(1, ids[2], k[:, :, t:t + 1], v[:, :, t:t + 1])
+    cache = caches[0]
+    s, qn = cache.sink, cache.quantized_tokens(900)
+    assert qn == cache.granule * ((900 - s - cache.window) // cache.granule) and qn % cache.granule == 0
+    for b in range(2):
+        dense = [c.dense(1, i[b]) for c, i in zip(caches, ids)]
+        for other in dense[1:]:
+            assert all(torch.equal(x, y) for x, y in zip(dense[0], other))
+        for x, ref, quant in zip(dense[0], (k[b], v[b]), (scheme.k, scheme.v)):
+            assert x.shape == (2, 900, scheme.head_dim)
+            assert torch.equal(x[:, :s], ref[:, :s].float()) and torch.equal(x[:, s + qn:], ref[:, s + qn:].float())
+            codes, scale, offset = quantize_groups(ref[:, s:s + qn], scheme.bits, quant)
+            assert torch.equal(x[:, s:s + qn], dequantize_groups(codes, scale, offset, quant))
+    for c in caches:  # layer 0 untouched
+        assert c.seq_len(ids[0][0], layer=0) == 0 and c.seq_len(ids[0][0], layer=1) == 900
+
+
+def test_page_accounting(rng):
+    scheme = SCHEMES[1]
+    cache = make_cache(scheme, num_pages=10, sink=16, window=128)
+    assert cache.granule == 64 and cache.page_size == 128 and cache.ring == 192
+    a, b = cache.allocate(), cache.allocate(num_tokens=16 + 128 + 3 * 64)
+    assert cache.pages_of(a) == [] and len(cache.pages_of(b)) == 2 and cache.free_pages == 8
+    k, v = kv(rng, scheme, 1, 500)
+    cache.append(0, [a], k, v)
+    assert len(cache.pages_of(a)) == cache.pages_for(500) == math.ceil(cache.quantized_tokens(500) / 128)
+    assert cache.free_pages == 10 - 2 - cache.pages_for(500)
+    assert cache.page_table[a, :len(cache.pages_of(a))].tolist() == cache.pages_of(a)
+    assert (cache.page_table[a, len(cache.pages_of(a)):] == cache.trash_page).all()
+    cache.append(1, [a], k[:, :, :10], v[:, :, :10])  # another layer: pages are shared, none added
+    assert cache.free_pages == 10 - 2 - cache.pages_for(500)
+    pages_a = cache.pages_of(a)
+    cache.free(a)
+    assert cache.free_pages == 8 and cache.sequences == [b]
+    assert (cache.page_table[a] == cache.trash_page).all() and (cache.lengths[:, a] == 0).all()
+    c = cache.allocate()
+    assert c == a  # slot reused, empty
+    assert cache.seq_len(c) == 0 and cache.pages_of(c) == []
+    cache.append(0, [c], k, v)
+    assert sorted(cache.pages_of(c)) == sorted(pages_a)
+    pages = len(cache.pages_of(b)) + len(cache.pages_of(c))
+    assert cache.used_bytes() == pages * cache.bytes_per_page() + 2 * cache.k_bf16[:, 0].numel() * 2 * 2
+
+
+def attention(q, k, v, sm_scale):
+    """float64 attention of q [Hq, D] over k, v [kvh, n, D]."""
+    kvh = k.shape[0]
+    qg = q.double().reshape(kvh, -1, q.shape[-1])
+    scores = torch.einsum("hrd,hld->hrl", qg, k.double()) * sm_scale
+    lse = torch.logsumexp(scores, -1)
+    out = torch.einsum("hrl,hld->hrd", torch.softmax(scores, -1), v.double())
+    return out.reshape(q.shape), lse.reshape(-1)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.name)
+def test_attend_matches_dense(scheme, rotate, rng):
+    cache = make_cache(scheme, rotate=rotate)
+    ids = [cache.allocate() for _ in range(3)]
+    lengths = [5, 150, 700]  # only sink; sink + ring; all three parts
+    for i, n in zip(ids, lengths):
+        k, v = kv(rng, scheme, 1, n)
+        cache.append(0, [i], k, v)
+    order = [ids[2], ids[0], ids[1]]  # a non-contiguous batch
+    q = torch.randn(3, 2 * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+    out, lse = cache.attend(0, order, q, sm_scale=0.1, return_lse=True)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    for b, seq in enumerate(order):
+        k, v = cache.dense(0, seq)
+        qb = (q[b].float() @ cache.rotation).to(q.dtype) if rotate else q[b]
+        ref, ref_lse = attention(qb, k, v, 0.1)
+        assert (out[b].double() - ref).abs().max() < 1e-2
+        assert (lse[b].double() - ref_lse).abs().max() < 1e-4
+
+
+def test_hadamard_and_rotation_helps_int2(rng):
+    h = hadamard(64)
+    assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6) and torch.equal(h, h.T)
+    scheme = Scheme.make(2, "token", 64, "token", 64, 64, 1)
+    k, v = kv(rng, scheme, 1, 900)
+    k[..., 3] *= 20  # an outlier channel, as real keys have
+    q = torch.randn(1, 2, 64, generator=rng).bfloat16()
+    errors = []
+    for rotate in (False, True):
+        cache = make_cache(scheme, layers=1, rotate=rotate, sink=0, window=64)
+        seq = cache.allocate()
+        cache.append(0, [seq], k, v)
+        out = cache.attend(0, [seq], q)
+        ref, _ = attention(q[0], k[0].float(), v[0].float(), 64**-0.5)  # the unquantized cache
+        errors.append(float((out[0].double() - ref).abs().max()))
+    assert errors[1] < errors[0]
+
+
+def snapshot(cache):
+    tensors = {n: getattr(cache, n).clone() for n in ("k_codes", "k_params", "v_codes", "v_params", "k_bf16", "v_bf16",
+                                                       "lengths", "page_table")}
+    host = (list(cache._free_pages), [None if p is None else list(p) for p in cache._pages], cache._host_len.copy())
+    return tensors, host
+
+
+def assert_unchanged(cache, snap):
+    tensors, host = snapshot(cache)
+    for name, t in snap[0].items():
+        assert torch.equal(tensors[name], t), name
+    assert host[0] == snap[1][0] and host[1] == snap[1][1] and np.array_equal(host[2], snap[1][2])
+
+
+def test_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
+    scheme = SCHEMES[1]
+    cache = make_cache(scheme, num_pages=4, max_seqs=2)
+    a, b = cache.allocate(), cache.allocate()
+    k, v = kv(rng, scheme, 2, 400)
+    cache.append(0, [a, b], k, v)
+    snap = snapshot(cache)
+    big_k, big_v = kv(rng, scheme, 2, 300)
+    bad = [
+        (PagePoolFull, "page pool full", lambda: cache.append(0, [a, b], big_k, big_v)),
+        (PagePoolFull, "sequence slots", lambda: cache.allocate()),
+        (PagePoolFull, "num_pages", lambda: cache.reserve(a, 1400)),
+        (ValueError, "seq_ids: unknown sequence id 3", lambda: cache.append(0, [a, 3], k[:, :, :1], v[:, :, :1])),
+        (ValueError, "seq_id: unknown sequence id 7", lambda: cache.free(7)),
+        (TypeError, "seq_ids must be a list", lambda: cache.append(0, torch.tensor([a]), k[:1], v[:1])),
+        (ValueError, "must not repeat", lambda: cache.append(0, [a, a], k, v)),
+        (TypeError, "k must have dtype torch.bfloat16", lambda: cache.append(0, [a, b], k.half(), v)),
+        (TypeError, "v must have dtype", lambda: cache.append(0, [a, b], k, v.float())),
+        (ValueError, "k has 4 heads; the cache holds kv_heads = 2", lambda: cache.append(0, [a, b], k.repeat(1, 2, 1, 1), v)),
+        (ValueError, "v must have the shape of k", lambda: cache.append(0, [a, b], k, v[:, :, :5])),
+        (ValueError, "k must have shape", lambda: cache.append(0, [a], k, v)),
+        (ValueError, "layer must be", lambda: cache.append(2, [a, b], k, v)),
+        (ValueError, "max_seq_len", lambda: cache.append(0, [a, b], *kv(rng, scheme, 2, 1200))),
+        (ValueError, "q has 3 heads", lambda: cache.attend(0, [a, b], torch.zeros(2, 3, 64, dtype=torch.bfloat16))),
+        (TypeError, "q must have dtype", lambda: cache.attend(0, [a, b], torch.zeros(2, 4, 64))),
+        (ValueError, "sm_scale", lambda: cache.attend(0, [a, b], torch.zeros(2, 4, 64, dtype=torch.bfloat16), sm_scale=-1.0)),
+    ]
+    for error, message, call in bad:
+        with pytest.raises(error, match=message):
+            call()
+        assert_unchanged(cache, snap)
+    for name, kwargs in [("window", dict(window=100)), ("page_size", dict(page_size=96)), ("sink", dict(sink=-1))]:
+        with pytest.raises(ValueError, match=name):
+            make_cache(scheme, **kwargs)
