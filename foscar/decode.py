@@ -20,7 +20,7 @@ __all__ = ["decode", "decode_paged", "plan_splits", "validate_paged"]
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-CTAS_PER_SM = 1  # the Hopper kernel: producer + 2 consumer warpgroups hold an SM's registers (setmaxnreg)
+CTAS_PER_SM = 1  # the Hopper kernel: producer + 3 consumer warpgroups hold an SM's registers (setmaxnreg)
 SPLIT_OVERHEAD_TOKENS = 256  # per-CTA prologue, ring fill and combine traffic, in tokens of work
 
 

@@ -3,7 +3,8 @@
 The compiled kernel takes raw pointers plus a few runtime int32 extents (batch, kv_heads,
 max_pages, num_splits) and the fp32 sm_scale, so one compilation serves every batch size,
 sequence length, page count and split count. The compile cache is keyed on
-``(scheme, page_size, partial_output, arch)`` only.
+``(scheme, page_size, partial_output, consumers, arch)`` only (``consumers``: consumer warpgroups
+per CTA, ``DEFAULT_CONSUMERS`` unless a benchmark asks for another count).
 
 ``partial_output`` selects the output format: False writes ``o`` bf16 ``[B, Hq, D]`` and ``lse``
 fp32 ``[B, Hq]`` (natural log); True writes normalized fp32 partials ``o [B, Hq, S, D]`` and
@@ -17,30 +18,32 @@ from ..jit import cached_compile
 from ..scheme import Scheme
 from .kernel import DecodeConfig
 
-__all__ = ["compile_decode", "run_decode", "DEFAULT_ARCH"]
+__all__ = ["compile_decode", "run_decode", "DEFAULT_ARCH", "DEFAULT_CONSUMERS"]
 
 DEFAULT_ARCH = "sm_90a"
+DEFAULT_CONSUMERS = 3  # benchmarks/NOTES.md: 3 consumer warpgroups hide more latency than 2
 
 
-def compile_decode(scheme: Scheme, page_size: int, partial_output: bool = False, arch: str = DEFAULT_ARCH):
+def compile_decode(scheme: Scheme, page_size: int, partial_output: bool = False, arch: str = DEFAULT_ARCH,
+                   consumers: int = DEFAULT_CONSUMERS):
     """Compile (or fetch from the in-process cache) the decode kernel of ``scheme``.
 
     Works without a GPU (fake pointers); the result keeps its PTX and cubin (``foscar.inspect``).
     """
-    key = ("hopper_decode", scheme, int(page_size), bool(partial_output), arch)
-    return cached_compile(key, lambda: _build(scheme, page_size, partial_output, arch))
+    key = ("hopper_decode", scheme, int(page_size), bool(partial_output), int(consumers), arch)
+    return cached_compile(key, lambda: _build(scheme, page_size, partial_output, arch, consumers))
 
 
-def _build(scheme, page_size, partial_output, arch):
+def _build(scheme, page_size, partial_output, arch, consumers):
     import cuda.bindings.driver as cuda
 
-    from cutlass import BFloat16, Float16, Float32, Int32
+    from cutlass import Float16, Float32, Int32
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
 
     from .kernel import HopperDecodeKernel
 
-    cfg = DecodeConfig(scheme, page_size, partial_output)
+    cfg = DecodeConfig(scheme, page_size, partial_output, consumers)
     kernel = HopperDecodeKernel(cfg)
     q_type = cfg.q_dtype
 
@@ -78,7 +81,7 @@ def _ptr(t, dtype):
 
 
 def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme, num_splits: int = 1,
-               out=None, lse=None, arch: str = DEFAULT_ARCH):
+               out=None, lse=None, arch: str = DEFAULT_ARCH, consumers: int = DEFAULT_CONSUMERS):
     """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out, lse)``.
 
     ``out`` (q's dtype ``[B, Hq, D]``) and ``lse`` (fp32 ``[B, Hq]``) are written in place when
@@ -97,7 +100,7 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     batch, hq, d = q.shape
     page_size = k_codes.shape[2] * 64
     partial = num_splits > 1
-    compiled = compile_decode(scheme, page_size, partial, arch)
+    compiled = compile_decode(scheme, page_size, partial, arch, consumers)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, hq, dtype=torch.float32, device=device) if lse is None else lse
     if partial:

@@ -1,0 +1,51 @@
+"""The shared-memory ring of the Hopper decode kernel: 1-D bulk copies (TMA engine) into stages
+guarded by mbarriers.
+
+Every (page, kv_head, 64-token tile) block of packed codes is contiguous in global memory, and so
+are the tile's (scale, offset) rows, so a stage is filled by four plain ``cp.async.bulk`` copies
+(no tensor map): K codes, V codes, K params, V params. One producer thread per CTA issues them.
+
+Barriers of stage ``s`` (``full[s]``, ``empty[s]``):
+
+* ``full[s]``: arrival count 1. The producer arrives with ``expect_tx(stage bytes)``; the copies
+  complete the transaction bytes. Consumers wait on its phase parity.
+* ``empty[s]``: arrival count ``CONSUMER_THREADS`` (one warpgroup). Every thread of the consumer
+  warpgroup that read stage ``s`` arrives after its last shared-memory read; the producer waits
+  before overwriting the stage. A fresh barrier counts as completed for parity 1, so the
+  producer's first pass over the ring waits on ``phase ^ 1`` and does not block.
+
+Local tile ``i`` of a CTA uses stage ``i % stages`` in phase ``(i // stages) % 2``.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+
+@dsl_user_op
+def bulk_copy_g2s(dst: cute.Pointer, src: cute.Pointer, nbytes: int, mbar: cute.Pointer, *, loc=None, ip=None):
+    """``cp.async.bulk`` of ``nbytes`` (multiple of 16) from global ``src`` to shared ``dst``,
+    completing its bytes on the mbarrier ``mbar``. Issue from one thread."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[
+            dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+            src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+            Int32(nbytes).ir_value(loc=loc, ip=ip),
+            mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+        ],
+        asm_string="cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        constraints="r,l,r,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def stage_and_phase(i, stages: int):
+    """(stage, phase parity) of local tile ``i`` in a ring of ``stages``."""
+    return i % stages, (i // stages) % 2
