@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+import numbers
+
 import torch
 
 from .kernels.quantize import granule_of
@@ -122,7 +123,7 @@ class PagedKVCache:
         # host state: the page allocator, and a mirror of ``lengths`` for reservation and validation
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest index
         self._pages: list[list[int] | None] = [None] * max_seqs  # None: slot free
-        self._host_len = np.zeros((num_layers, max_seqs), dtype=np.int64)
+        self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64)  # host mirror of lengths
         self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
         self._index_cache: dict[tuple, torch.Tensor] = {}
         self._heads = torch.arange(kv_heads, device=dev)
@@ -261,7 +262,7 @@ class PagedKVCache:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
 
     def _check_seq(self, name: str, seq_id) -> None:
-        if not isinstance(seq_id, (int, np.integer)) or isinstance(seq_id, bool):
+        if not isinstance(seq_id, numbers.Integral) or isinstance(seq_id, bool):
             raise TypeError(f"{name} must be an int sequence id, got {type(seq_id).__name__}")
         if not 0 <= seq_id < self.max_seqs or self._pages[seq_id] is None:
             raise ValueError(f"{name}: unknown sequence id {seq_id} (allocated: {self.sequences})")
@@ -270,7 +271,7 @@ class PagedKVCache:
         """Validated ids and their device index (cached, so that graph replays find it)."""
         if isinstance(seq_ids, torch.Tensor) or not isinstance(seq_ids, (list, tuple, range)):
             raise TypeError(f"seq_ids must be a list, tuple or range of ints, got {type(seq_ids).__name__}")
-        ids = tuple(int(s) if isinstance(s, np.integer) else s for s in seq_ids)
+        ids = tuple(int(s) if isinstance(s, numbers.Integral) else s for s in seq_ids)
         if not ids:
             raise ValueError("seq_ids must not be empty")
         for s in ids:
@@ -306,7 +307,7 @@ class PagedKVCache:
 
     def _sync_mirror(self) -> None:
         if self._mirror_stale and not _capturing(self.device):
-            self._host_len[:] = self.lengths.cpu().numpy()
+            self._host_len[:] = self.lengths.cpu()
             self._mirror_stale = False
 
     # ------------------------------------------------------------------ append
@@ -414,7 +415,7 @@ class PagedKVCache:
             for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
                 vals = torch.cat([x.transpose(0, 1) for x in ring_vals[role]])  # [tokens, kvh, D]
                 bf16[layer].index_put_((rows[:, None], self._heads[None, :], cols[:, None]), vals)
-        self.lengths[layer].index_copy_(0, index, torch.from_numpy(self._host_len[layer, list(ids)] + k.shape[2]).to(
+        self.lengths[layer].index_copy_(0, index, (self._host_len[layer, list(ids)] + k.shape[2]).to(
             self.device))
 
     def _quantize(self, layer, role, src, page, slot):
