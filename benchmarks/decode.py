@@ -169,6 +169,31 @@ def foscar_layers(scheme, batch, context, kv_heads, page_size=128):
     return fns, nbytes, copies, splits
 
 
+def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=64, window=256):
+    """Layer closures of ``PagedKVCache.attend``: BF16 sink + recent window merged with the quantized pages."""
+    from foscar.cache import PagedKVCache
+    from foscar.kernels.quantize import granule_of
+
+    granule = granule_of(scheme)
+    quantized = granule * max(0, (context - sink - window) // granule)
+    bf16_tokens = context - quantized
+    d = scheme.head_dim
+    nbytes = int(batch * kv_heads * d * (2 * quantized * scheme.bytes_per_element() + 2 * 2 * bf16_tokens))
+    nbytes += 2 * batch * kv_heads * scheme.gqa_ratio * d * 2
+    copies = copies_for(nbytes)
+    pages = -(-quantized // page_size)
+    cache = PagedKVCache(scheme, num_layers=copies, kv_heads=kv_heads, num_pages=max(1, batch * pages), max_seqs=batch,
+                         max_seq_len=context, page_size=page_size, sink=sink, window=window)
+    seqs = [cache.allocate() for _ in range(batch)]
+    gen = torch.Generator("cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for layer in range(copies):
+        k = torch.randn(batch, kv_heads, context, d, device="cuda", generator=gen, dtype=scheme.q_dtype)
+        cache.append(layer, seqs, k, torch.randn_like(k))
+        del k
+    q = torch.randn(batch, kv_heads * scheme.gqa_ratio, d, device="cuda", generator=gen, dtype=scheme.q_dtype)
+    return [(lambda layer=layer: cache.attend(layer, seqs, q)) for layer in range(copies)], nbytes, copies
+
+
 def variants():
     from foscar import Scheme
 
@@ -178,6 +203,24 @@ def variants():
         "int4-kt128": Scheme.make(4, "token", 128, "token", 128, 128, 4),
         "int4-kc128": Scheme.make(4, "channel", 128, "token", 128, 128, 4),
     }
+
+
+def loop_stats(methods):
+    """SASS main-loop figures (foscar.inspect) of each FOSCAR variant, at the standard geometry."""
+    from foscar.hopper.decode import compile_decode
+    from foscar.inspect import artifacts, decode_loop_stats
+
+    out = {}
+    for method in methods:
+        scheme = variants().get(method.removesuffix("+sw"))
+        if scheme is None or method in out:
+            continue
+        try:
+            art = artifacts(compile_decode(scheme, 128, partial_output=True, arch="sm_90a"))
+            out[method] = decode_loop_stats(art.loop_mix(full_opcodes=True), scheme.head_dim)
+        except Exception as exc:  # e.g. no nvdisasm: say so
+            out[method] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
 
 
 def run_sweep(shapes, methods, reps):
@@ -198,6 +241,12 @@ def run_sweep(shapes, methods, reps):
                     layers = [sdpa_layer(batch, context, q_heads, kv_heads, head_dim) for _ in range(row.copies)]
                     row.bytes = layers[0][1]
                     row.us = time_layers([fn for fn, _ in layers], reps)
+                elif method.endswith("+sw"):
+                    scheme = variants()[method.removesuffix("+sw")]
+                    scheme = type(scheme)(scheme.bits, scheme.k, scheme.v, head_dim, q_heads // kv_heads, scheme.q_dtype)
+                    fns, row.bytes, row.copies = foscar_window_layers(scheme, batch, context, kv_heads)
+                    row.note = "BF16 sink 64 + window 256"
+                    row.us = time_layers(fns, reps)
                 else:
                     scheme = variants()[method]
                     scheme = type(scheme)(scheme.bits, scheme.k, scheme.v, head_dim, q_heads // kv_heads, scheme.q_dtype)
@@ -229,7 +278,8 @@ def summarize(rows, ceiling_tbps):
         for base in ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16"):
             b = by.get((*key, base))
             rel[base] = (b.us / r.us) if (b and b.us and r.us) else None
-            if r.method not in ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16") and rel[base]:
+            standard = r.model == "qwen3-8b"  # the issue's geo-means are over the standard sweep
+            if standard and r.method not in ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16") and rel[base]:
                 speedups.setdefault((r.method, base), []).append(rel[base])
         pct = (100 * r.tbps / ceiling_tbps) if (r.tbps and ceiling_tbps) else None
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
@@ -237,6 +287,10 @@ def summarize(rows, ceiling_tbps):
                      f"{fmt(pct, '.0f')} | {fmt(rel['flashinfer-bf16'], '.2f')} | {fmt(rel['flashinfer-fp8'], '.2f')} | "
                      f"{fmt(rel['sdpa-bf16'], '.2f')} | {r.note} |")
     geo = {f"{m} vs {b}": geomean(v) for (m, b), v in speedups.items()}
+    for method in sorted({r.method for r in rows}):
+        fractions = [r.tbps / ceiling_tbps for r in rows if r.method == method and r.model == "qwen3-8b" and r.tbps]
+        if fractions and ceiling_tbps:
+            geo[f"{method} fraction of read ceiling"] = geomean(fractions)
     return "\n".join(lines), geo
 
 
@@ -271,7 +325,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three configs, fewer replays (about a minute)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--methods", default="flashinfer-bf16,flashinfer-fp8,sdpa-bf16,int2-kt128,int2-kc128,int4-kt128,int4-kc128")
+    parser.add_argument("--methods", default="flashinfer-bf16,flashinfer-fp8,sdpa-bf16,int2-kt128,int2-kc128,int4-kt128,"
+                        "int4-kc128,int2-kc128+sw,int4-kt128+sw")
     parser.add_argument("--tag", default="decode")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -291,6 +346,7 @@ def main(argv=None):
         "versions": _versions(),
         "read_ceiling_tbps": ceiling,
         "timing": f"CUDA graph over >= {WORKING_SET >> 20} MB working set per replay (>= 4x L2), median of {reps} replays",
+        "sass_main_loop": loop_stats(args.methods.split(",")),
     }
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.tag)
@@ -300,6 +356,10 @@ def main(argv=None):
         f.write(f"# Decode benchmark ({meta['device']}, {meta['date']})\n\n")
         f.write(f"Read ceiling: {ceiling:.2f} TB/s. {meta['timing']}. Versions: {meta['versions']}\n\n{table}\n\n")
         f.write("Geo-mean speedups:\n\n" + "\n".join(f"- {k}: {v:.2f}x" for k, v in geo.items() if v) + "\n")
+        f.write("\nSASS main loop per KV element (shift/logic; all instructions):\n\n")
+        for method, st in meta["sass_main_loop"].items():
+            f.write(f"- {method}: " + (f"{st['shift_logic_per_element']:.2f}; {st['instructions_per_element']:.2f}\n"
+                                      if "error" not in st else st["error"] + "\n"))
     try:
         plot(rows, ceiling, stem + ".png")
     except Exception as exc:  # a plot is a convenience; the JSON and table are the record

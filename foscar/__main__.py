@@ -17,14 +17,11 @@ import torch
 
 from .scheme import Scheme
 
-CONSTRUCTION_OPS = ("LOP3", "SHF", "PRMT", "IMAD.SHL", "SHL", "SHR")
-
-
 def compile_report(scheme: Scheme, page_size: int):
     """Compile every kernel of ``scheme`` for both arches; print one line per kernel."""
     from .blackwell.decode import compile_decode as compile_blackwell
     from .hopper.decode import compile_decode
-    from .inspect import artifacts
+    from .inspect import artifacts, decode_loop_stats
     from .kernels.combine import compile_combine
     from .kernels.dequantize import compile_dequantize
 
@@ -57,11 +54,10 @@ def compile_report(scheme: Scheme, page_size: int):
         print(f"{arch:8} {name:16} {res.registers:4d} {res.local_bytes:5d}  loop {sum(loop.values())} instr"
               f" ({mma} GMMA); kernel: {top}")
         if name == "decode (hopper)":
-            alu = sum(n for op, n in loop.items() if op.startswith(CONSTRUCTION_OPS))
-            per_thread = 2 * 64 * scheme.head_dim // 128  # K and V elements per thread per tile
-            loop_alu = alu / per_thread
-            print(f"{'':8} {'':16} main loop: {alu} shift/logic instructions per thread per 64-token tile"
-                  f" = {loop_alu:.2f} per KV element; {sum(loop.values()) / per_thread:.2f} instructions per element")
+            stats = decode_loop_stats(loop, scheme.head_dim)
+            loop_alu = stats["shift_logic_per_element"]
+            print(f"{'':8} {'':16} main loop per KV element: {loop_alu:.2f} shift/logic (LOP3/SHF/PRMT), "
+                  f"{stats['instructions_per_element']:.2f} instructions in all")
     return loop_alu
 
 

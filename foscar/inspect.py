@@ -37,6 +37,8 @@ __all__ = [
     "loop_regions",
     "loop_region",
     "instruction_mix",
+    "SHIFT_LOGIC_OPS",
+    "decode_loop_stats",
 ]
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -384,3 +386,23 @@ def artifacts(compiled) -> Artifacts:
         raise ValueError("compile with options='--keep-ptx --keep-cubin' (or use compile_for)")
     m = re.search(r"^\s*\.target\s+(\w+)", ptx, re.M)
     return Artifacts(arch=m.group(1) if m else "", ptx=ptx, cubin=bytes(cubin), kernels=kernel_resources(cubin))
+
+
+# Operand construction and bit plumbing in SASS: what "ALU instructions per KV element" counts.
+SHIFT_LOGIC_OPS = ("LOP3", "SHF", "IMAD.SHL", "PRMT", "SHL", "SHR")
+
+
+def decode_loop_stats(loop: Counter, head_dim: int, tile_tokens: int = 64, threads: int = 128) -> dict:
+    """Per-KV-element figures of a decode kernel's main loop (``Artifacts.loop_mix(full_opcodes=True)``).
+
+    One loop trip handles ``tile_tokens`` tokens of K and V in one warpgroup (``threads``), i.e.
+    ``2*tile_tokens*head_dim/threads`` elements per thread; SASS counts are per thread.
+    """
+    per_thread = 2 * tile_tokens * head_dim // threads
+    shift_logic = sum(n for op, n in loop.items() if op.startswith(SHIFT_LOGIC_OPS))
+    return {
+        "instructions": sum(loop.values()),
+        "mma": sum(n for op, n in loop.items() if "GMMA" in op),
+        "shift_logic_per_element": shift_logic / per_thread,
+        "instructions_per_element": sum(loop.values()) / per_thread,
+    }
