@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .jit import device_arch
+from .layouts import ARCH_LAYOUT
 from .quantize import QuantizedKV, quantize_kv
 from .reference import attend_dequantized, attend_dequantized_torch
 from .scheme import Axis, Scheme
@@ -21,8 +23,14 @@ from .scheme import Axis, Scheme
 ATOL_FLOOR = 1e-3
 
 
-def random_problem(scheme: Scheme, lengths, kv_heads=2, page_size=64, device="cuda", generator=None, shuffle=True):
-    """Fresh random ``q`` and a paged cache of random K/V (a per-channel K bias, as real keys have)."""
+def random_problem(scheme: Scheme, lengths, kv_heads=2, page_size=64, device="cuda", generator=None, shuffle=True,
+                   layout=None):
+    """Fresh random ``q`` and a paged cache of random K/V (a per-channel K bias, as real keys have).
+
+    ``layout``: the cache's bit order; default: what the CUDA device's kernel reads ("hopper" on CPU).
+    """
+    if layout is None:
+        layout = ARCH_LAYOUT[device_arch(device)] if torch.device(device).type == "cuda" else "hopper"
     lengths = list(lengths)
     if generator is None:  # a fresh seed every call, drawn on the host, generated on the device
         generator = torch.Generator(device).manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -32,7 +40,8 @@ def random_problem(scheme: Scheme, lengths, kv_heads=2, page_size=64, device="cu
     v = torch.randn(shape, **kw)
     q = torch.randn(len(lengths), kv_heads * scheme.gqa_ratio, scheme.head_dim, **kw)
     to = dict(device=device, dtype=scheme.q_dtype)
-    cache = quantize_kv(k.to(**to), v.to(**to), scheme, page_size, torch.tensor(lengths, dtype=torch.int32, device=device))
+    cache = quantize_kv(k.to(**to), v.to(**to), scheme, page_size, torch.tensor(lengths, dtype=torch.int32, device=device),
+                        layout=layout)
     del k, v
     if shuffle:
         cache = cache.shuffle_pages(torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))

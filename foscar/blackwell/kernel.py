@@ -77,7 +77,7 @@ WG = 128
 # warpgroup roles
 WG_MMA, WG_PREP, WG_SOFTMAX, WG_OUTPUT = 0, 1, 2, 3
 # registers per thread of each role after setmaxnreg (sum * 128 <= 64K)
-REGS = {WG_MMA: 56, WG_PREP: 136, WG_SOFTMAX: 160, WG_OUTPUT: 160}
+REGS = {WG_MMA: 80, WG_PREP: 112, WG_SOFTMAX: 160, WG_OUTPUT: 160}
 # named barriers (0 = sync_threads)
 BAR_OPERANDS = 1  # all 512: A and B of the QK step are in smem; previous PV consumed
 BAR_P = 2  # all 512: P^T in smem
@@ -324,6 +324,7 @@ class BlackwellDecodeKernel:
             grid=(num_splits, kv_heads, batch),
             block=(cfg.threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=1,  # .minnctapersm: lets ptxas honour the per-role setmaxnreg
             stream=stream,
         )
 
