@@ -223,7 +223,7 @@ def loop_stats(methods):
     return out
 
 
-def run_sweep(shapes, methods, reps):
+def run_sweep(shapes, methods, reps, after_config=None):
     rows = []
     for model, batch, context in progress(shapes, "configs"):
         q_heads, kv_heads, head_dim = MODELS[model]
@@ -259,6 +259,8 @@ def run_sweep(shapes, methods, reps):
                 row.note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
             torch.cuda.empty_cache()
+        if after_config:  # results so far survive a sweep cut short
+            after_config(rows)
     return rows
 
 
@@ -328,15 +330,14 @@ def main(argv=None):
     parser.add_argument("--methods", default="flashinfer-bf16,flashinfer-fp8,sdpa-bf16,int2-kt128,int2-kc128,int4-kt128,"
                         "int4-kc128,int2-kc128+sw,int4-kt128+sw")
     parser.add_argument("--tag", default="decode")
+    parser.add_argument("--reps", type=int, default=None, help="graph replays per row (default 30; 10 with --quick)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks.decode needs a CUDA GPU")
     shapes = [("qwen3-8b", b, l) for b, l in (QUICK if args.quick else STANDARD)] + ([] if args.quick else EXTRA)
-    reps = 10 if args.quick else 30
+    reps = args.reps or (10 if args.quick else 30)
     ceiling_us, ceiling_bytes = read_ceiling_us()
     ceiling = ceiling_bytes / ceiling_us / 1e6
-    rows = run_sweep(shapes, args.methods.split(","), reps)
-    table, geo = summarize(rows, ceiling)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
@@ -350,16 +351,8 @@ def main(argv=None):
     }
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.tag)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "geomean": geo, "rows": [asdict(r) | {"tbps": r.tbps} for r in rows]}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(f"# Decode benchmark ({meta['device']}, {meta['date']})\n\n")
-        f.write(f"Read ceiling: {ceiling:.2f} TB/s. {meta['timing']}. Versions: {meta['versions']}\n\n{table}\n\n")
-        f.write("Geo-mean speedups:\n\n" + "\n".join(f"- {k}: {v:.2f}x" for k, v in geo.items() if v) + "\n")
-        f.write("\nSASS main loop per KV element (shift/logic; all instructions):\n\n")
-        for method, st in meta["sass_main_loop"].items():
-            f.write(f"- {method}: " + (f"{st['shift_logic_per_element']:.2f}; {st['instructions_per_element']:.2f}\n"
-                                      if "error" not in st else st["error"] + "\n"))
+    rows = run_sweep(shapes, args.methods.split(","), reps, lambda rows: save(rows, meta, ceiling, stem))
+    table, geo = save(rows, meta, ceiling, stem)
     try:
         plot(rows, ceiling, stem + ".png")
     except Exception as exc:  # a plot is a convenience; the JSON and table are the record
@@ -368,6 +361,23 @@ def main(argv=None):
     print(f"read ceiling {ceiling:.2f} TB/s")
     for k, v in geo.items():
         print(f"geomean {k}: {v:.2f}x" if v else f"geomean {k}: -")
+
+
+def save(rows, meta, ceiling, stem):
+    """Write the JSON record and the markdown table of ``rows``; returns (table, geo-means)."""
+    table, geo = summarize(rows, ceiling)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "geomean": geo, "rows": [asdict(r) | {"tbps": r.tbps} for r in rows]}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Decode benchmark ({meta['device']}, {meta['date']})\n\n")
+        f.write(f"Read ceiling: {ceiling:.2f} TB/s. {meta['timing']}. Versions: {meta['versions']}\n\n{table}\n\n")
+        f.write("Geo-means over the standard sweep (speedups, and fractions of the read ceiling):\n\n")
+        f.write("\n".join(f"- {k}: {v:.2f}" for k, v in geo.items() if v) + "\n")
+        f.write("\nSASS main loop per KV element (shift/logic; all instructions):\n\n")
+        for method, st in meta["sass_main_loop"].items():
+            f.write(f"- {method}: " + (f"{st['shift_logic_per_element']:.2f}; {st['instructions_per_element']:.2f}\n"
+                                      if "error" not in st else st["error"] + "\n"))
+    return table, geo
 
 
 def _versions():
