@@ -39,8 +39,8 @@ def compile_report(scheme: Scheme, page_size: int):
     for arch, name, build in builds:
         try:
             art = artifacts(build())
-        except NotImplementedError as exc:
-            print(f"{arch:8} {name:16} not built: {exc}")
+        except Exception as exc:  # report every kernel, even when one does not build
+            print(f"{arch:8} {name:16} not built: {type(exc).__name__}: {str(exc)[:160]}")
             continue
         res = art.resources()
         try:
