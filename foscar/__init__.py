@@ -4,12 +4,16 @@ A variant is a :class:`Scheme`; ``quantize_kv`` builds a paged cache for it; the
 ``foscar.reference`` define what every kernel computes.
 """
 
+from .decode import compile_decode, decode, decode_paged
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups, quantize_kv
 from .scheme import Axis, Construction, FoldingPlan, Scheme, TensorQuant
 
 __all__ = [
     "Axis",
     "Construction",
+    "compile_decode",
+    "decode",
+    "decode_paged",
     "FoldingPlan",
     "PAGE_SIZES",
     "QuantizedKV",

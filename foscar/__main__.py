@@ -19,17 +19,16 @@ from .scheme import Scheme
 
 def compile_report(scheme: Scheme, page_size: int):
     """Compile every kernel of ``scheme`` for both arches; print one line per kernel."""
-    from .blackwell.decode import compile_decode as compile_blackwell
-    from .hopper.decode import compile_decode
-    from .inspect import artifacts, decode_loop_stats
+    from .decode import compile_decode
+    from .inspect import Artifacts, artifacts, decode_loop_stats
     from .kernels.combine import compile_combine
     from .kernels.dequantize import compile_dequantize
 
     builds = [
-        ("sm_90a", "decode (hopper)", lambda: compile_decode(scheme, page_size, partial_output=True, arch="sm_90a")),
+        ("sm_90a", "decode (hopper)", lambda: compile_decode(scheme, "sm_90a", page_size)),
         ("sm_90a", "dequantize K", lambda: compile_dequantize(scheme, "k", arch="sm_90a")),
         ("sm_90a", "combine", lambda: compile_combine(scheme.head_dim, "sm_90a")),
-        ("sm_100a", "decode (blackwell)", lambda: compile_blackwell(scheme, page_size, partial_output=True)),
+        ("sm_100a", "decode (blackwell)", lambda: compile_decode(scheme, "sm_100a", page_size)),
         ("sm_100a", "dequantize K", lambda: compile_dequantize(scheme, "k", arch="sm_100a")),
         ("sm_100a", "combine", lambda: compile_combine(scheme.head_dim, "sm_100a")),
     ]
@@ -38,7 +37,8 @@ def compile_report(scheme: Scheme, page_size: int):
     loop_alu = None
     for arch, name, build in builds:
         try:
-            art = artifacts(build())
+            built = build()
+            art = built if isinstance(built, Artifacts) else artifacts(built)
         except Exception as exc:  # report every kernel, even when one does not build
             print(f"{arch:8} {name:16} not built: {type(exc).__name__}: {str(exc)[:160]}")
             continue

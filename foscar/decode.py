@@ -16,7 +16,7 @@ from .layouts import ARCH_LAYOUT
 from .quantize import PAGE_SIZES, QuantizedKV
 from .scheme import Axis, Scheme
 
-__all__ = ["decode", "decode_paged", "plan_splits", "validate_paged"]
+__all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged"]
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -162,3 +162,24 @@ def decode(q, cache: QuantizedKV, sm_scale: float | None = None, return_lse: boo
     return decode_paged(q, cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.page_table, cache.lengths,
                         cache.scheme, cache.page_size, sm_scale, return_lse, num_splits, out=out, lse=lse,
                         layout=cache.layout)
+
+
+def compile_decode(scheme: Scheme, arch: str, page_size: int = 128, split: bool = True):
+    """Compile the decode kernel of ``scheme`` for ``arch`` ("sm_90a" or "sm_100a") without a GPU.
+
+    Returns ``foscar.inspect.Artifacts``: PTX, cubin, SASS (via nvdisasm), registers, spills and
+    the instruction mix. ``split`` selects the kernel that writes split-KV partials.
+    """
+    from .inspect import artifacts
+
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
+    if arch not in ARCH_LAYOUT:
+        raise ValueError(f"arch must be one of {sorted(ARCH_LAYOUT)}, got {arch!r}")
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {page_size!r}")
+    if arch == "sm_90a":
+        from .hopper.decode import compile_decode as build
+    else:
+        from .blackwell.decode import compile_decode as build
+    return artifacts(build(scheme, page_size, split, arch=arch))

@@ -83,3 +83,21 @@ def test_split_planning():
     assert plan_splits(1, 8, 131072, 132) >= few  # longer context, at least as many splits
     with pytest.raises(ValueError, match="batch"):
         plan_splits(0, 8, 100, 132)
+
+
+def test_compile_decode_checks_its_arguments():
+    from foscar import compile_decode
+
+    with pytest.raises(ValueError, match="arch must be one of"):
+        compile_decode(Scheme.make(2), "sm_80")
+    with pytest.raises(TypeError, match="scheme must be"):
+        compile_decode("int2", "sm_90a")
+    with pytest.raises(ValueError, match="page_size must be one of"):
+        compile_decode(Scheme.make(2), "sm_90a", page_size=100)
+
+
+def test_compile_decode_returns_inspectable_artifacts():
+    from foscar import compile_decode
+
+    art = compile_decode(Scheme.make(4, gqa_ratio=4), "sm_90a")
+    assert "wgmma.mma_async" in art.ptx and art.resources().local_bytes == 0
