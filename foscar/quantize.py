@@ -73,7 +73,9 @@ def quantize_groups(x: torch.Tensor, bits: int, quant: TensorQuant, valid: torch
     empty = ~torch.isfinite(lo)
     lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
     offset = lo.to(PARAM_DTYPE)
-    scale = ((hi - lo) / levels).to(PARAM_DTYPE)
+    # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
+    # which can differ from the correctly rounded quotient (and from the quantize kernel) by 1 ulp
+    scale = ((hi - lo) / torch.full_like(hi, levels)).to(PARAM_DTYPE)
     if not (torch.isfinite(offset).all() and torch.isfinite(scale).all()):
         raise ValueError("x exceeds the float16 range of the group scale/offset")
     s32, z32 = scale.to(torch.float32), offset.to(torch.float32)
