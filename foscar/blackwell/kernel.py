@@ -37,15 +37,26 @@ head_dim 64 uses the M = 128 layouts with V^T rows 64..127 unused (never written
 
 Warp roles (512 threads, design.md), registers rebalanced with setmaxnreg:
   * WG0, warp 0: TMEM allocation, tcgen05.mma issue, tcgen05.commit -> mbarriers.
-  * WG1 (prep): packed words from global -> FP4/FP8 A operands in smem; Q'^T (hi/lo).
+  * WG0, warp 1: bulk-copy producer of the tile ring.
+  * WG1 (prep): packed words from the ring -> FP4/FP8 A operands in smem; Q'^T (hi/lo).
   * WG2 (softmax): S from TMEM (tcgen05.ld, thread = token), K corrections in FP32, online
     softmax (log2 domain), P'^T hi/lo to smem, V offset terms.
   * WG3 (output): PV from TMEM (thread = channel), V scales/corrections, rescale-and-accumulate O
     in registers, epilogue.
 
-Structure of this version: the roles hand over through two CTA-wide named barriers and two
-mbarriers per step (no multi-stage ring yet, so roles do not overlap across steps), and the prep
-warpgroup reads codes with plain vectorized loads instead of TMA. Output format as Hopper:
+Pipeline (``foscar.blackwell.pipeline``: hand-rolled (full, empty) mbarrier pairs per stage):
+  * ring (RING tiles): warp 1 of WG0 issues, per 64-token tile, 1-D ``cp.async.bulk`` copies of
+    the K codes, V codes, K params and token-wise V params (each contiguous) with
+    ``mbarrier.expect_tx``; released by prep (codes, channel-wise K params) and softmax (token-wise
+    params) = 256 arrivals. Channel-wise V params are read by the output WG from global memory.
+  * operands (OP_STAGES): prep -> MMA (128 arrivals after ``fence.proxy.async``); freed by a
+    ``tcgen05.commit`` after the step's PV.
+  * S (S_STAGES TMEM buffers): commit -> softmax; freed right after the ``tcgen05.ld``.
+  * P (P_BUFS smem buffers): softmax -> MMA; freed by commit after the PV. The per-step softmax
+    statistics (alpha, P unscale, Psum) travel softmax -> output in the same number of buffers.
+  * O (O_STAGES TMEM buffers): commit -> output; freed right after the ``tcgen05.ld``.
+The MMA warp issues QK(i) before PV(i-1), so S(i) is ready when the softmax finishes P(i-1). Stage
+counts come from the smem and TMEM budgets (``BlackwellConfig``). Output format as Hopper:
 ``o [B, Hq, D]`` (q dtype) + ``lse [B, Hq]``, or fp32 partials ``o [B, Hq, S, D]``, ``lse [B, Hq, S]``.
 
 Coverage: all four folding cases, INT2 and INT4, head_dim 64/128/256, any group size of the
@@ -67,7 +78,10 @@ from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from ..layouts.blackwell import BlackwellTile
 from ..layouts.fragment import TILE_TOKENS
 from ..scheme import Axis, Scheme
+from ..pipeline import bulk_copy_g2s
 from .operands import construction_for
+from . import pipeline as pl
+from .pipeline import tcgen05_fence_after, tcgen05_fence_before
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -79,13 +93,13 @@ WG_MMA, WG_PREP, WG_SOFTMAX, WG_OUTPUT = 0, 1, 2, 3
 # registers per thread of each role after setmaxnreg (sum * 128 <= 64K)
 REGS = {WG_MMA: 80, WG_PREP: 112, WG_SOFTMAX: 160, WG_OUTPUT: 160}
 # named barriers (0 = sync_threads)
-BAR_OPERANDS = 1  # all 512: A and B of the QK step are in smem; previous PV consumed
-BAR_P = 2  # all 512: P^T in smem
 BAR_SOFTMAX = 3  # softmax warpgroup internal
 BAR_PREP = 4  # preparation warpgroup internal
 BAR_FINAL = 5  # softmax + output warpgroups: final reductions done
 FP8_TARGET_EXP = 7  # scale hi/lo operands so their max lies in [2^7, 2^8)
 OPERAND_SMEM_DTYPE = Float8E4M3FN  # one byte per A element in smem (FP4: b4x16_p64 padded form)
+SMEM_BUDGET = 227 * 1024 - 2048  # sm_100 dynamic shared memory per CTA, minus a margin
+KINFO = 80  # floats per operand stage of sKinfo (channel-wise K: 4 unscales + 4 x 16 C terms)
 
 
 class BlackwellConfig:
@@ -144,11 +158,55 @@ class BlackwellConfig:
             self.VGP = page_size // self.GV
             self.P_STAGES = 1
         self.S_COLS = self.NJK * self.NQK
-        self.tmem_cols = max(32, 1 << (self.S_COLS + self.MT * self.JPM * self.NM - 1).bit_length())
-        if self.tmem_cols > 512:
-            raise NotImplementedError(f"{scheme.name}: needs {self.tmem_cols} TMEM columns")
+        self.O_COLS = self.MT * self.JPM * self.NM
+        # TMEM: S and O double-buffered where the 512 columns allow (S first: the softmax is the
+        # longest role, so the next QK should not wait for it)
+        for ss, os_ in ((2, 2), (2, 1), (1, 2), (1, 1)):
+            if ss * self.S_COLS + os_ * self.O_COLS <= 512:
+                break
+        else:
+            raise NotImplementedError(f"{scheme.name}: needs {self.S_COLS + self.O_COLS} TMEM columns")
+        self.S_STAGES, self.O_STAGES = ss, os_
+        self.tmem_cols = max(32, 1 << (ss * self.S_COLS + os_ * self.O_COLS - 1).bit_length())
         self.q_dtype = BFloat16 if scheme.q_dtype == torch.bfloat16 else Float16
         self.threads = 4 * WG
+        # ---- ring of bulk-copied 64-token tiles (int32 words): K codes | V codes | K params | V params.
+        # Channel-wise V params are read by the output warpgroup straight from global memory: it runs
+        # a step behind the others, and holding ring stages for it would cost a step of ring depth.
+        self.NGK = 1 if self.k_token else max(1, TILE_TOKENS // self.GK)  # channel-wise K groups per tile
+        self.KPW = TILE_TOKENS * self.NJK if self.k_token else self.NGK * self.D  # one (s, z) fp16 pair per word
+        self.VPW = TILE_TOKENS * self.NJV if self.v_token else 0
+        self.K_CODES, self.V_CODES, self.K_PARAMS = 0, self.TW, 2 * self.TW
+        self.V_PARAMS = self.K_PARAMS + self.KPW
+        self.STAGE_WORDS = self.V_PARAMS + self.VPW
+        self.STAGE_BYTES = 4 * self.STAGE_WORDS
+        # ---- stage counts from the shared-memory budget: operand stages (prep -> MMA), P stages
+        # (softmax -> MMA, with the per-step softmax statistics for the output WG), ring tiles
+        # (producer -> prep + softmax). Upgraded in order of benefit while they fit.
+        self.OP_STAGES, self.P_BUFS, self.RING = 1, 1, 2
+        if self.smem_bytes() > SMEM_BUDGET:
+            raise NotImplementedError(f"{scheme.name}: {self.smem_bytes()} B of shared memory")
+        # two operand stages double the prep warpgroup's hoisted store addresses: with 4 vectors per
+        # thread per tile (INT4, head_dim 256) that spills, so those keep one operand stage
+        op2 = () if self.NV // WG >= 4 else (("OP_STAGES", 2),)
+        for attr, val in (*op2, ("RING", 4), ("P_BUFS", 2), ("RING", 6), ("RING", 8)):
+            old = getattr(self, attr)
+            setattr(self, attr, val)
+            if self.smem_bytes() > SMEM_BUDGET:
+                setattr(self, attr, old)
+
+    def smem_bytes(self) -> int:
+        """Shared memory of the kernel's SharedStorage (upper estimate, 1 KB alignment per buffer)."""
+        def al(x):
+            return (x + 1023) // 1024 * 1024
+
+        q_stages = 1 if self.k_token else self.OP_STAGES
+        operands = self.OP_STAGES * (al(STEP * self.D) + al(self.MT * STEP * STEP)) + q_stages * al(self.NQK * self.D)
+        p = self.P_BUFS * (al(self.NM * STEP * self.P_STAGES) + 4 * (32 + 64))
+        ring = al(self.RING * self.STAGE_BYTES)
+        corr = self.NJV * self.N * WG * 4 if self.v_token else 0
+        misc = (0 if self.k_token else self.N * self.D * 4) + 16 * self.D + 2 * 4 * 64 * (1 + self.P_STAGES) + 4096
+        return operands + p + ring + corr + misc + self.OP_STAGES * 4 * 80
 
 
 
@@ -221,15 +279,17 @@ def _group_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile0, off: int, gro
     return head, (slot0 + off % TILE_TOKENS) // group
 
 
-def _store_chunk(base, outer, swz, m, k, stage, lo, hi):
+def _store_chunk(base, outer, swz, m, k, stage: int, lo, hi, stage_words=0):
     """8 operand bytes (consecutive K elements of row m from column k) into a swizzled A buffer.
 
     ``outer``: the ((128,32),1,KB,STAGE) byte layout, ``swz`` its swizzle, ``base`` the buffer as an
     Int32 pointer. FP8: 8 elements; FP4: 16 nibbles = the data half of a b4x16_p64 unit (k % 16 == 0).
+    ``stage`` is static; ``stage_words`` a dynamic offset of whole stages (multiples of the swizzle
+    atom, so it commutes with the swizzle): the swizzled part stays loop-invariant for ptxas.
     """
     e = cute.crd2idx(((m, k % 32), 0, k // 32, stage), outer)
     e = _swizzle(e, swz.num_bits, swz.num_base, swz.num_shift)
-    dst = cute.make_tensor(base + e // 4, cute.make_layout((2,)))
+    dst = cute.make_tensor(base + stage_words + e // 4, cute.make_layout((2,)))
     dst[0] = lo
     dst[1] = hi
 
@@ -284,33 +344,38 @@ class BlackwellDecodeKernel:
         mma_qk = mma(cfg.op_dtype, cfg.NQK)
         mma_pv = mma(cfg.op_dtype, cfg.NM)
         desc_mma = mma(OPERAND_SMEM_DTYPE, cfg.NM)
-        # (MMA, MMA_M, MMA_K, STAGE): K step [128 tokens x D] bytes
-        sK_layout = sm100_utils.make_smem_layout_a(desc_mma, (STEP, cfg.NM, cfg.D), OPERAND_SMEM_DTYPE, 1)
-        # V^T step [128 channels x 128 tokens] bytes, one stage per m-tile
-        sV_layout = sm100_utils.make_smem_layout_a(desc_mma, (STEP, cfg.NM, STEP), OPERAND_SMEM_DTYPE, cfg.MT)
-        # Q'^T [NQK x D] and P'^T [NM x 128 tokens] (one stage per token-wise V channel block)
-        sQ_layout = sm100_utils.make_smem_layout_b(mma_qk, (STEP, cfg.NQK, cfg.D), Float8E4M3FN, 1)
-        sP_layout = sm100_utils.make_smem_layout_b(mma_pv, (STEP, cfg.NM, STEP), Float8E4M3FN, cfg.P_STAGES)
+        q_stages = 1 if cfg.k_token else cfg.OP_STAGES
+        # (MMA, MMA_M, MMA_K, STAGE): K step [128 tokens x D] bytes, one stage per operand stage
+        sK_layout = sm100_utils.make_smem_layout_a(desc_mma, (STEP, cfg.NM, cfg.D), OPERAND_SMEM_DTYPE, cfg.OP_STAGES)
+        # V^T step [128 channels x 128 tokens] bytes: stage = operand stage * MT + m-tile
+        sV_layout = sm100_utils.make_smem_layout_a(desc_mma, (STEP, cfg.NM, STEP), OPERAND_SMEM_DTYPE, cfg.OP_STAGES * cfg.MT)
+        # Q'^T [NQK x D] (channel-wise K: one per operand stage) and P'^T [NM x 128 tokens]
+        # (stage = P buffer * P_STAGES + token-wise V channel block)
+        sQ_layout = sm100_utils.make_smem_layout_b(mma_qk, (STEP, cfg.NQK, cfg.D), Float8E4M3FN, q_stages)
+        sP_layout = sm100_utils.make_smem_layout_b(mma_pv, (STEP, cfg.NM, STEP), Float8E4M3FN, cfg.P_BUFS * cfg.P_STAGES)
         n_corr = cfg.NJV * cfg.N * WG if cfg.v_token else 1
         n_qf = cfg.N * cfg.D if not cfg.k_token else 1
+        n_mbar = 2 * (cfg.RING + cfg.OP_STAGES + cfg.S_STAGES + 2 * cfg.P_BUFS + cfg.O_STAGES)
 
         @cute.struct
         class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar: cute.struct.MemRange[cutlass.Int64, n_mbar]
             tmem_addr: cute.struct.MemRange[Int32, 1]
+            ring: cute.struct.Align[cute.struct.MemRange[Int32, cfg.RING * cfg.STAGE_WORDS], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[OPERAND_SMEM_DTYPE, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[OPERAND_SMEM_DTYPE, cute.cosize(sV_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sP_layout)], 1024]
             # per query row: S unscale (scale_log2 / Q scale), Q scale, Qsum[j] (token-wise K)
             sQinfo: cute.struct.Align[cute.struct.MemRange[Float32, 16 * (2 + cfg.NJK)], 16]
-            # channel-wise K, per step: S unscale per token group, then C[t, r] * scale_log2
-            sKinfo: cute.struct.Align[cute.struct.MemRange[Float32, 4 + 4 * 16], 16]
+            # channel-wise K, per operand stage: S unscale per token group, then C[t, r] * scale_log2
+            sKinfo: cute.struct.Align[cute.struct.MemRange[Float32, KINFO * cfg.OP_STAGES], 16]
             sQf: cute.struct.Align[cute.struct.MemRange[Float32, n_qf], 16]  # q [N, D] fp32 (channel-wise K)
             sZ: cute.struct.Align[cute.struct.MemRange[Float32, 4 * cfg.D], 16]  # z[d, t] of the step
-            sAlpha: cute.struct.Align[cute.struct.MemRange[Float32, 16 + cfg.P_STAGES], 16]
-            sPsum: cute.struct.Align[cute.struct.MemRange[Float32, 4 * 16], 16]  # per warp, per row
-            sRed: cute.struct.Align[cute.struct.MemRange[Float32, 4 * 16 * (1 + cfg.P_STAGES)], 16]  # softmax
+            # per P buffer: alpha per row, P unscale per channel block (32), Psum per warp and row (64)
+            sAlpha: cute.struct.Align[cute.struct.MemRange[Float32, 32 * cfg.P_BUFS], 16]
+            sPsum: cute.struct.Align[cute.struct.MemRange[Float32, 64 * cfg.P_BUFS], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 4 * 16 * (1 + cfg.P_STAGES)], 16]  # softmax, x2 by step parity
             sRedP: cute.struct.Align[cute.struct.MemRange[Float32, 4 * 16], 16]  # prep
             sCorr: cute.struct.Align[cute.struct.MemRange[Float32, n_corr], 16]  # token-wise V offset terms
             sFinal: cute.struct.Align[cute.struct.MemRange[Float32, 32 + 16 * cfg.P_STAGES], 16]
@@ -369,27 +434,38 @@ class BlackwellDecodeKernel:
         # ---------------------------------------------------------------- shared memory
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (MMA, MMA_M, MMA_K, 1)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (MMA, MMA_M, MMA_K, MT)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (MMA, MMA_N, MMA_K, 1)
-        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)  # (MMA, MMA_N, MMA_K, P_STAGES)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (MMA, MMA_M, MMA_K, OP_STAGES)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (MMA, MMA_M, MMA_K, OP_STAGES*MT)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (MMA, MMA_N, MMA_K, 1 | OP_STAGES)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)  # (MMA, MMA_N, MMA_K, P_BUFS*P_STAGES)
         sQinfo = storage.sQinfo.get_tensor(cute.make_layout(16 * (2 + cfg.NJK)))
-        sKinfo = storage.sKinfo.get_tensor(cute.make_layout(4 + 4 * 16))
+        sKinfo = storage.sKinfo.get_tensor(cute.make_layout(KINFO * cfg.OP_STAGES))
         sZ = storage.sZ.get_tensor(cute.make_layout(4 * D))
-        sAlpha = storage.sAlpha.get_tensor(cute.make_layout(16 + cfg.P_STAGES))
-        sPsum = storage.sPsum.get_tensor(cute.make_layout(4 * 16))
-        sRed = storage.sRed.get_tensor(cute.make_layout(4 * 16 * (1 + cfg.P_STAGES)))
+        sAlpha = storage.sAlpha.get_tensor(cute.make_layout(32 * cfg.P_BUFS))
+        sPsum = storage.sPsum.get_tensor(cute.make_layout(64 * cfg.P_BUFS))
+        sRed = storage.sRed.get_tensor(cute.make_layout(2 * 4 * 16 * (1 + cfg.P_STAGES)))
         sRedP = storage.sRedP.get_tensor(cute.make_layout(4 * 16))
         sCorr = storage.sCorr.get_tensor(cute.make_layout(cfg.NJV * N * WG if cfg.v_token else 1))
         sFinal = storage.sFinal.get_tensor(cute.make_layout(32 + 16 * cfg.P_STAGES))
         sQf = storage.sQf.get_tensor(cute.make_layout(N * D if not cfg.k_token else 1))
-        mbar_s = storage.mbar.data_ptr()
-        mbar_o = storage.mbar.data_ptr() + 1
+
+        # ---------------------------------------------------------------- mbarrier channels
+        # (full, empty) mbarrier pairs per stage (foscar.blackwell.pipeline), with arrival counts
+        ring = storage.mbar.data_ptr()  # producer (expect_tx) -> prep + softmax: (1, 256)
+        opnd = ring + 2 * cfg.RING  # prep -> MMA (commit after the step's PV): (128, 1)
+        s_ch = opnd + 2 * cfg.OP_STAGES  # MMA (commit) -> softmax, S in TMEM: (1, 128)
+        p_ch = s_ch + 2 * cfg.S_STAGES  # softmax -> MMA, P'^T in smem: (128, 1)
+        st_ch = p_ch + 2 * cfg.P_BUFS  # softmax -> output: alpha, P unscale, Psum: (128, 128)
+        o_ch = st_ch + 2 * cfg.P_BUFS  # MMA (commit) -> output, O partials in TMEM: (1, 128)
 
         # ---------------------------------------------------------------- barriers + TMEM
         if tidx == 0:
-            cute.arch.mbarrier_init(mbar_s, 1)
-            cute.arch.mbarrier_init(mbar_o, 1)
+            pl.init(ring, cfg.RING, 1, 2 * WG)
+            pl.init(opnd, cfg.OP_STAGES, WG, 1)
+            pl.init(s_ch, cfg.S_STAGES, 1, WG)
+            pl.init(p_ch, cfg.P_BUFS, WG, 1)
+            pl.init(st_ch, cfg.P_BUFS, WG, WG)
+            pl.init(o_ch, cfg.O_STAGES, 1, WG)
             cute.arch.mbarrier_init_fence()
         tmem_holder = storage.tmem_addr.data_ptr()
         if warp == 0:
@@ -398,20 +474,14 @@ class BlackwellDecodeKernel:
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
 
         # ---------------------------------------------------------------- MMA partitions
-        tCrK = desc_mma.make_fragment_A(sK)  # descriptors (MMA, 1, KB_D, 1)
-        tCrV = desc_mma.make_fragment_A(sV)  # (MMA, 1, KB_S, MT)
-        tCrQ = mma_qk.make_fragment_B(sQ)  # (MMA, 1, KB_D, 1)
-        tCrP = mma_pv.make_fragment_B(sP)  # (MMA, 1, KB_S, P_STAGES)
         s_layout = mma_qk.make_fragment_C(mma_qk.get_slice(0).partition_shape_C((STEP, cfg.NQK))).layout
         acc_layout = mma_pv.make_fragment_C(mma_pv.get_slice(0).partition_shape_C((STEP, NM))).layout  # ((128, NM), 1, 1)
-        # TMEM columns: S accumulators (per K channel block), then PV (per m-tile, local block jl)
-        tS = [cute.make_tensor(tmem_ptr + j * cfg.NQK, s_layout) for j in range(cfg.NJK)]
-        o_col0 = cfg.S_COLS
-        tO = [[cute.make_tensor(tmem_ptr + o_col0 + (mt * cfg.JPM + jl) * NM, acc_layout) for jl in range(cfg.JPM)]
-              for mt in range(cfg.MT)]
+        # TMEM columns: S stages (per stage: one accumulator per K channel block), then O stages
+        # (per stage: one accumulator per m-tile and local block jl)
+        o_col0 = cfg.S_STAGES * cfg.S_COLS
         # TMEM -> registers: thread t of a warpgroup reads lane t (row t), NM fp32 columns
         t2r_atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(NM)), Float32)
-        t2r = tcgen05.make_tmem_copy(t2r_atom, tO[0][0][(None, None), 0, 0])
+        t2r = tcgen05.make_tmem_copy(t2r_atom, cute.make_tensor(tmem_ptr + o_col0, acc_layout)[(None, None), 0, 0])
         thr_t2r = t2r.get_slice(t)
 
         # ---------------------------------------------------------------- geometry
@@ -425,54 +495,36 @@ class BlackwellDecodeKernel:
         n_steps = (t_end - t_begin + 1) // 2
         q_base = (b * Hq + h * R).to(Int64) * D
         nd = max(1, D // WG)  # channels per thread (head_dim 64: threads t and t+64 share one)
+        ring_words = storage.ring.data_ptr()
 
         # ================================================================ roles
         if role == WG_PREP:
             cute.arch.setmaxregister_increase(REGS[WG_PREP])
             self.prep(
-                sK, sV, sQ, sQinfo, sKinfo, sQf, sZ, sRedP, storage, sK_layout, sV_layout, mbar_o,
-                q_ptr, kc_ptr, kp_ptr, vc_ptr, pt_ptr, b, h, kv_heads, max_pages, n_tiles, t_begin, n_steps,
-                q_base, scale_log2, t, lane, wq, nd,
+                sQ, sQinfo, sKinfo, sQf, sZ, sRedP, storage, sK_layout, sV_layout, ring, opnd, ring_words,
+                q_ptr, b, n_steps, q_base, scale_log2, t, lane, wq, nd,
             )
 
         if role == WG_MMA:
             cute.arch.setmaxregister_decrease(REGS[WG_MMA])
-            for step in cutlass.range(0, n_steps, 1, unroll=1):
-                cute.arch.barrier(barrier_id=BAR_OPERANDS, number_of_threads=cfg.threads)
-                if warp == 0:
-                    # S^T_j = K[:, block j] . Q'^T[block j, :]  (token-wise K: one accumulator per block j)
-                    for j in cutlass.range_constexpr(cfg.NJK):
-                        mma_qk.set(tcgen05.Field.ACCUMULATE, False)
-                        for kb in cutlass.range_constexpr(j * cfg.KB_D // cfg.NJK, (j + 1) * cfg.KB_D // cfg.NJK):
-                            cute.gemm(mma_qk, tS[j], tCrK[None, None, kb, 0], tCrQ[None, None, kb, 0], tS[j])
-                            mma_qk.set(tcgen05.Field.ACCUMULATE, True)
-                    with cute.arch.elect_one():
-                        tcgen05.commit(mbar_s)
-                cute.arch.barrier(barrier_id=BAR_P, number_of_threads=cfg.threads)
-                if warp == 0:
-                    for mt in cutlass.range_constexpr(cfg.MT):
-                        for jl in cutlass.range_constexpr(cfg.JPM):
-                            # token-wise V: O^T_{mt,j} = V^T[m-tile mt] . (P'^T scaled for channel block j)
-                            # channel-wise V: O^T_{mt,t} = V^T[m-tile mt, group t] . P'^T[group t]
-                            mma_pv.set(tcgen05.Field.ACCUMULATE, False)
-                            for kb in cutlass.range_constexpr(*_pv_kblocks(cfg, jl)):
-                                cute.gemm(mma_pv, tO[mt][jl], tCrV[None, None, kb, mt], tCrP[None, None, kb, _pv_stage(cfg, mt, jl)], tO[mt][jl])
-                                mma_pv.set(tcgen05.Field.ACCUMULATE, True)
-                    with cute.arch.elect_one():
-                        tcgen05.commit(mbar_o)
+            if warp == 1:
+                self.produce(ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, b, h, kv_heads, max_pages,
+                             n_tiles, t_begin, n_steps, lane)
+            if warp == 0:
+                self.issue_mma(mma_qk, mma_pv, desc_mma, sK, sV, sQ, sP, tmem_ptr, s_layout, acc_layout,
+                               opnd, s_ch, p_ch, o_ch, n_steps)
 
         if role == WG_SOFTMAX:
             cute.arch.setmaxregister_increase(REGS[WG_SOFTMAX])
             self.softmax(
-                tS, t2r, thr_t2r, sP, sQinfo, sKinfo, sAlpha, sPsum, sRed, sCorr, sFinal, mbar_s, mbar_o,
-                kp_ptr, vp_ptr, pt_ptr, b, h, kv_heads, max_pages, n_tiles, t_begin, t_end, n_steps, length,
-                t, lane, wq, tmem_ptr, acc_layout,
+                t2r, thr_t2r, sP, sQinfo, sKinfo, sAlpha, sPsum, sRed, sCorr, sFinal, ring, opnd, s_ch, p_ch, st_ch,
+                ring_words, t_begin, t_end, n_steps, length, t, lane, wq, tmem_ptr, acc_layout,
             )
 
         if role == WG_OUTPUT:
             cute.arch.setmaxregister_increase(REGS[WG_OUTPUT])
             self.output(
-                tO, t2r, thr_t2r, sAlpha, sPsum, sFinal, mbar_o, vp_ptr, pt_ptr, o_ptr, lse_ptr,
+                t2r, thr_t2r, sAlpha, sPsum, sFinal, st_ch, o_ch, tmem_ptr, acc_layout, vp_ptr, pt_ptr, o_ptr, lse_ptr,
                 b, h, split, Hq, kv_heads, max_pages, num_splits, n_tiles, t_begin, n_steps, t, wq, nd,
             )
 
@@ -482,10 +534,96 @@ class BlackwellDecodeKernel:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
+    def produce(self, ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, b, h, kv_heads, max_pages,
+                n_tiles, t_begin, n_steps, lane):
+        """Producer warp (warp 1): one lane issues the 1-D bulk copies of each 64-token tile (K codes,
+        V codes, K params, token-wise V params: each contiguous in global memory) into the ring.
+        Local tile i = 2*step + half uses ring stage i % RING; a tile past the CTA's range repeats
+        the last tile of the sequence (finite codes, masked by the softmax)."""
+        cfg = self.cfg
+        if lane == 0:
+            for i in cutlass.range(0, 2 * n_steps, 1, unroll=1):
+                head, sub, slot0 = _tile_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, t_begin + i, cfg.page_size)
+                st = pl.stage(i, cfg.RING)
+                pl.wait_empty(ring, cfg.RING, i)
+                cute.arch.mbarrier_arrive_and_expect_tx(pl.full(ring, cfg.RING, st), cfg.STAGE_BYTES)
+                dst = ring_words + cute.assume(st * cfg.STAGE_WORDS, divby=4)
+                codes = cute.assume((head * cfg.SUB + sub) * cfg.TW, divby=4)
+                bulk_copy_g2s(dst + cfg.K_CODES, kc_ptr + codes, 4 * cfg.TW, pl.full(ring, cfg.RING, st))
+                bulk_copy_g2s(dst + cfg.V_CODES, vc_ptr + codes, 4 * cfg.TW, pl.full(ring, cfg.RING, st))
+                bulk_copy_g2s(dst + cfg.K_PARAMS, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW, pl.full(ring, cfg.RING, st))
+                if cutlass.const_expr(cfg.VPW > 0):
+                    bulk_copy_g2s(dst + cfg.V_PARAMS, vp_ptr + 2 * self.params_row(head, slot0, "v"), 4 * cfg.VPW, pl.full(ring, cfg.RING, st))
+
+    def params_row(self, head, slot0, which):
+        """Index of a tile's first (scale, offset) pair (token rows, or channel-wise groups x D)."""
+        cfg = self.cfg
+        if (cfg.k_token if which == "k" else cfg.v_token):
+            return cute.assume((head * cfg.page_size + slot0) * (cfg.NJK if which == "k" else cfg.NJV), divby=4)
+        return cute.assume((head * cfg.KGP + slot0 // cfg.GK) * cfg.D, divby=4)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def issue_mma(self, mma_qk, mma_pv, desc_mma, sK, sV, sQ, sP, tmem_ptr, s_layout, acc_layout,
+                  opnd, s_ch, p_ch, o_ch, n_steps):
+        """MMA warp (warp 0). Iteration i issues QK of step i, then PV of step i-1, so the next
+        step's S is in TMEM while the softmax warpgroup works on the previous one. The smem
+        descriptors are built here (after the role dispatch) and indexed by the dynamic stage, so
+        ptxas derives them from a base per step instead of keeping every MMA's descriptor live."""
+        cfg = self.cfg
+        tCrK = desc_mma.make_fragment_A(sK)  # descriptors (MMA, 1, KB_D, OP_STAGES)
+        tCrV = desc_mma.make_fragment_A(sV)  # (MMA, 1, KB_S, OP_STAGES*MT)
+        tCrQ = mma_qk.make_fragment_B(sQ)  # (MMA, 1, KB_D, 1 | OP_STAGES)
+        tCrP = mma_pv.make_fragment_B(sP)  # (MMA, 1, KB_S, P_BUFS*P_STAGES)
+        # PV(i - lag) after QK(i): lag 1 overlaps the next QK with the softmax; with one operand stage
+        # QK(i) needs the stage that PV(i - 1) frees, so lag 0 there (no deadlock).
+        lag = 1 if cfg.OP_STAGES > 1 else 0
+        for i in cutlass.range(0, n_steps + lag, 1, unroll=1):
+            if i < n_steps:
+                so = pl.stage(i, cfg.OP_STAGES)
+                ss = pl.stage(i, cfg.S_STAGES)
+                pl.wait_full(opnd, cfg.OP_STAGES, i)  # A (K) and Q'^T in smem
+                pl.wait_empty(s_ch, cfg.S_STAGES, i)  # softmax has read S stage ss
+                tcgen05_fence_after()
+                for j in cutlass.range_constexpr(cfg.NJK):
+                    # S^T_j = K[:, block j] . Q'^T[block j, :]  (token-wise K: one accumulator per block j)
+                    tS = cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + j * cfg.NQK, s_layout)
+                    mma_qk.set(tcgen05.Field.ACCUMULATE, False)
+                    for kb in cutlass.range_constexpr(j * cfg.KB_D // cfg.NJK, (j + 1) * cfg.KB_D // cfg.NJK):
+                        qs = 0 if cfg.k_token else so
+                        cute.gemm(mma_qk, tS, tCrK[None, None, kb, so], tCrQ[None, None, kb, qs], tS)
+                        mma_qk.set(tcgen05.Field.ACCUMULATE, True)
+                with cute.arch.elect_one():
+                    tcgen05.commit(pl.full(s_ch, cfg.S_STAGES, ss))
+            if i >= lag:
+                k = i - lag
+                so = pl.stage(k, cfg.OP_STAGES)
+                sp = pl.stage(k, cfg.P_BUFS)
+                sO = pl.stage(k, cfg.O_STAGES)
+                pl.wait_full(p_ch, cfg.P_BUFS, k)  # P'^T in smem
+                pl.wait_empty(o_ch, cfg.O_STAGES, k)  # output warpgroup has read O stage sO
+                tcgen05_fence_after()
+                for mt in cutlass.range_constexpr(cfg.MT):
+                    for jl in cutlass.range_constexpr(cfg.JPM):
+                        # token-wise V: O^T_{mt,j} = V^T[m-tile mt] . (P'^T scaled for channel block j)
+                        # channel-wise V: O^T_{mt,t} = V^T[m-tile mt, group t] . P'^T[group t]
+                        tO = cute.make_tensor(tmem_ptr + cfg.S_STAGES * cfg.S_COLS + sO * cfg.O_COLS
+                                              + (mt * cfg.JPM + jl) * cfg.NM, acc_layout)
+                        mma_pv.set(tcgen05.Field.ACCUMULATE, False)
+                        for kb in cutlass.range_constexpr(*_pv_kblocks(cfg, jl)):
+                            cute.gemm(mma_pv, tO, tCrV[None, None, kb, so * cfg.MT + mt],
+                                      tCrP[None, None, kb, sp * cfg.P_STAGES + _pv_stage(cfg, mt, jl)], tO)
+                            mma_pv.set(tcgen05.Field.ACCUMULATE, True)
+                with cute.arch.elect_one():
+                    tcgen05.commit(pl.full(o_ch, cfg.O_STAGES, sO))
+                    tcgen05.commit(pl.empty(p_ch, cfg.P_BUFS, sp))
+                    tcgen05.commit(pl.empty(opnd, cfg.OP_STAGES, so))
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
     def prep(
-        self, sK, sV, sQ, sQinfo, sKinfo, sQf, sZ, sRed, storage, sK_layout, sV_layout, mbar_o,
-        q_ptr, kc_ptr, kp_ptr, vc_ptr, pt_ptr, b, h, kv_heads, max_pages, n_tiles, t_begin, n_steps,
-        q_base, scale_log2, t, lane, wq, nd: cutlass.Constexpr,
+        self, sQ, sQinfo, sKinfo, sQf, sZ, sRed, storage, sK_layout, sV_layout, ring, opnd,
+        ring_words, q_ptr, b, n_steps, q_base, scale_log2, t, lane, wq, nd: cutlass.Constexpr,
     ):
         """Preparation warpgroup: Q'^T hi/lo, Qsum / C corrections, A operands from packed words."""
         cfg = self.cfg
@@ -533,20 +671,22 @@ class BlackwellDecodeKernel:
         vu32 = cute.recast_ptr(storage.sV.data_ptr(), dtype=Int32)
         ksw, vsw = sK_layout.inner, sV_layout.inner
         for step in cutlass.range(0, n_steps, 1, unroll=1):
-            if step > 0:
-                cute.arch.mbarrier_wait(mbar_o, (step - 1) % 2)  # previous MMAs have read sK/sV/sQ
-            tile0 = t_begin + 2 * step
+            so = pl.stage(step, cfg.OP_STAGES)
+            pl.wait_full(ring, cfg.RING, 2 * step)  # both tiles of the step in the ring
+            pl.wait_full(ring, cfg.RING, 2 * step + 1)
+            pl.wait_empty(opnd, cfg.OP_STAGES, step)  # the MMAs of step - OP_STAGES have read operand stage so
             if cutlass.const_expr(not cfg.k_token):
-                self.prep_q_channelwise(sQ, sQinfo, sKinfo, sQf, sZ, sRed, kp_ptr, pt_ptr, b, h, kv_heads, max_pages,
-                                        n_tiles, tile0, scale_log2, t, lane, wq, nd)
-            # ---- K and V^T operands from packed words
+                self.prep_q_channelwise(sQ, sKinfo, sQf, sZ, sRed, sQinfo, ring, ring_words, step, so, scale_log2,
+                                        t, lane, wq, nd)
+            # ---- K and V^T operands from the packed words of the ring (16-byte shared loads)
+            k_stage_words = cute.assume(so * (cute.crd2idx(((0, 0), 0, 0, 1), sK_layout.outer) // 4), divby=256)
+            v_stage_words = cute.assume(so * (cfg.MT * cute.crd2idx(((0, 0), 0, 0, 1), sV_layout.outer) // 4), divby=256)
             for half in cutlass.range_constexpr(2):
-                head, sub, _slot = _tile_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile0 + half, cfg.page_size)
-                off = cute.assume((head * cfg.SUB + sub) * cfg.TW, divby=4)  # tiles: 16-byte blocks
+                tile_words = ring_words + cute.assume(pl.stage(2 * step + half, cfg.RING) * cfg.STAGE_WORDS, divby=4)
                 for is_v in cutlass.range_constexpr(2):
-                    c_ptr = vc_ptr if is_v else kc_ptr
                     # (4 words, thread, vector): vector j of thread t = tile vector j*128 + t
-                    src = cute.make_tensor(c_ptr + off, cute.make_layout((4, WG, vec_per_thread), stride=(1, 4, 4 * WG)))
+                    src = cute.make_tensor(tile_words + (cfg.V_CODES if is_v else cfg.K_CODES),
+                                           cute.make_layout((4, WG, vec_per_thread), stride=(1, 4, 4 * WG)))
                     words = cute.make_rmem_tensor((4, vec_per_thread), Int32)
                     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=128)
                     cute.copy(atom, src[None, vt, None], words)
@@ -561,28 +701,35 @@ class BlackwellDecodeKernel:
                             row = n // cpr
                             col = (n % cpr) * E
                             if cutlass.const_expr(is_v):  # V^T: row = channel, K mode = token
-                                _store_chunk(vu32, sV_layout.outer, vsw, row % cfg.DM, col + TILE_TOKENS * half, row // cfg.DM, lo, hi)
+                                _store_chunk(vu32, sV_layout.outer, vsw, row % cfg.DM, col + TILE_TOKENS * half,
+                                             row // cfg.DM, lo, hi, v_stage_words)
                             else:  # K: row = token, K mode = channel
-                                _store_chunk(ku32, sK_layout.outer, ksw, row + TILE_TOKENS * half, col, 0, lo, hi)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=BAR_OPERANDS, number_of_threads=cfg.threads)
-            cute.arch.barrier(barrier_id=BAR_P, number_of_threads=cfg.threads)
+                                _store_chunk(ku32, sK_layout.outer, ksw, row + TILE_TOKENS * half, col, 0, lo, hi,
+                                             k_stage_words)
+            pl.release(ring, cfg.RING, 2 * step)
+            pl.release(ring, cfg.RING, 2 * step + 1)
+            cute.arch.fence_view_async_shared()  # generic smem writes -> visible to tcgen05 (async proxy)
+            pl.publish(opnd, cfg.OP_STAGES, step)
 
     @cute.jit
-    def prep_q_channelwise(self, sQ, sQinfo, sKinfo, sQf, sZ, sRed, kp_ptr, pt_ptr, b, h, kv_heads, max_pages,
-                           n_tiles, tile0, scale_log2, t, lane, wq, nd: cutlass.Constexpr):
+    def prep_q_channelwise(self, sQ, sKinfo, sQf, sZ, sRed, sQinfo, ring, ring_words, step, so,
+                           scale_log2, t, lane, wq, nd: cutlass.Constexpr):
         """Channel-wise K, one step: Q'[t] = Q * s[:, t] * 2^-e_t (hi/lo, N columns per token group
-        t side by side) and C[t, r] = sum_d z[d, t] q[r, d]."""
+        t side by side, operand stage so) and C[t, r] = sum_d z[d, t] q[r, d]; params from the ring."""
         cfg = self.cfg
         N, NM, D = cfg.N, cfg.NM, cfg.D
+        kinfo = so * KINFO
+        cute.arch.barrier(barrier_id=BAR_PREP, number_of_threads=WG)  # previous step's sZ / sRed reads done
         ks = cute.make_rmem_tensor((cfg.NTK * nd,), Float32)
         for tk in cutlass.range_constexpr(cfg.NTK):
-            head, grp = _group_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile0, tk * min(cfg.GK, STEP), cfg.GK, cfg.page_size)
-            base = (head * cfg.KGP + grp) * D
+            off = tk * min(cfg.GK, STEP)  # first token of group tk in the step
+            grp = (off % TILE_TOKENS) // cfg.GK if cfg.GK < TILE_TOKENS else 0  # group within its tile
+            tile_words = ring_words + cute.assume(pl.stage(2 * step + off // TILE_TOKENS, cfg.RING) * cfg.STAGE_WORDS, divby=4)
+            kp_ring = cute.recast_ptr(tile_words + cfg.K_PARAMS + grp * D, dtype=Float16)
             smax = Float32(0.0)
             for i in cutlass.range_constexpr(nd):
                 d = (t + WG * i) % D
-                kp = cute.make_tensor(kp_ptr + (base + d) * 2, cute.make_layout((2,)))
+                kp = cute.make_tensor(kp_ring + 2 * d, cute.make_layout((2,)))
                 ks[tk * nd + i] = kp[0].to(Float32)
                 sZ[tk * D + d] = kp[1].to(Float32)
                 smax = cute.arch.fmax(smax, _fabs(ks[tk * nd + i]))
@@ -594,14 +741,14 @@ class BlackwellDecodeKernel:
             e = _exp_floor(_max4(sRed, 4 * tk)) + Float32(1.0)  # max_d |s| < 2^e
             s_norm = cute.math.exp2(-e, fastmath=True)
             if t == 0:
-                sKinfo[tk] = cute.math.exp2(e, fastmath=True) * cfg.a_inv
+                sKinfo[kinfo + tk] = cute.math.exp2(e, fastmath=True) * cfg.a_inv
             for r in cutlass.range_constexpr(N):
                 qs = sQinfo[16 + r] * s_norm
                 for i in cutlass.range_constexpr(nd):
                     d = (t + WG * i) % D
                     qhi, qlo = _hilo(sQf[r * D + d] * qs * ks[tk * nd + i])  # |.| < 256
-                    sQ[((tk * NM + r, d % 32), 0, d // 32, 0)] = qhi
-                    sQ[((tk * NM + N + r, d % 32), 0, d // 32, 0)] = qlo
+                    sQ[((tk * NM + r, d % 32), 0, d // 32, so)] = qhi
+                    sQ[((tk * NM + N + r, d % 32), 0, d // 32, so)] = qlo
         cute.arch.barrier(barrier_id=BAR_PREP, number_of_threads=WG)
         # C[tk, r]: two threads per (tk, r), half of the channels each
         x = t // 2
@@ -613,18 +760,19 @@ class BlackwellDecodeKernel:
                 acc = acc + sZ[tk * D + d] * sQf[r * D + d]
             acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
             if half == 0:
-                sKinfo[4 + tk * 16 + r] = acc * scale_log2
+                sKinfo[kinfo + 4 + tk * 16 + r] = acc * scale_log2
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def softmax(
-        self, tS, t2r, thr_t2r, sP, sQinfo, sKinfo, sAlpha, sPsum, sRed, sCorr, sFinal, mbar_s, mbar_o,
-        kp_ptr, vp_ptr, pt_ptr, b, h, kv_heads, max_pages, n_tiles, t_begin, t_end, n_steps, length,
+        self, t2r, thr_t2r, sP, sQinfo, sKinfo, sAlpha, sPsum, sRed, sCorr, sFinal, ring, opnd,
+        s_ch, p_ch, st_ch, ring_words, t_begin, t_end, n_steps, length,
         t, lane, wq, tmem_ptr, acc_layout,
     ):
         """Softmax warpgroup (thread = token of the step): S, online softmax, P'^T, V offset terms."""
         cfg = self.cfg
         N, NM = cfg.N, cfg.NM
+        RED = 4 * 16 * (1 + cfg.P_STAGES)  # sRed half (by step parity: one barrier per step suffices)
         m_run = cute.make_rmem_tensor((N,), Float32)
         l_run = cute.make_rmem_tensor((N,), Float32)  # per-thread partial (one token per step)
         for r in cutlass.range_constexpr(N):
@@ -633,67 +781,82 @@ class BlackwellDecodeKernel:
         if cutlass.const_expr(cfg.v_token):
             for x in cutlass.range_constexpr(cfg.NJV * N):
                 sCorr[x * WG + t] = Float32(0.0)  # per-thread sum_l z[l,j] p[l] (column x = j*N + r)
+        u = t // TILE_TOKENS  # tile of the step holding this thread's token
         for step in cutlass.range(0, n_steps, 1, unroll=1):
-            cute.arch.barrier(barrier_id=BAR_OPERANDS, number_of_threads=cfg.threads)
-            tile = t_begin + 2 * step + t // TILE_TOKENS
-            head, _sub, slot0 = _tile_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile, cfg.page_size)
+            ss = pl.stage(step, cfg.S_STAGES)
+            sp = pl.stage(step, cfg.P_BUFS)
+            red = (step % 2) * RED
+            tile = t_begin + 2 * step + u
             tok = tile * TILE_TOKENS + t % TILE_TOKENS
             ok = (tok < length) & (tile < t_end)
-            slot = head * cfg.page_size + slot0 + t % TILE_TOKENS
-            cute.arch.mbarrier_wait(mbar_s, step % 2)
+            pl.wait_full(ring, cfg.RING, 2 * step)  # this step's params (token-wise K and V) are in the ring
+            pl.wait_full(ring, cfg.RING, 2 * step + 1)
+            prm = cute.recast_ptr(ring_words + cute.assume(pl.stage(2 * step + u, cfg.RING) * cfg.STAGE_WORDS, divby=4), dtype=Float16)
+            if cutlass.const_expr(not cfg.k_token):
+                pl.wait_full(opnd, cfg.OP_STAGES, step)  # sKinfo of operand stage so (prep)
+            pl.wait_full(s_ch, cfg.S_STAGES, step)  # S of this step in TMEM (tcgen05.commit)
+            tcgen05_fence_after()
             sc = cute.make_rmem_tensor((N,), Float32)
             if cutlass.const_expr(cfg.k_token):
                 for r in cutlass.range_constexpr(N):
                     sc[r] = Float32(0.0)
                 for j in cutlass.range_constexpr(cfg.NJK):
-                    kp = cute.make_tensor(kp_ptr + (slot * cfg.NJK + j) * 2, cute.make_layout((2,)))
+                    kp = cute.make_tensor(prm + 2 * (cfg.K_PARAMS + (t % TILE_TOKENS) * cfg.NJK + j), cute.make_layout((2,)))
                     ks = kp[0].to(Float32) * cfg.a_inv
                     kz = kp[1].to(Float32)
-                    acc = _load_acc(t2r, thr_t2r, cute.make_tensor(tS[j].iterator, acc_layout), NM)  # hi cols, lo cols
+                    acc = _load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + j * cfg.NQK, acc_layout), NM)
+                    cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are used
                     for r in cutlass.range_constexpr(N):
                         sc[r] = sc[r] + ks * (acc[r] + acc[N + r]) * sQinfo[r] + kz * sQinfo[32 + r * cfg.NJK + j]
             else:
+                so = pl.stage(step, cfg.OP_STAGES)
                 tk = (wq * 32) // cfg.GK if cfg.GK < STEP else 0  # token group of this warp
-                acc = _load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + tk * NM, acc_layout), NM)
-                unscale = sKinfo[tk]
+                acc = _load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + tk * NM, acc_layout), NM)
+                cute.arch.fence_view_async_tmem_load()
+                unscale = sKinfo[so * KINFO + tk]
                 for r in cutlass.range_constexpr(N):
-                    sc[r] = (acc[r] + acc[N + r]) * unscale * sQinfo[r] + sKinfo[4 + tk * 16 + r]
-            cute.arch.fence_view_async_tmem_load()
+                    sc[r] = (acc[r] + acc[N + r]) * unscale * sQinfo[r] + sKinfo[so * KINFO + 4 + tk * 16 + r]
+            tcgen05_fence_before()
+            pl.release(s_ch, cfg.S_STAGES, step)  # S stage free for the QK of step + S_STAGES
             # column max over the 128 tokens of the step
             for r in cutlass.range_constexpr(N):
                 sc[r] = _fsel(ok, sc[r], Float32(NEG_INF))
                 mx = cute.arch.warp_reduction(sc[r], cute.arch.fmax)
                 if lane == 0:
-                    sRed[4 * r + wq] = mx
+                    sRed[red + 4 * r + wq] = mx
             if cutlass.const_expr(cfg.v_token):
                 # max over tokens of the V scales per channel block (power-of-two normalisation of P*s)
                 vs = cute.make_rmem_tensor((cfg.NJV,), Float32)
                 vz = cute.make_rmem_tensor((cfg.NJV,), Float32)
                 for j in cutlass.range_constexpr(cfg.NJV):
-                    vp = cute.make_tensor(vp_ptr + (slot * cfg.NJV + j) * 2, cute.make_layout((2,)))
+                    vp = cute.make_tensor(prm + 2 * (cfg.V_PARAMS + (t % TILE_TOKENS) * cfg.NJV + j), cute.make_layout((2,)))
                     vs[j] = _fsel(ok, vp[0].to(Float32), Float32(0.0))
                     vz[j] = _fsel(ok, vp[1].to(Float32), Float32(0.0))
                     mv = cute.arch.warp_reduction(_fabs(vs[j]), cute.arch.fmax)
                     if lane == 0:
-                        sRed[4 * 16 * (1 + j) + wq] = mv
+                        sRed[red + 4 * 16 * (1 + j) + wq] = mv
+            pl.release(ring, cfg.RING, 2 * step)  # last ring read of this step (params)
+            pl.release(ring, cfg.RING, 2 * step + 1)
             cute.arch.barrier(barrier_id=BAR_SOFTMAX, number_of_threads=WG)
+            pl.wait_empty(p_ch, cfg.P_BUFS, step)  # the PV of step - P_BUFS has read P buffer sp
+            pl.wait_empty(st_ch, cfg.P_BUFS, step)  # the output warpgroup has read the statistics of buffer sp
             pscale = cute.make_rmem_tensor((cfg.P_STAGES,), Float32)
             for j in cutlass.range_constexpr(cfg.P_STAGES):
                 if cutlass.const_expr(cfg.v_token):
-                    pscale[j] = _pow2_scale(_max4(sRed, 4 * 16 * (1 + j)))
+                    pscale[j] = _pow2_scale(_max4(sRed, red + 4 * 16 * (1 + j)))
                 else:
                     pscale[j] = Float32(2.0**FP8_TARGET_EXP)  # P <= 1
                 if t == 0:
-                    sAlpha[16 + j] = cfg.a_inv / pscale[j]  # exact: powers of two
+                    sAlpha[sp * 32 + 16 + j] = cfg.a_inv / pscale[j]  # exact: powers of two
             for r in cutlass.range_constexpr(N):
-                m_new = cute.arch.fmax(m_run[r], _max4(sRed, 4 * r))
+                m_new = cute.arch.fmax(m_run[r], _max4(sRed, red + 4 * r))
                 m_use = _fsel(m_new == Float32(NEG_INF), Float32(0.0), m_new)
                 alpha = cute.math.exp2(m_run[r] - m_use, fastmath=True)
                 m_run[r] = m_new
                 p = cute.math.exp2(sc[r] - m_use, fastmath=True)
                 l_run[r] = l_run[r] * alpha + p
                 if t == 0:
-                    sAlpha[r] = alpha
+                    sAlpha[sp * 32 + r] = alpha
                 for j in cutlass.range_constexpr(cfg.P_STAGES):
                     if cutlass.const_expr(cfg.v_token):
                         x = (j * N + r) * WG + t
@@ -701,15 +864,16 @@ class BlackwellDecodeKernel:
                         phi, plo = _hilo(p * vs[j] * pscale[j])
                     else:
                         phi, plo = _hilo(p * pscale[j])
-                    sP[((r, t % 32), 0, t // 32, j)] = phi
-                    sP[((N + r, t % 32), 0, t // 32, j)] = plo
+                    sP[((r, t % 32), 0, t // 32, sp * cfg.P_STAGES + j)] = phi
+                    sP[((N + r, t % 32), 0, t // 32, sp * cfg.P_STAGES + j)] = plo
                 if cutlass.const_expr(not cfg.v_token):  # Psum per warp (a token group is whole warps)
                     ps = cute.arch.warp_reduction(p, lambda a, c: a + c)
                     if lane == 0:
-                        sPsum[wq * 16 + r] = ps
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=BAR_P, number_of_threads=cfg.threads)
-            cute.arch.mbarrier_wait(mbar_o, step % 2)
+                        sPsum[sp * 64 + wq * 16 + r] = ps
+            cute.arch.fence_view_async_shared()  # P'^T (generic stores) -> visible to tcgen05.mma
+            pl.publish(p_ch, cfg.P_BUFS, step)
+            pl.publish(st_ch, cfg.P_BUFS, step)
+        cute.arch.barrier(barrier_id=BAR_SOFTMAX, number_of_threads=WG)  # last step's sRed reads done
         # ---- final: l and the token-wise V offset terms, reduced over the 128 threads
         for r in cutlass.range_constexpr(N):
             ls = cute.arch.warp_reduction(l_run[r], lambda a, c: a + c)
@@ -736,7 +900,7 @@ class BlackwellDecodeKernel:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def output(
-        self, tO, t2r, thr_t2r, sAlpha, sPsum, sFinal, mbar_o, vp_ptr, pt_ptr, o_ptr, lse_ptr,
+        self, t2r, thr_t2r, sAlpha, sPsum, sFinal, st_ch, o_ch, tmem_ptr, acc_layout, vp_ptr, pt_ptr, o_ptr, lse_ptr,
         b, h, split, Hq, kv_heads, max_pages, num_splits, n_tiles, t_begin, n_steps, t, wq, nd: cutlass.Constexpr,
     ):
         """Output warpgroup: thread t owns channels d = t + 128*mt (t < head_dim), all N query rows."""
@@ -747,19 +911,23 @@ class BlackwellDecodeKernel:
             accO[x] = Float32(0.0)
         dt = t % cfg.DM  # head_dim 64: rows 64..127 of the accumulators are unused
         for step in cutlass.range(0, n_steps, 1, unroll=1):
-            cute.arch.barrier(barrier_id=BAR_OPERANDS, number_of_threads=cfg.threads)
-            cute.arch.barrier(barrier_id=BAR_P, number_of_threads=cfg.threads)
-            cute.arch.mbarrier_wait(mbar_o, step % 2)
+            sO = pl.stage(step, cfg.O_STAGES)
+            sp = pl.stage(step, cfg.P_BUFS)
+            pl.wait_full(st_ch, cfg.P_BUFS, step)  # alpha, P unscale, Psum of this step (softmax)
+            pl.wait_full(o_ch, cfg.O_STAGES, step)  # PV of this step in TMEM (tcgen05.commit)
+            tcgen05_fence_after()
+            o_base = tmem_ptr + cfg.S_STAGES * cfg.S_COLS + sO * cfg.O_COLS
             for mt in cutlass.range_constexpr(cfg.MT):
                 d = mt * cfg.DM + dt
                 if cutlass.const_expr(cfg.v_token):
                     # one channel block per warp (groups are >= 32 channels): its accumulator only
                     for jl in cutlass.range_constexpr(cfg.JPM):
                         if (wq * 32) % cfg.DM // min(cfg.GV, cfg.DM) == jl:
-                            acc = _load_acc(t2r, thr_t2r, tO[mt][jl], NM)
-                            unscale = sAlpha[16 + _v_block(cfg, mt, jl)]
+                            acc = _load_acc(t2r, thr_t2r, cute.make_tensor(o_base + (mt * cfg.JPM + jl) * NM, acc_layout), NM)
+                            cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
+                            unscale = sAlpha[sp * 32 + 16 + _v_block(cfg, mt, jl)]
                             for r in cutlass.range_constexpr(N):
-                                accO[mt * N + r] = accO[mt * N + r] * sAlpha[r] + (acc[r] + acc[N + r]) * unscale
+                                accO[mt * N + r] = accO[mt * N + r] * sAlpha[sp * 32 + r] + (acc[r] + acc[N + r]) * unscale
                 else:
                     upd = cute.make_rmem_tensor((N,), Float32)
                     for r in cutlass.range_constexpr(N):
@@ -768,18 +936,21 @@ class BlackwellDecodeKernel:
                     for tv in cutlass.range_constexpr(cfg.NTV):
                         head, grp = _group_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile0, tv * min(cfg.GV, STEP), cfg.GV, cfg.page_size)
                         vp = cute.make_tensor(vp_ptr + ((head * cfg.VGP + grp) * D + d) * 2, cute.make_layout((2,)))
-                        vs = vp[0].to(Float32) * sAlpha[16]
+                        vs = vp[0].to(Float32) * sAlpha[sp * 32 + 16]
                         vz = vp[1].to(Float32)
-                        acc = _load_acc(t2r, thr_t2r, tO[mt][tv], NM)
+                        acc = _load_acc(t2r, thr_t2r, cute.make_tensor(o_base + (mt * cfg.JPM + tv) * NM, acc_layout), NM)
+                        cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
                         w0, w1 = tv * min(cfg.GV, STEP) // 32, (tv + 1) * min(cfg.GV, STEP) // 32  # warps of group tv
                         for r in cutlass.range_constexpr(N):
                             ps = Float32(0.0)
                             for w in cutlass.range_constexpr(w0, w1):
-                                ps = ps + sPsum[w * 16 + r]
+                                ps = ps + sPsum[sp * 64 + w * 16 + r]
                             upd[r] = upd[r] + vs * (acc[r] + acc[N + r]) + vz * ps
                     for r in cutlass.range_constexpr(N):
-                        accO[mt * N + r] = accO[mt * N + r] * sAlpha[r] + upd[r]
-            cute.arch.fence_view_async_tmem_load()
+                        accO[mt * N + r] = accO[mt * N + r] * sAlpha[sp * 32 + r] + upd[r]
+            tcgen05_fence_before()
+            pl.release(o_ch, cfg.O_STAGES, step)  # O stage free for the PV of step + O_STAGES
+            pl.release(st_ch, cfg.P_BUFS, step)
         cute.arch.barrier(barrier_id=BAR_FINAL, number_of_threads=2 * WG)
         # ---- epilogue: add the token-wise V offset term of the channel's block, normalise, write
         for r in cutlass.range_constexpr(N):

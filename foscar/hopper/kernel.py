@@ -61,7 +61,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..operands import FP16_ONE_X2, HopperRecipe
 from ..scheme import Axis, Scheme
-from .pipeline import bulk_copy_g2s, stage_and_phase
+from ..pipeline import bulk_copy_g2s, stage_and_phase
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)

@@ -1,5 +1,5 @@
-"""The shared-memory ring of the Hopper decode kernel: 1-D bulk copies (TMA engine) into stages
-guarded by mbarriers.
+"""The shared-memory ring of the decode kernels (Hopper and Blackwell): 1-D bulk copies (TMA
+engine) into stages guarded by mbarriers.
 
 Every (page, kv_head, 64-token tile) block of packed codes is contiguous in global memory, and so
 are the tile's (scale, offset) rows, so a stage is filled by four plain ``cp.async.bulk`` copies
