@@ -295,8 +295,12 @@ class MmaRate:
 
 
 def seed_for(kind: Kind) -> int:
-    """A 32-bit operand pattern of small finite values (fp16 ~0.0156 x2, e4m3 0.5 x4)."""
-    return 0x30303030 if kind.dtype is Float8E4M3FN else 0x24002400
+    """A 32-bit operand pattern of small finite values (fp16 ~0.0156 x2, e4m3 0.125 x4).
+
+    The kernels add up to ``(7 << 5) + 15`` to it: from 0x20 no E4M3 byte reaches a NaN encoding
+    (0x7F/0xFF); from 0x30 one did (0x30 + 0x40 + 15 = 0x7F), and the first H200 run failed there.
+    """
+    return 0x20202020 if kind.dtype is Float8E4M3FN else 0x24002400
 
 
 def compile_variant(name: str, arch: str = "sm_90a"):
