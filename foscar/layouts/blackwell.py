@@ -28,11 +28,11 @@ loads are contiguous. Same tile sizes as ``fragment.TileGeometry`` (64 tokens x 
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from .fragment import TILE_TOKENS, TileGeometry
+from .fragment import TileGeometry
+from .packing import pack_tiles, unpack_tiles
 
 __all__ = [
     "BlackwellTile",
@@ -83,40 +83,16 @@ def bw_tile_position(geom: TileGeometry, token: int, channel: int) -> int:
     return word * tile.codes_per_word + element_slot(geom.bits, k)
 
 
-@functools.lru_cache(maxsize=None)
-def _code_order(geom: TileGeometry) -> torch.Tensor:
-    order = torch.empty(TILE_TOKENS * geom.head_dim, dtype=torch.long)
-    for token in range(TILE_TOKENS):
-        for channel in range(geom.head_dim):
-            order[bw_tile_position(geom, token, channel)] = token * geom.head_dim + channel
-    return order
-
-
-def _geom(geom):
+def _geom(geom: TileGeometry) -> TileGeometry:
+    """The plain geometry (a BlackwellTile compares unequal to it, and the packer caches per geometry)."""
     return TileGeometry(geom.role, geom.bits, geom.head_dim)
 
 
 def bw_pack_tiles(codes: torch.Tensor, geom: TileGeometry) -> torch.Tensor:
     """codes ``[..., 64, head_dim]`` -> int32 words ``[..., tile_words]`` in the Blackwell order."""
-    geom = _geom(geom)
-    if codes.shape[-2:] != (TILE_TOKENS, geom.head_dim):
-        raise ValueError(f"codes must end in ({TILE_TOKENS}, {geom.head_dim}), got {tuple(codes.shape)}")
-    lead = codes.shape[:-2]
-    stream = codes.reshape(*lead, -1)[..., _code_order(geom).to(codes.device)].to(torch.int64)
-    stream = stream.reshape(*lead, geom.words, geom.codes_per_word)
-    shifts = torch.arange(geom.codes_per_word, device=codes.device, dtype=torch.int64) * geom.bits
-    words = (stream << shifts).sum(-1)
-    return (words - ((words >> 31) << 32)).to(torch.int32)
+    return pack_tiles(codes, _geom(geom), bw_tile_position)
 
 
 def bw_unpack_tiles(words: torch.Tensor, geom: TileGeometry) -> torch.Tensor:
     """int32 words ``[..., tile_words]`` (Blackwell order) -> uint8 codes ``[..., 64, head_dim]``."""
-    geom = _geom(geom)
-    if words.shape[-1] != geom.words:
-        raise ValueError(f"words must end in {geom.words}, got {tuple(words.shape)}")
-    lead = words.shape[:-1]
-    shifts = torch.arange(geom.codes_per_word, device=words.device, dtype=torch.int64) * geom.bits
-    stream = ((words.to(torch.int64)[..., None] >> shifts) & (2**geom.bits - 1)).reshape(*lead, -1)
-    codes = torch.empty_like(stream)
-    codes[..., _code_order(geom).to(words.device)] = stream
-    return codes.reshape(*lead, TILE_TOKENS, geom.head_dim).to(torch.uint8)
+    return unpack_tiles(words, _geom(geom), bw_tile_position)
