@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-__all__ = ["ARCHS", "device_arch", "cached_compile", "compile_count"]
+__all__ = ["ARCHS", "device_arch", "cached_compile", "compile_count", "fake_ptr", "gmem_ptr", "current_stream"]
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -51,3 +51,28 @@ def cached_compile(key: tuple, build):
 def compile_count() -> int:
     """How many compilations this process has done (tests use it to prove cache hits)."""
     return _compiles
+
+
+def fake_ptr(dtype):
+    """A global-memory pointer of CuTe type ``dtype`` to compile against (no GPU, no tensor)."""
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    return make_ptr(dtype, 16, AddressSpace.gmem, assumed_align=16)
+
+
+def gmem_ptr(tensor: torch.Tensor, dtype):
+    """The CuTe pointer of a CUDA tensor; the kernels assume 16-byte alignment, so check it."""
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    if tensor.data_ptr() % 16:
+        raise ValueError(f"a {tuple(tensor.shape)} tensor passed to a FOSCAR kernel is not 16-byte aligned")
+    return make_ptr(dtype, tensor.data_ptr(), AddressSpace.gmem, assumed_align=16)
+
+
+def current_stream(device):
+    """torch's current CUDA stream on ``device`` as the driver handle the compiled kernels take."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)

@@ -10,7 +10,7 @@ itself must be packed in the Blackwell word order (``foscar.layouts.blackwell``)
 from __future__ import annotations
 
 from ..inspect import compile_for
-from ..jit import cached_compile
+from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr
 from ..scheme import Scheme
 from .kernel import BlackwellConfig
 
@@ -31,21 +31,16 @@ def _build(scheme, page_size, partial_output, arch):
     import cuda.bindings.driver as cuda
 
     from cutlass import Float16, Float32, Int32
-    from cutlass.cute.runtime import make_ptr
-    from cutlass.cute.typing import AddressSpace
 
     from .kernel import BlackwellDecodeKernel
 
     cfg = BlackwellConfig(scheme, page_size, partial_output)
     kernel = BlackwellDecodeKernel(cfg)
 
-    def fake(dtype):
-        return make_ptr(dtype, 0, AddressSpace.gmem, assumed_align=16)
-
     return compile_for(
         arch, kernel,
-        fake(cfg.q_dtype), fake(Int32), fake(Float16), fake(Int32), fake(Float16), fake(Int32), fake(Int32),
-        fake(Float32 if partial_output else cfg.q_dtype), fake(Float32),
+        fake_ptr(cfg.q_dtype), fake_ptr(Int32), fake_ptr(Float16), fake_ptr(Int32), fake_ptr(Float16), fake_ptr(Int32), fake_ptr(Int32),
+        fake_ptr(Float32 if partial_output else cfg.q_dtype), fake_ptr(Float32),
         Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0), cuda.CUstream(0),
     )
 
@@ -58,15 +53,9 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     """
     import torch
 
-    import cuda.bindings.driver as cuda
     from cutlass import Float16, Float32, Int32
-    from cutlass.cute.runtime import make_ptr
-    from cutlass.cute.typing import AddressSpace
 
     from ..kernels.combine import combine_splits
-
-    def ptr(t, dtype):
-        return make_ptr(dtype, t.data_ptr(), AddressSpace.gmem, assumed_align=16)
 
     batch, hq, d = q.shape
     page_size = k_codes.shape[2] * 64
@@ -81,10 +70,10 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     else:
         o_part, lse_part = out, lse
     compiled(
-        ptr(q, cfg.q_dtype), ptr(k_codes, Int32), ptr(k_params, Float16), ptr(v_codes, Int32), ptr(v_params, Float16),
-        ptr(page_table, Int32), ptr(lengths, Int32), ptr(o_part, Float32 if partial else cfg.q_dtype), ptr(lse_part, Float32),
+        gmem_ptr(q, cfg.q_dtype), gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
+        gmem_ptr(page_table, Int32), gmem_ptr(lengths, Int32), gmem_ptr(o_part, Float32 if partial else cfg.q_dtype), gmem_ptr(lse_part, Float32),
         Int32(batch), Int32(k_codes.shape[1]), Int32(page_table.shape[1]), Int32(num_splits), Float32(float(sm_scale)),
-        cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream),
+        current_stream(q.device),
     )
     if partial:
         combine_splits(o_part, lse_part, out, lse)

@@ -627,7 +627,7 @@ class BlackwellDecodeKernel:
     ):
         """Preparation warpgroup: Q'^T hi/lo, Qsum / C corrections, A operands from packed words."""
         cfg = self.cfg
-        N, NM, D, R = cfg.N, cfg.NM, cfg.D, cfg.R
+        N, D, R = cfg.N, cfg.D, cfg.R
         # ---- q per row, its power-of-two scale; thread t owns channels d = (t + 128*i) % D
         for r in cutlass.range_constexpr(N):
             rr = min(r, R - 1)

@@ -14,7 +14,7 @@ fp32 ``[B, Hq]`` (natural log); True writes normalized fp32 partials ``o [B, Hq,
 from __future__ import annotations
 
 from ..inspect import compile_for
-from ..jit import cached_compile
+from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr
 from ..scheme import Scheme
 from .kernel import DecodeConfig
 
@@ -38,30 +38,24 @@ def _build(scheme, page_size, partial_output, arch, consumers):
     import cuda.bindings.driver as cuda
 
     from cutlass import Float16, Float32, Int32
-    from cutlass.cute.runtime import make_ptr
-    from cutlass.cute.typing import AddressSpace
-
     from .kernel import HopperDecodeKernel
 
     cfg = DecodeConfig(scheme, page_size, partial_output, consumers)
     kernel = HopperDecodeKernel(cfg)
     q_type = cfg.q_dtype
 
-    def fake(dtype):
-        return make_ptr(dtype, 0, AddressSpace.gmem, assumed_align=16)
-
     return compile_for(
         arch,
         kernel,
-        fake(q_type),  # q
-        fake(Int32),  # k codes
-        fake(Float16),  # k params
-        fake(Int32),  # v codes
-        fake(Float16),  # v params
-        fake(Int32),  # page table
-        fake(Int32),  # lengths
-        fake(Float32 if partial_output else q_type),  # o
-        fake(Float32),  # lse
+        fake_ptr(q_type),  # q
+        fake_ptr(Int32),  # k codes
+        fake_ptr(Float16),  # k params
+        fake_ptr(Int32),  # v codes
+        fake_ptr(Float16),  # v params
+        fake_ptr(Int32),  # page table
+        fake_ptr(Int32),  # lengths
+        fake_ptr(Float32 if partial_output else q_type),  # o
+        fake_ptr(Float32),  # lse
         Int32(1),  # batch
         Int32(1),  # kv_heads
         Int32(1),  # max_pages
@@ -69,15 +63,6 @@ def _build(scheme, page_size, partial_output, arch, consumers):
         Float32(1.0),  # sm_scale
         cuda.CUstream(0),
     )
-
-
-def _ptr(t, dtype):
-    from cutlass.cute.runtime import make_ptr
-    from cutlass.cute.typing import AddressSpace
-
-    if t.data_ptr() % 16:
-        raise ValueError("every tensor passed to the Hopper decode kernel must be 16-byte aligned")
-    return make_ptr(dtype, t.data_ptr(), AddressSpace.gmem, assumed_align=16)
 
 
 def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme, num_splits: int = 1,
@@ -89,9 +74,6 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     the kernel writes fp32 partials that ``foscar.kernels.combine`` merges into them.
     """
     import torch
-
-    import cuda.bindings.driver as cuda
-
     from cutlass import Float16, Float32, Int32
 
     from ..kernels.combine import combine_splits
@@ -109,17 +91,17 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     else:
         o_part, lse_part = out, lse
     q_type = DecodeConfig.cute_dtype(q.dtype)
-    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    stream = current_stream(device)
     compiled(
-        _ptr(q, q_type),
-        _ptr(k_codes, Int32),
-        _ptr(k_params, Float16),
-        _ptr(v_codes, Int32),
-        _ptr(v_params, Float16),
-        _ptr(page_table, Int32),
-        _ptr(lengths, Int32),
-        _ptr(o_part, Float32 if partial else q_type),
-        _ptr(lse_part, Float32),
+        gmem_ptr(q, q_type),
+        gmem_ptr(k_codes, Int32),
+        gmem_ptr(k_params, Float16),
+        gmem_ptr(v_codes, Int32),
+        gmem_ptr(v_params, Float16),
+        gmem_ptr(page_table, Int32),
+        gmem_ptr(lengths, Int32),
+        gmem_ptr(o_part, Float32 if partial else q_type),
+        gmem_ptr(lse_part, Float32),
         Int32(batch),
         Int32(k_codes.shape[1]),
         Int32(page_table.shape[1]),

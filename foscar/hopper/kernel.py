@@ -463,7 +463,6 @@ class HopperDecodeKernel:
             local_tile = cfg.TPG * (c + NC * (step // cfg.TPG)) + step % cfg.TPG
             if local_tile < n_local:
                 tok0 = (t_begin + local_tile) * TILE_TOKENS
-                slot0 = tok0 % cfg.page_size  # first slot of the tile in its page
                 valid = length - tok0  # valid tokens in this tile (>= 1)
                 ring_stage, ring_phase = stage_and_phase(local_tile, cfg.STAGES)
                 cute.arch.mbarrier_wait(full + ring_stage, ring_phase)

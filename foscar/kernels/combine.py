@@ -21,9 +21,8 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_ptr
 
-from ..jit import cached_compile, device_arch
+from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
 
 __all__ = ["Combine", "compile_combine", "combine_splits"]
 
@@ -122,10 +121,6 @@ class Combine:
                 mL[row] = row_lse
 
 
-def _fake_ptr(dtype):
-    return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
-
-
 def compile_combine(head_dim: int, arch: str = "sm_90a", out_dtype=cutlass.BFloat16):
     """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``."""
     from ..inspect import compile_for
@@ -134,10 +129,10 @@ def compile_combine(head_dim: int, arch: str = "sm_90a", out_dtype=cutlass.BFloa
     return compile_for(
         arch,
         Combine(head_dim, out_dtype),
-        _fake_ptr(cutlass.Float32),
-        _fake_ptr(cutlass.Float32),
-        _fake_ptr(out_dtype),
-        _fake_ptr(cutlass.Float32),
+        fake_ptr(cutlass.Float32),
+        fake_ptr(cutlass.Float32),
+        fake_ptr(out_dtype),
+        fake_ptr(cutlass.Float32),
         i32, i32, i32,
         cuda.CUstream(0),
     )
@@ -162,10 +157,8 @@ def combine_splits(o_partial, lse_partial, out, lse):
     arch = device_arch(o_partial.device)
     compiled = cached_compile(("combine", D, out_type, arch), lambda: compile_combine(D, arch, out_type))
 
-    def ptr(t, dtype):
-        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    stream = cuda.CUstream(torch.cuda.current_stream(o_partial.device).cuda_stream)
-    compiled(ptr(o_partial, cutlass.Float32), ptr(lse_partial, cutlass.Float32), ptr(out, out_type),
-             ptr(lse, cutlass.Float32), batch, q_heads, splits, stream)
+    stream = current_stream(o_partial.device)
+    compiled(gmem_ptr(o_partial, cutlass.Float32), gmem_ptr(lse_partial, cutlass.Float32), gmem_ptr(out, out_type),
+             gmem_ptr(lse, cutlass.Float32), batch, q_heads, splits, stream)
     return out, lse

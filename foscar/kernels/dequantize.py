@@ -30,9 +30,8 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_ptr
 
-from ..jit import cached_compile, device_arch
+from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
 from ..layouts.cute import bit_layout
 from ..layouts.fragment import TILE_TOKENS, TileGeometry, tile_position
 from ..scheme import Axis, Scheme
@@ -199,10 +198,6 @@ class Dequantize:
             cute.autovec_copy(values, gRow[None, n % self.chunks_per_row])
 
 
-def _fake_ptr(dtype):
-    return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
-
-
 def compile_dequantize(scheme_or_config, role: str | None = None, arch: str = "sm_90a"):
     """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``."""
     from ..inspect import compile_for
@@ -212,10 +207,10 @@ def compile_dequantize(scheme_or_config, role: str | None = None, arch: str = "s
     return compile_for(
         arch,
         Dequantize(cfg),
-        _fake_ptr(cutlass.Int32),
-        _fake_ptr(cutlass.Float16),
-        _fake_ptr(cutlass.Int32),
-        _fake_ptr(cutlass.BFloat16),
+        fake_ptr(cutlass.Int32),
+        fake_ptr(cutlass.Float16),
+        fake_ptr(cutlass.Int32),
+        fake_ptr(cutlass.BFloat16),
         i32, i32, i32, i32, i32,
         cuda.CUstream(0),
     )
@@ -254,12 +249,10 @@ def dequantize_pages(codes, params, page_table, scheme, role: str):
     arch = device_arch(codes.device)
     compiled = cached_compile(("dequantize", cfg, arch), lambda: compile_dequantize(cfg, arch=arch))
 
-    def ptr(t, dtype):
-        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    stream = cuda.CUstream(torch.cuda.current_stream(codes.device).cuda_stream)
+    stream = current_stream(codes.device)
     compiled(
-        ptr(codes, cutlass.Int32), ptr(params, cutlass.Float16), ptr(page_table, cutlass.Int32),
-        ptr(out, cutlass.BFloat16), num_pages, kv_heads, page_size, batch, max_pages, stream,
+        gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16), gmem_ptr(page_table, cutlass.Int32),
+        gmem_ptr(out, cutlass.BFloat16), num_pages, kv_heads, page_size, batch, max_pages, stream,
     )
     return out

@@ -43,9 +43,8 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_ptr
 
-from ..jit import cached_compile, device_arch
+from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
 from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
 from ..scheme import Axis, Scheme
@@ -253,10 +252,6 @@ class Quantize:
                     mCodes[page, head, slot // TILE_TOKENS + t, word] = packed
 
 
-def _fake_ptr(dtype):
-    return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
-
-
 def compile_quantize(config: QuantizeConfig, arch: str = "sm_90a"):
     """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``."""
     from ..inspect import compile_for
@@ -265,11 +260,11 @@ def compile_quantize(config: QuantizeConfig, arch: str = "sm_90a"):
     return compile_for(
         arch,
         Quantize(config),
-        _fake_ptr(config.cute_src),
-        _fake_ptr(cutlass.Int32),
-        _fake_ptr(cutlass.Int32),
-        _fake_ptr(cutlass.Int32),
-        _fake_ptr(cutlass.Float16),
+        fake_ptr(config.cute_src),
+        fake_ptr(cutlass.Int32),
+        fake_ptr(cutlass.Int32),
+        fake_ptr(cutlass.Int32),
+        fake_ptr(cutlass.Float16),
         i32, i32, i32, i32,
         cuda.CUstream(0),
     )
@@ -309,11 +304,9 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
     arch = device_arch(src.device)
     compiled = cached_compile(("quantize", cfg, arch), lambda: compile_quantize(cfg, arch=arch))
 
-    def ptr(t, dtype):
-        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    stream = cuda.CUstream(torch.cuda.current_stream(src.device).cuda_stream)
+    stream = current_stream(src.device)
     compiled(
-        ptr(src, cfg.cute_src), ptr(dest_page, cutlass.Int32), ptr(dest_slot, cutlass.Int32),
-        ptr(codes, cutlass.Int32), ptr(params, cutlass.Float16), tiles, kv_heads, num_pages, page_size, stream,
+        gmem_ptr(src, cfg.cute_src), gmem_ptr(dest_page, cutlass.Int32), gmem_ptr(dest_slot, cutlass.Int32),
+        gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16), tiles, kv_heads, num_pages, page_size, stream,
     )
