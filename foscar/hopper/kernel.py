@@ -32,8 +32,8 @@ type, and FP16's 3 extra mantissa bits keep that rounding 4x below BF16's (fosca
 
 Structure: warp-specialized. Warpgroup 0 is the producer: one thread walks the CTA's tiles and
 issues 1-D bulk copies (``cp.async.bulk``, TMA engine) of each tile's K codes, V codes, K params
-and V params into a ``STAGES``-deep shared-memory ring guarded by mbarriers (foscar/hopper/
-pipeline.py); the page-table entries come in 32 at a time, one per lane of the producer warp.
+and V params into a ``STAGES``-deep shared-memory ring guarded by mbarriers (foscar/pipeline.py);
+the page-table entries come in 32 at a time, one per lane of the producer warp.
 Warpgroups 1..NC are consumers: consumer c takes runs c, c+NC, ... of TPG consecutive tiles
 (TPG = G/64 for channel-wise K groups of G >= 128 tokens, so the scaled Q^T is built once per
 group; else 1), builds the FP16 operands, runs the RS wgmmas, the FP32 corrections and the online
@@ -42,7 +42,7 @@ consumers (ptxas keeps it only with ``.minnctapersm``, hence ``min_blocks_per_mp
 (O, m, l) through shared memory and consumer 0 writes the result.
 Split-KV: grid.x = splits; with splits > 1 the kernel writes normalized fp32 partial outputs
 [B, Hq, S, D] and lse [B, Hq, S] (natural log; -inf and zeros for an empty split); with
-split=False it writes o bf16 [B, Hq, D] and lse fp32 [B, Hq].
+split=False it writes o [B, Hq, D] (q's dtype) and lse fp32 [B, Hq].
 """
 
 from __future__ import annotations
