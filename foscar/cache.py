@@ -23,7 +23,8 @@ entries point at, so every page index a kernel may read is valid. BF16 parts
 ``k_bf16 [layers, max_seqs, kv_heads, S + W + T, D]``. Pages are shared by all layers: a sequence
 owns a list of page indices, used at the same index in every layer's pool.
 
-Decode (:meth:`PagedKVCache.attend`) runs the FOSCAR kernel over the quantized pages (Hopper), and
+Decode (:meth:`PagedKVCache.attend`) runs the FOSCAR kernel over the quantized pages (Hopper; the
+pages are packed in the Hopper bit order, so a Blackwell device refuses them with a clear error), and
 torch over the small BF16 part, then merges the two by log-sum-exp. Append (:meth:`append`) of one
 token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush
 runs every step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no
@@ -487,7 +488,7 @@ class PagedKVCache:
 
             return decode_paged(q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
                                 table.contiguous(), lengths, self.scheme, self.page_size, sm_scale, return_lse=True,
-                                num_splits=self.num_splits(q.shape[0]), check_pages=False)
+                                num_splits=self.num_splits(q.shape[0]), check_pages=False, layout="hopper")
         cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
                             self.v_params[layer], table, lengths)
         k, v = cache.dequantize(torch.float32)  # [B, kvh, max_tokens, D], zero past the lengths
