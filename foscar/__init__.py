@@ -4,7 +4,7 @@ A variant is a :class:`Scheme`; ``quantize_kv`` builds a paged cache for it; the
 ``foscar.reference`` define what every kernel computes.
 """
 
-from .decode import compile_decode, decode, decode_paged
+from .decode import compile_decode  # the decode functions stay in foscar.decode (no name shadowing)
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups, quantize_kv
 from .scheme import Axis, Construction, FoldingPlan, Scheme, TensorQuant
 
@@ -12,8 +12,6 @@ __all__ = [
     "Axis",
     "Construction",
     "compile_decode",
-    "decode",
-    "decode_paged",
     "FoldingPlan",
     "PAGE_SIZES",
     "QuantizedKV",
