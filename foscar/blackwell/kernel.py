@@ -46,14 +46,21 @@ Warp roles (512 threads, design.md), registers rebalanced with setmaxnreg:
 
 Pipeline (``foscar.blackwell.pipeline``: hand-rolled (full, empty) mbarrier pairs per stage):
   * ring (RING tiles): warp 1 of WG0 issues, per 64-token tile, 1-D ``cp.async.bulk`` copies of
-    the K codes, V codes, K params and token-wise V params (each contiguous) with
-    ``mbarrier.expect_tx``; released by prep (codes, channel-wise K params) and softmax (token-wise
-    params) = 256 arrivals. Channel-wise V params are read by the output WG from global memory.
+    the K codes, V codes, K params and V params (each contiguous) with ``mbarrier.expect_tx``;
+    released by prep (codes, channel-wise K params) and softmax (token-wise params, channel-wise
+    V params) = 256 arrivals. The output WG runs a step behind, so it does not read the ring: the
+    softmax copies the step's channel-wise V (scale, offset) rows (ring -> registers before its
+    ring release, registers -> sVp[P buffer] after ``wait_empty(st_ch)``) and hands them over
+    with the statistics below.
   * operands (OP_STAGES): prep -> MMA (128 arrivals after ``fence.proxy.async``); freed by a
     ``tcgen05.commit`` after the step's PV.
   * S (S_STAGES TMEM buffers): commit -> softmax; freed right after the ``tcgen05.ld``.
   * P (P_BUFS smem buffers): softmax -> MMA; freed by commit after the PV. The per-step softmax
-    statistics (alpha, P unscale, Psum) travel softmax -> output in the same number of buffers.
+    statistics (alpha, P unscale, Psum) and channel-wise V params (sVp) travel softmax -> output
+    in the same number of buffers (st_ch: the output's release of buffer sp is what the softmax
+    waits for before rewriting it, its full wait is what orders the reads after the writes).
+  * Before the role dispatch only compile-time values and the barrier/TMEM set-up are computed:
+    the token range and the TMEM address are recomputed per role (no register live across it).
   * O (O_STAGES TMEM buffers): commit -> output; freed right after the ``tcgen05.ld``.
 The MMA warp issues QK(i) before PV(i-1), so S(i) is ready when the softmax finishes P(i-1). Stage
 counts come from the smem and TMEM budgets (``BlackwellConfig``). Output format as Hopper:
@@ -171,11 +178,15 @@ class BlackwellConfig:
         self.q_dtype = BFloat16 if scheme.q_dtype == torch.bfloat16 else Float16
         self.threads = 4 * WG
         # ---- ring of bulk-copied 64-token tiles (int32 words): K codes | V codes | K params | V params.
-        # Channel-wise V params are read by the output warpgroup straight from global memory: it runs
-        # a step behind the others, and holding ring stages for it would cost a step of ring depth.
+        # Channel-wise V params are consumed by the output warpgroup, which runs a step behind the
+        # others: the softmax warpgroup copies the step's (scale, offset) rows from the ring into a
+        # small smem area (sVp, one buffer per P buffer) handed over with alpha / Psum (st_ch), so
+        # the ring stages are released as early as before.
         self.NGK = 1 if self.k_token else max(1, TILE_TOKENS // self.GK)  # channel-wise K groups per tile
+        self.NGV = 1 if self.v_token else max(1, TILE_TOKENS // self.GV)  # channel-wise V groups per tile
         self.KPW = TILE_TOKENS * self.NJK if self.k_token else self.NGK * self.D  # one (s, z) fp16 pair per word
-        self.VPW = TILE_TOKENS * self.NJV if self.v_token else 0
+        self.VPW = TILE_TOKENS * self.NJV if self.v_token else self.NGV * self.D
+        self.VP_WORDS = 0 if self.v_token else self.NTV * self.D  # sVp words per P buffer (channel-wise V)
         self.K_CODES, self.V_CODES, self.K_PARAMS = 0, self.TW, 2 * self.TW
         self.V_PARAMS = self.K_PARAMS + self.KPW
         self.STAGE_WORDS = self.V_PARAMS + self.VPW
@@ -206,7 +217,8 @@ class BlackwellConfig:
         ring = al(self.RING * self.STAGE_BYTES)
         corr = self.NJV * self.N * WG * 4 if self.v_token else 0
         misc = (0 if self.k_token else self.N * self.D * 4) + 16 * self.D + 2 * 4 * 64 * (1 + self.P_STAGES) + 4096
-        return operands + p + ring + corr + misc + self.OP_STAGES * 4 * 80
+        vp = self.P_BUFS * self.VP_WORDS * 4
+        return operands + p + ring + corr + misc + vp + self.OP_STAGES * 4 * 80
 
 
 
@@ -272,11 +284,23 @@ def _tile_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile, page_size: int)
     return page.to(Int64) * kv_heads + h, (tok0 % page_size) // TILE_TOKENS, tok0 % page_size
 
 
-def _group_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile0, off: int, group: int, page_size: int):
-    """(page * kv_heads + h, group index in the page) of the channel-wise group holding token
-    ``off`` of the step starting at tile ``tile0``."""
-    head, _sub, slot0 = _tile_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile0 + off // TILE_TOKENS, page_size)
-    return head, (slot0 + off % TILE_TOKENS) // group
+def _geometry(len_ptr, b, split, num_splits):
+    """(length, n_tiles, t_begin, t_end, n_steps) of the CTA's token range: whole 128-token steps
+    per split. Called inside each role (after the dispatch), so nothing is live across it."""
+    length = _scalar(len_ptr, b)[0]
+    n_tiles = (length + TILE_TOKENS - 1) // TILE_TOKENS
+    per_split = (n_tiles + num_splits - 1) // num_splits
+    per_split = per_split + per_split % 2
+    t_begin = split * per_split
+    t_end = cutlass.min(t_begin + per_split, n_tiles)
+    return length, n_tiles, t_begin, t_end, (t_end - t_begin + 1) // 2
+
+
+def _t2r(tmem_ptr, acc_layout, t, nm: int):
+    """TMEM -> registers copy of one accumulator row per thread (lane t of a warpgroup), nm fp32 columns."""
+    atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(nm)), Float32)
+    t2r = tcgen05.make_tmem_copy(atom, cute.make_tensor(tmem_ptr, acc_layout)[(None, None), 0, 0])
+    return t2r, t2r.get_slice(t)
 
 
 def _store_chunk(base, outer, swz, m, k, stage: int, lo, hi, stage_words=0):
@@ -379,6 +403,8 @@ class BlackwellDecodeKernel:
             sRedP: cute.struct.Align[cute.struct.MemRange[Float32, 4 * 16], 16]  # prep
             sCorr: cute.struct.Align[cute.struct.MemRange[Float32, n_corr], 16]  # token-wise V offset terms
             sFinal: cute.struct.Align[cute.struct.MemRange[Float32, 32 + 16 * cfg.P_STAGES], 16]
+            # channel-wise V: the step's (scale, offset) fp16 pairs [group t, channel d], per P buffer
+            sVp: cute.struct.Align[cute.struct.MemRange[Int32, max(1, cfg.P_BUFS * cfg.VP_WORDS)], 16]
 
         scale_log2 = sm_scale * LOG2E
         self.kernel(
@@ -448,6 +474,7 @@ class BlackwellDecodeKernel:
         sCorr = storage.sCorr.get_tensor(cute.make_layout(cfg.NJV * N * WG if cfg.v_token else 1))
         sFinal = storage.sFinal.get_tensor(cute.make_layout(32 + 16 * cfg.P_STAGES))
         sQf = storage.sQf.get_tensor(cute.make_layout(N * D if not cfg.k_token else 1))
+        sVp = storage.sVp.get_tensor(cute.make_layout(max(1, cfg.P_BUFS * cfg.VP_WORDS)))
 
         # ---------------------------------------------------------------- mbarrier channels
         # (full, empty) mbarrier pairs per stage (foscar.blackwell.pipeline), with arrival counts
@@ -471,77 +498,62 @@ class BlackwellDecodeKernel:
         if warp == 0:
             cute.arch.alloc_tmem(cfg.tmem_cols, tmem_holder)
         cute.arch.sync_threads()
-        tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
 
         # ---------------------------------------------------------------- MMA partitions
         s_layout = mma_qk.make_fragment_C(mma_qk.get_slice(0).partition_shape_C((STEP, cfg.NQK))).layout
         acc_layout = mma_pv.make_fragment_C(mma_pv.get_slice(0).partition_shape_C((STEP, NM))).layout  # ((128, NM), 1, 1)
-        # TMEM columns: S stages (per stage: one accumulator per K channel block), then O stages
-        # (per stage: one accumulator per m-tile and local block jl)
-        o_col0 = cfg.S_STAGES * cfg.S_COLS
-        # TMEM -> registers: thread t of a warpgroup reads lane t (row t), NM fp32 columns
-        t2r_atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(NM)), Float32)
-        t2r = tcgen05.make_tmem_copy(t2r_atom, cute.make_tensor(tmem_ptr + o_col0, acc_layout)[(None, None), 0, 0])
-        thr_t2r = t2r.get_slice(t)
-
-        # ---------------------------------------------------------------- geometry
-        Hq = kv_heads * R
-        length = _scalar(len_ptr, b)[0]
-        n_tiles = (length + TILE_TOKENS - 1) // TILE_TOKENS
-        per_split = (n_tiles + num_splits - 1) // num_splits
-        per_split = per_split + per_split % 2  # whole 128-token steps per split
-        t_begin = split * per_split
-        t_end = cutlass.min(t_begin + per_split, n_tiles)
-        n_steps = (t_end - t_begin + 1) // 2
-        q_base = (b * Hq + h * R).to(Int64) * D
         nd = max(1, D // WG)  # channels per thread (head_dim 64: threads t and t+64 share one)
         ring_words = storage.ring.data_ptr()
 
         # ================================================================ roles
+        # Nothing dynamic is computed before the dispatch: the TMEM address and the CTA's token range
+        # (``_geometry``) are (re)computed inside each role, so no value stays live across it (ptxas
+        # spilled such values when one role ran at its setmaxnreg ceiling).
         if role == WG_PREP:
             cute.arch.setmaxregister_increase(REGS[WG_PREP])
             self.prep(
                 sQ, sQinfo, sKinfo, sQf, sZ, sRedP, storage, sK_layout, sV_layout, ring, opnd, ring_words,
-                q_ptr, b, n_steps, q_base, scale_log2, t, lane, wq, nd,
+                q_ptr, len_ptr, b, h, split, kv_heads, num_splits, scale_log2, t, lane, wq, nd,
             )
 
         if role == WG_MMA:
             cute.arch.setmaxregister_decrease(REGS[WG_MMA])
             if warp == 1:
-                self.produce(ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, b, h, kv_heads, max_pages,
-                             n_tiles, t_begin, n_steps, lane)
+                self.produce(ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, len_ptr, b, h, split, kv_heads,
+                             max_pages, num_splits, lane)
             if warp == 0:
-                self.issue_mma(mma_qk, mma_pv, desc_mma, sK, sV, sQ, sP, tmem_ptr, s_layout, acc_layout,
-                               opnd, s_ch, p_ch, o_ch, n_steps)
+                self.issue_mma(mma_qk, mma_pv, desc_mma, sK, sV, sQ, sP, tmem_holder, s_layout, acc_layout,
+                               opnd, s_ch, p_ch, o_ch, len_ptr, b, split, num_splits)
 
         if role == WG_SOFTMAX:
             cute.arch.setmaxregister_increase(REGS[WG_SOFTMAX])
             self.softmax(
-                t2r, thr_t2r, sP, sQinfo, sKinfo, sAlpha, sPsum, sRed, sCorr, sFinal, ring, opnd, s_ch, p_ch, st_ch,
-                ring_words, t_begin, t_end, n_steps, length, t, lane, wq, tmem_ptr, acc_layout,
+                sP, sQinfo, sKinfo, sAlpha, sPsum, sRed, sCorr, sFinal, sVp, ring, opnd, s_ch, p_ch, st_ch,
+                ring_words, len_ptr, b, split, num_splits, t, lane, wq, tmem_holder, acc_layout, nd,
             )
 
         if role == WG_OUTPUT:
             cute.arch.setmaxregister_increase(REGS[WG_OUTPUT])
             self.output(
-                t2r, thr_t2r, sAlpha, sPsum, sFinal, st_ch, o_ch, tmem_ptr, acc_layout, vp_ptr, pt_ptr, o_ptr, lse_ptr,
-                b, h, split, Hq, kv_heads, max_pages, num_splits, n_tiles, t_begin, n_steps, t, wq, nd,
+                sAlpha, sPsum, sFinal, sVp, st_ch, o_ch, tmem_holder, acc_layout, o_ptr, lse_ptr, len_ptr,
+                b, h, split, kv_heads, num_splits, t, wq, nd,
             )
 
         cute.arch.sync_threads()
         if warp == 0:
-            cute.arch.dealloc_tmem(tmem_ptr, cfg.tmem_cols)
+            cute.arch.dealloc_tmem(cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder), cfg.tmem_cols)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, b, h, kv_heads, max_pages,
-                n_tiles, t_begin, n_steps, lane):
+    def produce(self, ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, len_ptr, b, h, split, kv_heads,
+                max_pages, num_splits, lane):
         """Producer warp (warp 1): one lane issues the 1-D bulk copies of each 64-token tile (K codes,
-        V codes, K params, token-wise V params: each contiguous in global memory) into the ring.
+        V codes, K params, V params: each contiguous in global memory) into the ring.
         Local tile i = 2*step + half uses ring stage i % RING; a tile past the CTA's range repeats
         the last tile of the sequence (finite codes, masked by the softmax)."""
         cfg = self.cfg
         if lane == 0:
+            _length, n_tiles, t_begin, _t_end, n_steps = _geometry(len_ptr, b, split, num_splits)
             for i in cutlass.range(0, 2 * n_steps, 1, unroll=1):
                 head, sub, slot0 = _tile_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, t_begin + i, cfg.page_size)
                 st = pl.stage(i, cfg.RING)
@@ -552,25 +564,28 @@ class BlackwellDecodeKernel:
                 bulk_copy_g2s(dst + cfg.K_CODES, kc_ptr + codes, 4 * cfg.TW, pl.full(ring, cfg.RING, st))
                 bulk_copy_g2s(dst + cfg.V_CODES, vc_ptr + codes, 4 * cfg.TW, pl.full(ring, cfg.RING, st))
                 bulk_copy_g2s(dst + cfg.K_PARAMS, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW, pl.full(ring, cfg.RING, st))
-                if cutlass.const_expr(cfg.VPW > 0):
-                    bulk_copy_g2s(dst + cfg.V_PARAMS, vp_ptr + 2 * self.params_row(head, slot0, "v"), 4 * cfg.VPW, pl.full(ring, cfg.RING, st))
+                bulk_copy_g2s(dst + cfg.V_PARAMS, vp_ptr + 2 * self.params_row(head, slot0, "v"), 4 * cfg.VPW, pl.full(ring, cfg.RING, st))
 
     def params_row(self, head, slot0, which):
         """Index of a tile's first (scale, offset) pair (token rows, or channel-wise groups x D)."""
         cfg = self.cfg
         if (cfg.k_token if which == "k" else cfg.v_token):
             return cute.assume((head * cfg.page_size + slot0) * (cfg.NJK if which == "k" else cfg.NJV), divby=4)
-        return cute.assume((head * cfg.KGP + slot0 // cfg.GK) * cfg.D, divby=4)
+        if which == "k":
+            return cute.assume((head * cfg.KGP + slot0 // cfg.GK) * cfg.D, divby=4)
+        return cute.assume((head * cfg.VGP + slot0 // cfg.GV) * cfg.D, divby=4)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def issue_mma(self, mma_qk, mma_pv, desc_mma, sK, sV, sQ, sP, tmem_ptr, s_layout, acc_layout,
-                  opnd, s_ch, p_ch, o_ch, n_steps):
+    def issue_mma(self, mma_qk, mma_pv, desc_mma, sK, sV, sQ, sP, tmem_holder, s_layout, acc_layout,
+                  opnd, s_ch, p_ch, o_ch, len_ptr, b, split, num_splits):
         """MMA warp (warp 0). Iteration i issues QK of step i, then PV of step i-1, so the next
         step's S is in TMEM while the softmax warpgroup works on the previous one. The smem
         descriptors are built here (after the role dispatch) and indexed by the dynamic stage, so
         ptxas derives them from a base per step instead of keeping every MMA's descriptor live."""
         cfg = self.cfg
+        tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
+        n_steps = _geometry(len_ptr, b, split, num_splits)[4]
         tCrK = desc_mma.make_fragment_A(sK)  # descriptors (MMA, 1, KB_D, OP_STAGES)
         tCrV = desc_mma.make_fragment_A(sV)  # (MMA, 1, KB_S, OP_STAGES*MT)
         tCrQ = mma_qk.make_fragment_B(sQ)  # (MMA, 1, KB_D, 1 | OP_STAGES)
@@ -623,11 +638,12 @@ class BlackwellDecodeKernel:
     @cute.jit
     def prep(
         self, sQ, sQinfo, sKinfo, sQf, sZ, sRed, storage, sK_layout, sV_layout, ring, opnd,
-        ring_words, q_ptr, b, n_steps, q_base, scale_log2, t, lane, wq, nd: cutlass.Constexpr,
+        ring_words, q_ptr, len_ptr, b, h, split, kv_heads, num_splits, scale_log2, t, lane, wq, nd: cutlass.Constexpr,
     ):
         """Preparation warpgroup: Q'^T hi/lo, Qsum / C corrections, A operands from packed words."""
         cfg = self.cfg
         N, D, R = cfg.N, cfg.D, cfg.R
+        q_base = (b * kv_heads * R + h * R).to(Int64) * D
         # ---- q per row, its power-of-two scale; thread t owns channels d = (t + 128*i) % D
         for r in cutlass.range_constexpr(N):
             rr = min(r, R - 1)
@@ -670,6 +686,7 @@ class BlackwellDecodeKernel:
         ku32 = cute.recast_ptr(storage.sK.data_ptr(), dtype=Int32)
         vu32 = cute.recast_ptr(storage.sV.data_ptr(), dtype=Int32)
         ksw, vsw = sK_layout.inner, sV_layout.inner
+        n_steps = _geometry(len_ptr, b, split, num_splits)[4]
         for step in cutlass.range(0, n_steps, 1, unroll=1):
             so = pl.stage(step, cfg.OP_STAGES)
             pl.wait_full(ring, cfg.RING, 2 * step)  # both tiles of the step in the ring
@@ -765,13 +782,17 @@ class BlackwellDecodeKernel:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def softmax(
-        self, t2r, thr_t2r, sP, sQinfo, sKinfo, sAlpha, sPsum, sRed, sCorr, sFinal, ring, opnd,
-        s_ch, p_ch, st_ch, ring_words, t_begin, t_end, n_steps, length,
-        t, lane, wq, tmem_ptr, acc_layout,
+        self, sP, sQinfo, sKinfo, sAlpha, sPsum, sRed, sCorr, sFinal, sVp, ring, opnd,
+        s_ch, p_ch, st_ch, ring_words, len_ptr, b, split, num_splits,
+        t, lane, wq, tmem_holder, acc_layout, nd: cutlass.Constexpr,
     ):
-        """Softmax warpgroup (thread = token of the step): S, online softmax, P'^T, V offset terms."""
+        """Softmax warpgroup (thread = token of the step): S, online softmax, P'^T, V offset terms;
+        channel-wise V: the step's (scale, offset) rows ring -> sVp for the output warpgroup."""
         cfg = self.cfg
-        N, NM = cfg.N, cfg.NM
+        N, NM, D = cfg.N, cfg.NM, cfg.D
+        tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
+        t2r, thr_t2r = _t2r(tmem_ptr, acc_layout, t, NM)
+        length, _n_tiles, t_begin, t_end, n_steps = _geometry(len_ptr, b, split, num_splits)
         RED = 4 * 16 * (1 + cfg.P_STAGES)  # sRed half (by step parity: one barrier per step suffices)
         m_run = cute.make_rmem_tensor((N,), Float32)
         l_run = cute.make_rmem_tensor((N,), Float32)  # per-thread partial (one token per step)
@@ -835,11 +856,26 @@ class BlackwellDecodeKernel:
                     mv = cute.arch.warp_reduction(_fabs(vs[j]), cute.arch.fmax)
                     if lane == 0:
                         sRed[red + 4 * 16 * (1 + j) + wq] = mv
+            else:
+                # channel-wise V: (scale, offset) words of group tv, channel d = (t + 128*i) % D, into
+                # registers now (the ring stages are released below), into sVp once buffer sp is free
+                vpw = cute.make_rmem_tensor((cfg.NTV * nd,), Int32)
+                for tv in cutlass.range_constexpr(cfg.NTV):
+                    off = tv * min(cfg.GV, STEP)  # first token of group tv in the step
+                    grp = (off % TILE_TOKENS) // cfg.GV if cfg.GV < TILE_TOKENS else 0  # group within its tile
+                    vp_ring = ring_words + cute.assume(pl.stage(2 * step + off // TILE_TOKENS, cfg.RING) * cfg.STAGE_WORDS, divby=4)
+                    for i in cutlass.range_constexpr(nd):
+                        vpw[tv * nd + i] = _scalar(vp_ring, cfg.V_PARAMS + grp * D + (t + WG * i) % D)[0]
             pl.release(ring, cfg.RING, 2 * step)  # last ring read of this step (params)
             pl.release(ring, cfg.RING, 2 * step + 1)
             cute.arch.barrier(barrier_id=BAR_SOFTMAX, number_of_threads=WG)
             pl.wait_empty(p_ch, cfg.P_BUFS, step)  # the PV of step - P_BUFS has read P buffer sp
             pl.wait_empty(st_ch, cfg.P_BUFS, step)  # the output warpgroup has read the statistics of buffer sp
+            if cutlass.const_expr(not cfg.v_token):
+                for tv in cutlass.range_constexpr(cfg.NTV):
+                    for i in cutlass.range_constexpr(nd):
+                        if t + WG * i < D:  # head_dim 64: threads t and t+64 hold the same word
+                            sVp[sp * cfg.VP_WORDS + tv * D + t + WG * i] = vpw[tv * nd + i]
             pscale = cute.make_rmem_tensor((cfg.P_STAGES,), Float32)
             for j in cutlass.range_constexpr(cfg.P_STAGES):
                 if cutlass.const_expr(cfg.v_token):
@@ -900,12 +936,17 @@ class BlackwellDecodeKernel:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def output(
-        self, t2r, thr_t2r, sAlpha, sPsum, sFinal, st_ch, o_ch, tmem_ptr, acc_layout, vp_ptr, pt_ptr, o_ptr, lse_ptr,
-        b, h, split, Hq, kv_heads, max_pages, num_splits, n_tiles, t_begin, n_steps, t, wq, nd: cutlass.Constexpr,
+        self, sAlpha, sPsum, sFinal, sVp, st_ch, o_ch, tmem_holder, acc_layout, o_ptr, lse_ptr, len_ptr,
+        b, h, split, kv_heads, num_splits, t, wq, nd: cutlass.Constexpr,
     ):
         """Output warpgroup: thread t owns channels d = t + 128*mt (t < head_dim), all N query rows."""
         cfg = self.cfg
         N, NM, D, R = cfg.N, cfg.NM, cfg.D, cfg.R
+        Hq = kv_heads * R
+        tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
+        t2r, thr_t2r = _t2r(tmem_ptr, acc_layout, t, NM)
+        n_steps = _geometry(len_ptr, b, split, num_splits)[4]
+        sVpH = cute.recast_ptr(sVp.iterator, dtype=Float16)
         accO = cute.make_rmem_tensor((cfg.MT * N,), Float32)
         for x in cutlass.range_constexpr(cfg.MT * N):
             accO[x] = Float32(0.0)
@@ -913,7 +954,7 @@ class BlackwellDecodeKernel:
         for step in cutlass.range(0, n_steps, 1, unroll=1):
             sO = pl.stage(step, cfg.O_STAGES)
             sp = pl.stage(step, cfg.P_BUFS)
-            pl.wait_full(st_ch, cfg.P_BUFS, step)  # alpha, P unscale, Psum of this step (softmax)
+            pl.wait_full(st_ch, cfg.P_BUFS, step)  # alpha, P unscale, Psum, channel-wise V params of this step (softmax)
             pl.wait_full(o_ch, cfg.O_STAGES, step)  # PV of this step in TMEM (tcgen05.commit)
             tcgen05_fence_after()
             o_base = tmem_ptr + cfg.S_STAGES * cfg.S_COLS + sO * cfg.O_COLS
@@ -932,10 +973,8 @@ class BlackwellDecodeKernel:
                     upd = cute.make_rmem_tensor((N,), Float32)
                     for r in cutlass.range_constexpr(N):
                         upd[r] = Float32(0.0)
-                    tile0 = t_begin + 2 * step
                     for tv in cutlass.range_constexpr(cfg.NTV):
-                        head, grp = _group_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile0, tv * min(cfg.GV, STEP), cfg.GV, cfg.page_size)
-                        vp = cute.make_tensor(vp_ptr + ((head * cfg.VGP + grp) * D + d) * 2, cute.make_layout((2,)))
+                        vp = cute.make_tensor(sVpH + 2 * (sp * cfg.VP_WORDS + tv * D + d), cute.make_layout((2,)))
                         vs = vp[0].to(Float32) * sAlpha[sp * 32 + 16]
                         vz = vp[1].to(Float32)
                         acc = _load_acc(t2r, thr_t2r, cute.make_tensor(o_base + (mt * cfg.JPM + tv) * NM, acc_layout), NM)
