@@ -72,8 +72,6 @@ Scheme, gqa_ratio <= 16 (N = 8 or 16), page sizes 64/128/256.
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -82,17 +80,15 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float4E2M1FN, Float8E4M3FN, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
+from ..device import LN2, LOG2E, NEG_INF, fsel
 from ..layouts.blackwell import BlackwellTile
 from ..layouts.fragment import TILE_TOKENS
-from ..scheme import Axis, Scheme
 from ..pipeline import bulk_copy_g2s
+from ..scheme import Axis, Scheme
 from .operands import construction_for
 from . import pipeline as pl
 from .pipeline import tcgen05_fence_after, tcgen05_fence_before
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-NEG_INF = float("-inf")
 STEP = 2 * TILE_TOKENS  # tokens per MMA step (M = 128)
 WG = 128
 # warpgroup roles
@@ -238,9 +234,6 @@ def _pv_kblocks(cfg: BlackwellConfig, jl: int):
         return 0, cfg.KB_S
     return jl * cfg.KB_S // cfg.NTV, (jl + 1) * cfg.KB_S // cfg.NTV
 
-
-def _fsel(cond, a, b):
-    return Float32(cutlass.select_(cond, Float32(a), Float32(b)))
 
 
 def _fabs(x):
@@ -448,7 +441,7 @@ class BlackwellDecodeKernel:
         scale_log2: Float32,
     ):
         cfg = self.cfg
-        N, NM, D, R = cfg.N, cfg.NM, cfg.D, cfg.R
+        N, NM, D = cfg.N, cfg.NM, cfg.D
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -677,7 +670,7 @@ class BlackwellDecodeKernel:
                 acc = Float32(0.0)
                 for c in cutlass.range(j * cfg.GK, (j + 1) * cfg.GK, 1, unroll=8):
                     acc = acc + _scalar(q_ptr, q_base + cutlass.min(r, R - 1) * D + c)[0].to(Float32)
-                sQinfo[32 + t] = _fsel(r < R, acc * scale_log2, Float32(0.0))
+                sQinfo[32 + t] = fsel(r < R, acc * scale_log2, Float32(0.0))
         cute.arch.barrier(barrier_id=BAR_PREP, number_of_threads=WG)
 
         E = cfg.E
@@ -841,7 +834,7 @@ class BlackwellDecodeKernel:
             pl.release(s_ch, cfg.S_STAGES, step)  # S stage free for the QK of step + S_STAGES
             # column max over the 128 tokens of the step
             for r in cutlass.range_constexpr(N):
-                sc[r] = _fsel(ok, sc[r], Float32(NEG_INF))
+                sc[r] = fsel(ok, sc[r], Float32(NEG_INF))
                 mx = cute.arch.warp_reduction(sc[r], cute.arch.fmax)
                 if lane == 0:
                     sRed[red + 4 * r + wq] = mx
@@ -851,8 +844,8 @@ class BlackwellDecodeKernel:
                 vz = cute.make_rmem_tensor((cfg.NJV,), Float32)
                 for j in cutlass.range_constexpr(cfg.NJV):
                     vp = cute.make_tensor(prm + 2 * (cfg.V_PARAMS + (t % TILE_TOKENS) * cfg.NJV + j), cute.make_layout((2,)))
-                    vs[j] = _fsel(ok, vp[0].to(Float32), Float32(0.0))
-                    vz[j] = _fsel(ok, vp[1].to(Float32), Float32(0.0))
+                    vs[j] = fsel(ok, vp[0].to(Float32), Float32(0.0))
+                    vz[j] = fsel(ok, vp[1].to(Float32), Float32(0.0))
                     mv = cute.arch.warp_reduction(_fabs(vs[j]), cute.arch.fmax)
                     if lane == 0:
                         sRed[red + 4 * 16 * (1 + j) + wq] = mv
@@ -886,7 +879,7 @@ class BlackwellDecodeKernel:
                     sAlpha[sp * 32 + 16 + j] = cfg.a_inv / pscale[j]  # exact: powers of two
             for r in cutlass.range_constexpr(N):
                 m_new = cute.arch.fmax(m_run[r], _max4(sRed, red + 4 * r))
-                m_use = _fsel(m_new == Float32(NEG_INF), Float32(0.0), m_new)
+                m_use = fsel(m_new == Float32(NEG_INF), Float32(0.0), m_new)
                 alpha = cute.math.exp2(m_run[r] - m_use, fastmath=True)
                 m_run[r] = m_new
                 p = cute.math.exp2(sc[r] - m_use, fastmath=True)
@@ -996,7 +989,7 @@ class BlackwellDecodeKernel:
             if r < R:
                 lt = sFinal[r]
                 has = lt > Float32(0.0)
-                inv_l = _fsel(has, cute.arch.rcp_approx(lt), Float32(0.0))
+                inv_l = fsel(has, cute.arch.rcp_approx(lt), Float32(0.0))
                 hq = (b * Hq + h * R + r).to(Int64)
                 if cutlass.const_expr(cfg.split):
                     obase = (hq * num_splits + split) * D
@@ -1005,7 +998,7 @@ class BlackwellDecodeKernel:
                     obase = hq * D
                     lidx = hq
                 if t == 0:
-                    lse = _fsel(has, (sFinal[16 + r] + cute.math.log2(lt, fastmath=True)) * LN2, Float32(NEG_INF))
+                    lse = fsel(has, (sFinal[16 + r] + cute.math.log2(lt, fastmath=True)) * LN2, Float32(NEG_INF))
                     _scalar(lse_ptr, lidx)[0] = lse
                 if t < cfg.DM:
                     for mt in cutlass.range_constexpr(cfg.MT):
@@ -1014,7 +1007,7 @@ class BlackwellDecodeKernel:
                         if cutlass.const_expr(cfg.v_token):
                             cv = Float32(0.0)
                             for j in cutlass.range_constexpr(cfg.NJV):
-                                cv = _fsel(d // cfg.GV == j, sFinal[32 + j * 16 + r], cv)
+                                cv = fsel(d // cfg.GV == j, sFinal[32 + j * 16 + r], cv)
                             val = val + cv
                         val = val * inv_l
                         if cutlass.const_expr(cfg.split):

@@ -47,8 +47,6 @@ split=False it writes o [B, Hq, D] (q's dtype) and lse fp32 [B, Hq].
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -58,17 +56,15 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from ..device import LN2, LOG2E, NEG_INF, fsel
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..operands import FP16_ONE_X2, HopperRecipe
-from ..scheme import Axis, Scheme
 from ..pipeline import bulk_copy_g2s, stage_and_phase
+from ..scheme import Axis, Scheme
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 # A scaled operand (q*s', p*s') below this scale may round to an FP16 subnormal; its offset
 # correction then uses the unrounded operand (error ~ s'), not the rounded one (error ~ x/s').
 EXACT_CANCEL_MIN_SCALE = 2.0**-6
-NEG_INF = float("-inf")
 BAR_MERGE = 1  # named barrier of all consumer warpgroups (id 0 is sync_threads)
 BAR_CONSUMER0 = 2  # consumer warpgroup c uses named barrier BAR_CONSUMER0 + c
 REGISTERS = 64 * 1024  # per SM
@@ -151,10 +147,6 @@ class DecodeConfig:
 
         return BFloat16 if torch_dtype == torch.bfloat16 else Float16
 
-
-def _fsel(cond, a, b):
-    """Float32 select (cond ? a : b), branch-free."""
-    return Float32(cutlass.select_(cond, Float32(a), Float32(b)))
 
 
 def _shift_mask(word, sh: int, mask: int):
@@ -419,7 +411,7 @@ class HopperDecodeKernel:
             qd = qe % D
             qrc = cutlass.min(qr, R - 1)
             qv = cute.make_tensor(q_ptr + (q_base + qrc * D + qd), cute.make_layout((1,)))[0].to(Float32)
-            qv = _fsel(qr < R, qv, Float32(0.0))
+            qv = fsel(qr < R, qv, Float32(0.0))
             qreg[i] = qv
             if cutlass.const_expr(cfg.k_token):
                 sQ[qr, qd, q_stage0] = qv.to(Float16)
@@ -502,7 +494,7 @@ class HopperDecodeKernel:
                                 s, z = load_param(kpar, pbase + 2 * ((tidx % min(D, THREADS)) + THREADS * kd))
                                 ksp[kd] = s * (two_b * scale_log2)
                                 kzp[kd] = (z - two_b * s) * scale_log2
-                                krt[kd] = kzp[kd] * cute.arch.rcp_approx(_fsel(ksp[kd] != Float32(0.0), ksp[kd], Float32(1.0)))
+                                krt[kd] = kzp[kd] * cute.arch.rcp_approx(fsel(ksp[kd] != Float32(0.0), ksp[kd], Float32(1.0)))
                             for i in cutlass.range_constexpr(cfg.QD):
                                 kd = i % nd
                                 e = tidx + THREADS * i
@@ -510,7 +502,7 @@ class HopperDecodeKernel:
                                 d = e % D
                                 qs_b = (qreg[i] * ksp[kd]).to(Float16)
                                 sQ[r, d, q_stage0 + gi] = qs_b
-                                term = _fsel(ksp[kd] >= Float32(EXACT_CANCEL_MIN_SCALE), qs_b.to(Float32) * krt[kd], qreg[i] * kzp[kd])
+                                term = fsel(ksp[kd] >= Float32(EXACT_CANCEL_MIN_SCALE), qs_b.to(Float32) * krt[kd], qreg[i] * kzp[kd])
                                 part = cute.arch.warp_reduction(term, lambda x, y: x + y)
                                 if lane == 0:
                                     sQpart[gi * (N * D // 32) + e // 32] = part
@@ -563,8 +555,8 @@ class HopperDecodeKernel:
                             v = accS[0][i] + qz[cs]
                         else:
                             in1 = rowt[hr] >= cfg.GK  # G=32: rows 32..63 belong to group 1
-                            v = _fsel(in1, accS[1][i] + qz[NS + cs], accS[0][i] + qz[cs])
-                    sc[i] = _fsel(rowt[hr] < valid, v, Float32(NEG_INF))
+                            v = fsel(in1, accS[1][i] + qz[NS + cs], accS[0][i] + qz[cs])
+                    sc[i] = fsel(rowt[hr] < valid, v, Float32(NEG_INF))
 
                 # ------------------------------------------------ column max over the 64 tokens
                 tmax = cute.make_rmem_tensor((NS,), Float32)
@@ -599,11 +591,11 @@ class HopperDecodeKernel:
                         ok = rowt[hr] < valid
                         for j in cutlass.range_constexpr(cfg.NJV):
                             s, z = load_param(vpar, pbase + 2 * j)
-                            vs[hr * cfg.NJV + j] = _fsel(ok, s * two_b, Float32(0.0))
-                            vz[hr * cfg.NJV + j] = _fsel(ok, z - two_b * s, Float32(0.0))
+                            vs[hr * cfg.NJV + j] = fsel(ok, s * two_b, Float32(0.0))
+                            vz[hr * cfg.NJV + j] = fsel(ok, z - two_b * s, Float32(0.0))
                             # z'/s' (0 when s' = 0): the correction uses the rounded scaled P
                             vr[hr * cfg.NJV + j] = vz[hr * cfg.NJV + j] * cute.arch.rcp_approx(
-                                _fsel(vs[hr * cfg.NJV + j] != Float32(0.0), vs[hr * cfg.NJV + j], Float32(1.0))
+                                fsel(vs[hr * cfg.NJV + j] != Float32(0.0), vs[hr * cfg.NJV + j], Float32(1.0))
                             )
                     for x in cutlass.range_constexpr(cfg.NJV * NS):
                         corr[x] = corr[x] * alpha[x % NS]
@@ -625,7 +617,7 @@ class HopperDecodeKernel:
                             x = hr * cfg.NJV + j
                             ps_b = (p * vs[x]).to(Float16)
                             sP[col, rowt[hr], p_stage0 + j] = ps_b
-                            term = _fsel(vs[x] >= Float32(EXACT_CANCEL_MIN_SCALE), ps_b.to(Float32) * vr[x], p * vz[x])
+                            term = fsel(vs[x] >= Float32(EXACT_CANCEL_MIN_SCALE), ps_b.to(Float32) * vr[x], p * vz[x])
                             corr[j * NS + cs] = corr[j * NS + cs] + term
                     else:
                         # Psum from the rounded P, the values the MMA multiplies
@@ -669,8 +661,8 @@ class HopperDecodeKernel:
                             for hr in cutlass.range_constexpr(2):
                                 s, z = load_param(vpar, pbase + 2 * (mt * 64 + rowt[hr]))
                                 x = (mt * 2 + hr) * cfg.NGV + gi
-                                cvs[x] = _fsel(ok, s * two_b, Float32(0.0))
-                                cvz[x] = _fsel(ok, z - two_b * s, Float32(0.0))
+                                cvs[x] = fsel(ok, s * two_b, Float32(0.0))
+                                cvz[x] = fsel(ok, z - two_b * s, Float32(0.0))
 
                 cute.arch.mbarrier_arrive(empty + ring_stage)  # last read of the stage (codes and params are in registers)
 
@@ -710,7 +702,7 @@ class HopperDecodeKernel:
                             if cutlass.const_expr(n_sub == 1):
                                 add = accV[mt][0][i]
                             else:
-                                add = _fsel(warp >= 2, accV[mt][1][i], accV[mt][0][i])
+                                add = fsel(warp >= 2, accV[mt][1][i], accV[mt][0][i])
                         else:
                             add = Float32(0.0)
                             for gi in cutlass.range_constexpr(cfg.NGV):
@@ -765,7 +757,7 @@ class HopperDecodeKernel:
                             channel = mt * 64 + rowt[hr]
                             jsel = Float32(0.0)
                             for j in cutlass.range_constexpr(cfg.NJV):
-                                jsel = _fsel(channel // cfg.GV == j, corr[j * NS + cs], jsel)
+                                jsel = fsel(channel // cfg.GV == j, corr[j * NS + cs], jsel)
                             val = val + jsel
                     outv[(mt * 2 + hr) * NS + cs] = val
 
@@ -788,7 +780,7 @@ class HopperDecodeKernel:
                 for cs in cutlass.range_constexpr(NS):
                     m_o = sMerge[base + n_out + cs]
                     m_new = cute.arch.fmax(m_run[cs], m_o)
-                    m_ref = _fsel(m_new == Float32(NEG_INF), Float32(0.0), m_new)  # all empty: weights 0
+                    m_ref = fsel(m_new == Float32(NEG_INF), Float32(0.0), m_new)  # all empty: weights 0
                     w_self = cute.arch.exp2(m_run[cs] - m_ref)
                     w_o = cute.arch.exp2(m_o - m_ref)
                     l_run[cs] = l_run[cs] * w_self + sMerge[base + n_out + NS + cs] * w_o
@@ -803,8 +795,8 @@ class HopperDecodeKernel:
                 col = cols[cs]
                 lt = l_run[cs]
                 has = lt > Float32(0.0)
-                inv_l = _fsel(has, cute.arch.rcp_approx(lt), Float32(0.0))
-                lse = _fsel(has, (m_run[cs] + cute.math.log2(lt)) * LN2, Float32(NEG_INF))
+                inv_l = fsel(has, cute.arch.rcp_approx(lt), Float32(0.0))
+                lse = fsel(has, (m_run[cs] + cute.math.log2(lt)) * LN2, Float32(NEG_INF))
                 if col < R:
                     hq = (b * Hq + h * R + col).to(Int64)
                     if cutlass.const_expr(cfg.split):

@@ -22,13 +22,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from ..device import LN2, LOG2E
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
 
 __all__ = ["Combine", "compile_combine", "combine_splits"]
 
 WARPS = 4  # rows (sequence, query head) per CTA: one warp each
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 class Combine:
