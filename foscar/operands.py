@@ -31,6 +31,10 @@ from .layouts.fragment import THREADS
 
 FP16_ONE_X2 = 0x3C003C00
 FP16_MANTISSA = 10
+# The offset corrections use the *rounded* scaled operand (q*s' or p*s' in FP16), so that the operand
+# bias 1 cancels exactly against its rounding; below this scale the scaled operand may be an FP16
+# subnormal, and the correction uses the unrounded operand instead (error ~ s', not ~ x/s').
+EXACT_CANCEL_MIN_SCALE = 2.0**-6
 
 
 @dataclass(frozen=True)

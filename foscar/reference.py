@@ -20,7 +20,10 @@ import math
 
 import torch
 
+LOG2E = math.log2(math.e)
+
 from .layouts import TILE_TOKENS
+from .operands import EXACT_CANCEL_MIN_SCALE
 from .quantize import QuantizedKV
 from .scheme import Axis, Construction, Correction, Site
 
@@ -66,9 +69,18 @@ def _expand(params, axis, group, tokens, dim):
     return params.repeat_interleave(group, dim=-2)[..., :tokens, :dim]
 
 
-def attend_folded(q, cache: QuantizedKV, sm_scale: float, construction: Construction | None = None, tile: int = TILE_TOKENS):
-    """Execute the folding plan of ``cache.scheme`` (for ``construction``) in float64."""
+def attend_folded(q, cache: QuantizedKV, sm_scale: float, construction: Construction | None = None, tile: int = TILE_TOKENS,
+                  operand_dtype: torch.dtype | None = None):
+    """Execute the folding plan of ``cache.scheme`` (for ``construction``) in float64.
+
+    ``operand_dtype`` (e.g. ``torch.float16``) additionally emulates the Hopper kernel's one rounding
+    step: the MMA's other operand (Q, Q*s', P or P*s', scaled as the kernel scales it) is rounded to
+    that type, and the offset corrections use the rounded operand where its scale is at least
+    ``EXACT_CANCEL_MIN_SCALE`` (``foscar.operands``), as the kernel does; everything else stays exact.
+    """
     check_query(q, cache, sm_scale)
+    rnd = (lambda x: x) if operand_dtype is None else (lambda x: x.to(operand_dtype).to(torch.float64))
+    log2_scale = sm_scale * LOG2E  # the kernel folds the softmax scale into Q*s' (log2 domain)
     plan = cache.scheme.plan(construction)
     con = plan.construction
     dim = cache.scheme.head_dim
@@ -91,19 +103,24 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, construction: Construc
         kop = k_op[:, :, sl]  # [b, h, l, d]
         if plan.k.scale_site is Site.PARTIAL_SUM:  # K token-wise: one accumulator per channel block
             g = plan.k.block
-            blocks = torch.einsum("bhrjd,bhljd->bhrlj", qg.reshape(batch, kvh, ratio, dim // g, g), kop.reshape(*kop.shape[:3], dim // g, g))
+            q_mma = rnd(qg).reshape(batch, kvh, ratio, dim // g, g)
+            blocks = torch.einsum("bhrjd,bhljd->bhrlj", q_mma, kop.reshape(*kop.shape[:3], dim // g, g))
             scores = torch.einsum("bhrlj,bhlj->bhrl", blocks, k_s[:, :, sl])
             assert plan.k.correction is Correction.OFFSET_TIMES_QSUM
             qsum = qg.reshape(batch, kvh, ratio, dim // g, g).sum(-1)  # [b,h,r,j]
-            scores = scores + torch.einsum("bhlj,bhrj->bhrl", k_z[:, :, sl], qsum)
+            scores = (scores + torch.einsum("bhlj,bhrj->bhrl", k_z[:, :, sl], qsum)) * sm_scale
         else:  # K channel-wise: Q scaled per token block t before the MMA
             g = plan.k.block
-            s_tok = _expand(k_s, Axis.CHANNEL, g, k_op.shape[2], dim)[:, :, sl]  # [b,h,l,d]
-            z_tok = _expand(k_z, Axis.CHANNEL, g, k_op.shape[2], dim)[:, :, sl]
-            scores = torch.einsum("bhrd,bhld,bhld->bhrl", qg, s_tok, kop)
+            s_tok = _expand(k_s, Axis.CHANNEL, g, k_op.shape[2], dim)[:, :, sl] * log2_scale  # [b,h,l,d]
+            z_tok = _expand(k_z, Axis.CHANNEL, g, k_op.shape[2], dim)[:, :, sl] * log2_scale
+            q_scaled = rnd(qg[:, :, :, None, :] * s_tok[:, :, None])  # [b,h,r,l,d]: one scaled Q per token block
+            scores = torch.einsum("bhrld,bhld->bhrl", q_scaled, kop)
             assert plan.k.correction is Correction.Q_DOT_OFFSET
-            scores = scores + torch.einsum("bhrd,bhld->bhrl", qg, z_tok)
-        scores = torch.where(valid, scores * sm_scale, -torch.inf)
+            exact = s_tok >= EXACT_CANCEL_MIN_SCALE if operand_dtype is not None else torch.zeros_like(s_tok, dtype=torch.bool)
+            ratio_z = z_tok / torch.where(s_tok == 0, 1.0, s_tok)
+            corr = torch.where(exact[:, :, None], q_scaled * ratio_z[:, :, None], qg[:, :, :, None, :] * z_tok[:, :, None])
+            scores = (scores + corr.sum(-1)) / LOG2E
+        scores = torch.where(valid, scores, -torch.inf)
         # ---- online softmax
         m_new = torch.maximum(m, scores.amax(-1))
         alpha = torch.exp(m - m_new).nan_to_num(0.0)
@@ -114,14 +131,18 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, construction: Construc
         if plan.v.scale_site is Site.OTHER_OPERAND:  # V token-wise: P scaled per channel block j
             g = plan.v.block
             s_el = _expand(v_s, Axis.TOKEN, g, v_op.shape[2], dim)[:, :, sl]  # [b,h,l,d]
-            pv = torch.einsum("bhrl,bhld,bhld->bhrd", p, s_el, vop)
+            z_el = _expand(v_z, Axis.TOKEN, g, v_op.shape[2], dim)[:, :, sl]
+            p_scaled = rnd(p[..., None] * s_el[:, :, None])  # [b,h,r,l,d]: one scaled P per channel block
+            pv = torch.einsum("bhrld,bhld->bhrd", p_scaled, vop)
             assert plan.v.correction is Correction.P_DOT_OFFSET
-            corr = torch.einsum("bhrl,bhlj->bhrj", p, v_z[:, :, sl]).repeat_interleave(g, dim=-1)
+            exact = s_el >= EXACT_CANCEL_MIN_SCALE if operand_dtype is not None else torch.zeros_like(s_el, dtype=torch.bool)
+            ratio_z = z_el / torch.where(s_el == 0, 1.0, s_el)
+            corr = torch.where(exact[:, :, None], p_scaled * ratio_z[:, :, None], p[..., None] * z_el[:, :, None]).sum(-2)
         else:  # V channel-wise: one partial sum per token block t, scaled after the MMA
             sub = min(plan.v.block, tile)  # a tile holds whole groups, or lies inside one
             blocks = tile // sub
             group_of_block = torch.arange(start, stop, sub) // plan.v.block
-            p_blocks = p.reshape(batch, kvh, ratio, blocks, sub)
+            p_blocks = rnd(p).reshape(batch, kvh, ratio, blocks, sub)
             partial = torch.einsum("bhrtl,bhtld->bhrtd", p_blocks, vop.reshape(batch, kvh, blocks, sub, dim))
             pv = torch.einsum("bhrtd,bhtd->bhrd", partial, v_s[:, :, group_of_block])
             assert plan.v.correction is Correction.OFFSET_TIMES_PSUM

@@ -58,13 +58,10 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..device import LN2, LOG2E, NEG_INF, fsel
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
-from ..operands import FP16_ONE_X2, HopperRecipe
+from ..operands import EXACT_CANCEL_MIN_SCALE, FP16_ONE_X2, HopperRecipe
 from ..pipeline import bulk_copy_g2s, stage_and_phase
 from ..scheme import Axis, Scheme
 
-# A scaled operand (q*s', p*s') below this scale may round to an FP16 subnormal; its offset
-# correction then uses the unrounded operand (error ~ s'), not the rounded one (error ~ x/s').
-EXACT_CANCEL_MIN_SCALE = 2.0**-6
 BAR_MERGE = 1  # named barrier of all consumer warpgroups (id 0 is sync_threads)
 BAR_CONSUMER0 = 2  # consumer warpgroup c uses named barrier BAR_CONSUMER0 + c
 REGISTERS = 64 * 1024  # per SM
