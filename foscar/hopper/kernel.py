@@ -281,7 +281,7 @@ class HopperDecodeKernel:
         split, h, b = cute.arch.block_idx()
         role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumer role-1
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         full = storage.full.data_ptr()  # (STAGES,) mbarriers: stage filled
         empty = storage.empty.data_ptr()  # (STAGES,) mbarriers: stage read
