@@ -15,3 +15,13 @@ NEG_INF = float("-inf")
 def fsel(cond, a, b):
     """Float32 select ``cond ? a : b``, branch-free."""
     return Float32(cutlass.select_(cond, Float32(a), Float32(b)))
+
+
+def reduce_over_rows(x, combine):
+    """Combine ``x`` over the 8 lanes of a warp that hold one accumulator column (lane bits 2..4):
+    the rows of an mma/wgmma accumulator fragment. ``combine``: e.g. ``cute.arch.fmax`` or ``+``."""
+    import cutlass.cute as cute
+
+    for offset in (4, 8, 16):
+        x = combine(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
+    return x

@@ -47,6 +47,8 @@ split=False it writes o [B, Hq, D] (q's dtype) and lse fp32 [B, Hq].
 
 from __future__ import annotations
 
+import operator
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -56,7 +58,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..device import LN2, LOG2E, NEG_INF, fsel
+from ..device import LN2, LOG2E, NEG_INF, fsel, reduce_over_rows
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..operands import EXACT_CANCEL_MIN_SCALE, FP16_ONE_X2, HopperRecipe
 from ..pipeline import bulk_copy_g2s, stage_and_phase
@@ -560,8 +562,7 @@ class HopperDecodeKernel:
                 for cs in cutlass.range_constexpr(NS):
                     i0 = (cs % 2) + 4 * (cs // 2)
                     mx = cute.arch.fmax(sc[i0], sc[i0 + 2])
-                    for off in (4, 8, 16):
-                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=off))
+                    mx = reduce_over_rows(mx, cute.arch.fmax)
                     tmax[cs] = mx
                 if g == 0:
                     for cs in cutlass.range_constexpr(NS):
@@ -627,10 +628,7 @@ class HopperDecodeKernel:
                 if cutlass.const_expr(not cfg.v_token):
                     # Psum per token group: reduce over g (shuffles) then over warps (smem)
                     for cs in cutlass.range_constexpr(NS):
-                        ps = psum[cs]
-                        for off in (4, 8, 16):
-                            ps = ps + cute.arch.shuffle_sync_bfly(ps, offset=off)
-                        psum[cs] = ps
+                        psum[cs] = reduce_over_rows(psum[cs], operator.add)
                     if g == 0:
                         for cs in cutlass.range_constexpr(NS):
                             sRed2[warp * N + 8 * (cs // 2) + 2 * tq + (cs % 2)] = psum[cs]
@@ -711,16 +709,10 @@ class HopperDecodeKernel:
         # row sum l and (token-wise V) the offset correction: reduce over the 64 rows
         cute.arch.barrier(barrier_id=bar, number_of_threads=THREADS)
         for cs in cutlass.range_constexpr(NS):
-            ls = l_run[cs]
-            for off in (4, 8, 16):
-                ls = ls + cute.arch.shuffle_sync_bfly(ls, offset=off)
-            l_run[cs] = ls
+            l_run[cs] = reduce_over_rows(l_run[cs], operator.add)
         if cutlass.const_expr(cfg.v_token):
             for x in cutlass.range_constexpr(cfg.NJV * NS):
-                cv = corr[x]
-                for off in (4, 8, 16):
-                    cv = cv + cute.arch.shuffle_sync_bfly(cv, offset=off)
-                corr[x] = cv
+                corr[x] = reduce_over_rows(corr[x], operator.add)
         if g == 0:
             for cs in cutlass.range_constexpr(NS):
                 col = cols[cs]
