@@ -1,6 +1,6 @@
 """Time the Hopper decode kernel over a few split counts (CUDA-graph replays, L2-cold working set).
 
-    python -m benchmarks.hopper_sweep [--configs 8x32768,1x32768] [--splits auto,2,4] [--consumers 2,3]
+    python -m benchmarks.hopper_sweep [--configs 8x32768,1x32768] [--splits auto,2,4] [--consumers auto,2,3]
 
 Qwen3-8B attention geometry (32 q heads, 8 KV heads, head_dim 128), page size 128. Prints one
 row per (variant, consumer warpgroups, batch x context, splits): microseconds per call and TB/s
@@ -54,11 +54,11 @@ def main(argv=None):
     parser.add_argument("--variants", default="int2-kc128,int4-kt128")
     parser.add_argument("--configs", default="8x32768,1x32768,32x8192")
     parser.add_argument("--splits", default="auto")
-    parser.add_argument("--consumers", default="3")
+    parser.add_argument("--consumers", default="auto")
     args = parser.parse_args(argv)
     rows = []
     for name in args.variants.split(","):
-        for consumers in map(int, args.consumers.split(",")):
+        for consumers in [None if c == "auto" else int(c) for c in args.consumers.split(",")]:
             ok = check(VARIANTS[name], consumers)
             for cfg in args.configs.split(","):
                 batch, context = map(int, cfg.split("x"))
@@ -68,9 +68,9 @@ def main(argv=None):
                     rows.append((name, consumers, ok, f"{batch}x{context}", splits, us, nbytes / us / 1e6))
                     del fns
                     torch.cuda.empty_cache()
-    print(f"{'variant':12} {'WGs':>3} {'ok':>3} {'BxL':>10} {'splits':>6} {'us':>8} {'TB/s':>6}")
+    print(f"{'variant':12} {'WGs':>4} {'ok':>3} {'BxL':>10} {'splits':>6} {'us':>8} {'TB/s':>6}")
     for name, consumers, ok, shape, splits, us, tbps in rows:
-        print(f"{name:12} {consumers:3d} {'yes' if ok else 'NO':>3} {shape:>10} {splits:>6} {us:8.1f} {tbps:6.2f}")
+        print(f"{name:12} {consumers or 'auto':>4} {'yes' if ok else 'NO':>3} {shape:>10} {splits:>6} {us:8.1f} {tbps:6.2f}")
 
 
 def check(scheme, consumers) -> bool:

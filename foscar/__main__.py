@@ -50,9 +50,9 @@ def compile_report(scheme: Scheme, page_size: int):
             print(f"{arch:8} {name:16} {res.registers:4d} {res.local_bytes:5d}  (no SASS: {exc})")
             continue
         top = ", ".join(f"{op} {n}" for op, n in whole.most_common(6))
-        mma = sum(n for op, n in loop.items() if "GMMA" in op)
+        mma = sum(n for op, n in loop.items() if "MMA" in op)
         print(f"{arch:8} {name:16} {res.registers:4d} {res.local_bytes:5d}  loop {sum(loop.values())} instr"
-              f" ({mma} GMMA); kernel: {top}")
+              f" ({mma} MMA); kernel: {top}")
         if name == "decode (hopper)":
             stats = decode_loop_stats(loop, scheme.head_dim)
             loop_alu = stats["shift_logic_per_element"]

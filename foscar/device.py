@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import cutlass
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 LOG2E = math.log2(math.e)  # softmax runs in the log2 domain: exp(x) = exp2(x * LOG2E)
 LN2 = math.log(2.0)  # and reports natural-log lse: ln(x) = log2(x) * LN2
@@ -19,9 +20,50 @@ def fsel(cond, a, b):
 
 def reduce_over_rows(x, combine):
     """Combine ``x`` over the 8 lanes of a warp that hold one accumulator column (lane bits 2..4):
-    the rows of an mma/wgmma accumulator fragment. ``combine``: e.g. ``cute.arch.fmax`` or ``+``."""
+    the rows of an mma accumulator fragment. ``combine``: e.g. ``cute.arch.fmax`` or ``+``."""
     import cutlass.cute as cute
 
     for offset in (4, 8, 16):
         x = combine(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
     return x
+
+
+# ---------------------------------------------------------------------------------------------
+# f16x2 registers and warp-level fragment moves (PTX the DSL does not wrap)
+# ---------------------------------------------------------------------------------------------
+def _asm(res_type, operands, asm: str, constraints: str, side_effects: bool, loc, ip):
+    from cutlass._mlir.dialects import llvm
+
+    return llvm.inline_asm(
+        res_type,
+        [x.ir_value(loc=loc, ip=ip) for x in operands],
+        asm,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def pack_f16x2(lo, hi, *, loc=None, ip=None):
+    """Int32 f16x2 (round to nearest) of two fp32: ``lo`` in bits 0..15, ``hi`` in bits 16..31."""
+    return Int32(_asm(T.i32(), [Float32(hi), Float32(lo)], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", False, loc, ip))
+
+
+@dsl_user_op
+def f16x2_to_f32(x, half: int, *, loc=None, ip=None):
+    """fp32 of the low (``half`` 0) or high (1) FP16 of an Int32 f16x2 register (exact)."""
+    pick = "lo" if half == 0 else "hi"
+    asm = f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.f16 $0, {pick}; }}"
+    return Float32(_asm(T.f32(), [Int32(x)], asm, "=f,r", False, loc, ip))
+
+
+@dsl_user_op
+def movmatrix_trans(x, *, loc=None, ip=None):
+    """Transpose an 8x8 b16 matrix held as one register per lane in the mma fragment layout (lane
+    4*r + c holds row r, columns 2c, 2c+1): afterwards lane 4*r + c holds column r, rows 2c, 2c+1.
+    Turns an m16n8 accumulator quarter (rows = tokens) into the k16n8 B operand quarter of the next MMA."""
+    return Int32(_asm(T.i32(), [Int32(x)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", True, loc, ip))

@@ -392,17 +392,18 @@ def artifacts(compiled) -> Artifacts:
 SHIFT_LOGIC_OPS = ("LOP3", "SHF", "IMAD.SHL", "PRMT", "SHL", "SHR")
 
 
-def decode_loop_stats(loop: Counter, head_dim: int, tile_tokens: int = 64, threads: int = 128) -> dict:
+def decode_loop_stats(loop: Counter, head_dim: int, tile_tokens: int = 64, threads: int = 32) -> dict:
     """Per-KV-element figures of a decode kernel's main loop (``Artifacts.loop_mix(full_opcodes=True)``).
 
-    One loop trip handles ``tile_tokens`` tokens of K and V in one warpgroup (``threads``), i.e.
+    One loop trip handles ``tile_tokens`` tokens of K and V in ``threads`` threads (the Hopper
+    kernel: one warp), i.e.
     ``2*tile_tokens*head_dim/threads`` elements per thread; SASS counts are per thread.
     """
     per_thread = 2 * tile_tokens * head_dim // threads
     shift_logic = sum(n for op, n in loop.items() if op.startswith(SHIFT_LOGIC_OPS))
     return {
         "instructions": sum(loop.values()),
-        "mma": sum(n for op, n in loop.items() if "GMMA" in op),
+        "mma": sum(n for op, n in loop.items() if "MMA" in op),
         "shift_logic_per_element": shift_logic / per_thread,
         "instructions_per_element": sum(loop.values()) / per_thread,
     }

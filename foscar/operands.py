@@ -3,7 +3,7 @@
 The kernels use the constants here; the tests run the same bit operations on the CPU and check
 that every operand equals ``Construction.operand(code)`` exactly (``foscar.scheme``).
 
-Hopper (FP16, RS-wgmma): register ``n`` of a thread holds codes at bit ``bits*(n % (16/bits))``
+Hopper (FP16, mma.sync with A in registers): register ``n`` of a thread holds codes at bit ``bits*(n % (16/bits))``
 (+16 for the second half, ``foscar.layouts.fragment``). One shift brings both codes to the top
 ``bits`` mantissa bits of each FP16 half, one LOP3 masks them and ORs in 1.0::
 

@@ -100,4 +100,4 @@ def test_compile_decode_returns_inspectable_artifacts():
     from foscar import compile_decode
 
     art = compile_decode(Scheme.make(4, gqa_ratio=4), "sm_90a")
-    assert "wgmma.mma_async" in art.ptx and art.resources().local_bytes == 0
+    assert "mma.sync.aligned.m16n8k16" in art.ptx and art.resources().local_bytes == 0

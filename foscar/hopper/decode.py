@@ -4,7 +4,7 @@ The compiled kernel takes raw pointers plus a few runtime int32 extents (batch, 
 max_pages, num_splits) and the fp32 sm_scale, so one compilation serves every batch size,
 sequence length, page count and split count. The compile cache is keyed on
 ``(scheme, page_size, partial_output, consumers, arch)`` only (``consumers``: consumer warpgroups
-per CTA, ``DEFAULT_CONSUMERS`` unless a benchmark asks for another count).
+per CTA, ``default_consumers(scheme)`` unless a benchmark asks for another count).
 
 ``partial_output`` selects the output format: False writes ``o`` bf16 ``[B, Hq, D]`` and ``lse``
 fp32 ``[B, Hq]`` (natural log); True writes normalized fp32 partials ``o [B, Hq, S, D]`` and
@@ -16,20 +16,20 @@ from __future__ import annotations
 from ..inspect import compile_for
 from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr
 from ..scheme import Scheme
-from .kernel import DecodeConfig
+from .kernel import DecodeConfig, default_consumers
 
-__all__ = ["compile_decode", "run_decode", "DEFAULT_ARCH", "DEFAULT_CONSUMERS"]
+__all__ = ["compile_decode", "run_decode", "DEFAULT_ARCH", "default_consumers"]
 
 DEFAULT_ARCH = "sm_90a"
-DEFAULT_CONSUMERS = 3  # benchmarks/NOTES.md: 3 consumer warpgroups hide more latency than 2
 
 
 def compile_decode(scheme: Scheme, page_size: int, partial_output: bool = False, arch: str = DEFAULT_ARCH,
-                   consumers: int = DEFAULT_CONSUMERS):
+                   consumers: int | None = None):
     """Compile (or fetch from the in-process cache) the decode kernel of ``scheme``.
 
     Works without a GPU (fake pointers); the result keeps its PTX and cubin (``foscar.inspect``).
     """
+    consumers = default_consumers(scheme) if consumers is None else consumers
     key = ("hopper_decode", scheme, int(page_size), bool(partial_output), int(consumers), arch)
     return cached_compile(key, lambda: _build(scheme, page_size, partial_output, arch, consumers))
 
@@ -66,7 +66,7 @@ def _build(scheme, page_size, partial_output, arch, consumers):
 
 
 def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme, num_splits: int = 1,
-               out=None, lse=None, arch: str = DEFAULT_ARCH, consumers: int = DEFAULT_CONSUMERS):
+               out=None, lse=None, arch: str = DEFAULT_ARCH, consumers: int | None = None):
     """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out, lse)``.
 
     ``out`` (q's dtype ``[B, Hq, D]``) and ``lse`` (fp32 ``[B, Hq]``) are written in place when

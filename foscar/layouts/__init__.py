@@ -1,7 +1,7 @@
 """Packed-code and tile layouts.
 
 Every arch reads the same tile sizes (64 tokens x head_dim of one KV head, same tensor shapes) but
-wants its own bit order inside a tile: ``hopper`` is the wgmma A-fragment order (fragment.py),
+wants its own bit order inside a tile: ``hopper`` is the mma.sync A-fragment order (fragment.py),
 ``blackwell`` runs of consecutive reduction-axis elements per word (blackwell.py).
 """
 

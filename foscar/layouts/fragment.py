@@ -2,13 +2,16 @@
 
 A tile is ``TILE_TOKENS`` tokens x ``head_dim`` channels of one KV head. The kernels feed it to
 the Tensor Cores as the *A* operand with tokens (K) or channels (V) on the MMA's M side
-(``S^T = K Q^T``, ``O^T = V^T P^T``), taking A from registers (Hopper RS-wgmma). The packed order is
-therefore the per-thread order of wgmma A fragments, so that one 16-byte shared-memory load per
-thread gives whole fragments and one SHF + one LOP3 turn two codes into one f16x2 register:
+(``S^T = K Q^T``, ``O^T = V^T P^T``), taking A from registers (Hopper ``mma.sync.m16n8k16``). The
+packed order is therefore the per-thread order of mma A fragments, so that one 16-byte
+shared-memory load per thread gives whole fragments and one SHF + one LOP3 turn two codes into one
+f16x2 register:
 
-* 128 threads ``T = 32*warp + 4*g + tq`` of a warpgroup; thread ``T`` of m64 row-tile ``mt`` owns
+* 128 "virtual" threads ``T = 32*warp + 4*g + tq``; thread ``T`` of m64 row-tile ``mt`` owns
   rows ``mt*64 + 16*warp + g + 8*h_r`` and, in k16 block ``kb``, columns ``16*kb + 8*h_c + 2*tq + e``
-  (``h_r, h_c, e`` in {0, 1}): the mma.m16n8k16 A layout, which wgmma reuses per warp.
+  (``h_r, h_c, e`` in {0, 1}): the mma.m16n8k16 A layout of m16 block ``4*mt + warp`` (also the
+  per-warp slice of an m64 wgmma A fragment). The Hopper kernel's warp that owns a tile reads the
+  words of all four virtual warps: lane ``l`` reads those of threads ``32*u + l``.
 * Its fragment registers are numbered ``n = (mt*KB + kb)*4 + (h_r + 2*h_c)``; register ``n`` holds
   the pair ``e = 0, 1`` of two neighbouring columns as an f16x2.
 * A 32-bit word holds ``ppw = 16/bits`` registers' worth of codes: register ``n`` has its ``e = 0``
