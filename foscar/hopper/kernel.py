@@ -526,6 +526,12 @@ class HopperDecodeKernel:
                     alpha[cs] = cute.arch.exp2(m_run[cs] - m_new)
                     m_run[cs] = m_new
                     l_run[cs] = l_run[cs] * alpha[cs]
+                # the running max moved for some column of the warp: O must be rescaled (token-wise
+                # V; channel-wise V rescales in its correction FMA anyway)
+                moved = alpha[0] != Float32(1.0)
+                for cs in cutlass.range_constexpr(1, NS):
+                    moved = moved | (alpha[cs] != Float32(1.0))
+                rescale = cute.arch.vote_any_sync(moved)
                 for x in cutlass.range_constexpr(cfg.NJV * NS):
                     corr[x] = corr[x] * alpha[x % NS]
 
@@ -564,14 +570,18 @@ class HopperDecodeKernel:
                         pg[x] = reduce_over_rows(pg[x], operator.add)  # Psum per token group and column
 
                 # ------------------------------------------------ O^T += V^T . P^T (+ corrections)
+                if cutlass.const_expr(cfg.v_token):
+                    if rescale:
+                        for md in cutlass.range_constexpr(cfg.MB_V):
+                            for nb in cutlass.range_constexpr(NB):
+                                for i in cutlass.range_constexpr(4):
+                                    accO[md][nb][i] = accO[md][nb][i] * alpha[i % 2 + 2 * nb]
                 for md in cutlass.range_constexpr(cfg.MB_V):
                     # channel block md = virtual warp md % 4 of m64 tile md // 4; k16 block = token block
                     vfr = [a_fragment(tiled_mma, shape_A, vw[md % 4], ((md // 4) * cfg.KB_T + tb) * 4, cfg) for tb in range(TB)]
                     for nb in cutlass.range_constexpr(NB):
                         if cutlass.const_expr(cfg.v_token):
                             j = (16 * md) // cfg.GV  # the channel block of these 16 channels
-                            for i in cutlass.range_constexpr(4):
-                                accO[md][nb][i] = accO[md][nb][i] * alpha[i % 2 + 2 * nb]
                             for tb in cutlass.range_constexpr(TB):
                                 cute.gemm(tiled_mma, accO[md][nb], vfr[tb], pB[tb][nb][j], accO[md][nb])
                         else:
