@@ -24,15 +24,17 @@ entries point at, so every page index a kernel may read is valid. BF16 parts
 owns a list of page indices, used at the same index in every layer's pool.
 
 Decode (:meth:`PagedKVCache.attend`) runs the FOSCAR kernel over the quantized pages (Hopper; the
-pages are packed in the Hopper bit order, so a Blackwell device refuses them with a clear error), and
-torch over the small BF16 part, then merges the two by log-sum-exp. Append (:meth:`append`) of one
+pages are packed in the Hopper bit order, so a Blackwell device refuses them with a clear error)
+with partial outputs per split, then one launch (``foscar.kernels.window``) attends the small BF16
+part and merges it with the splits by log-sum-exp. Append (:meth:`append`) of one
 token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush
 runs every step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no
 host sync or page allocation happens inside. Pages must then be reserved up front
 (:meth:`reserve`); temporaries come from the capturing graph's private memory pool.
 
-On CPU tensors (CI) the same logic runs with the torch quantizer (``foscar.quantize``) and a torch
-dequantize-then-attend for the quantized part.
+On CPU tensors (CI) the same logic runs in torch: the torch quantizer (``foscar.quantize``), a
+dequantize-then-attend for the quantized part, and an fp32 attention over the BF16 part merged by
+log-sum-exp (what ``foscar.kernels.window`` fuses on the GPU).
 
 Optional Hadamard rotation (QuaRot/OSCAR): K and Q are multiplied per head by the normalized
 Sylvester Hadamard matrix ``H`` (orthogonal, so ``(qH)(kH)^T = qk^T``): outliers spread over all
@@ -467,6 +469,13 @@ class PagedKVCache:
         rows = slice(ids[0], ids[0] + len(ids)) if contiguous else index  # slices avoid gathers
         n = self.lengths[layer, index]
         qlen = self._quantized_tokens_dev(n)
+        if self.use_kernels:  # quantized splits, then the BF16 slots and the merge in one launch
+            from .kernels.window import window_merge
+
+            o_part, lse_part = self._attend_quantized(layer, rows, q, qlen, sm_scale, partials=True)
+            out, lse = window_merge(q, self.k_bf16[layer], self.v_bf16[layer], index, n, qlen, self.sink, o_part,
+                                    lse_part, sm_scale)
+            return (out, lse) if return_lse else out
         out_q, lse_q = self._attend_quantized(layer, rows, q, qlen, sm_scale)
         out_b, lse_b = self._attend_bf16(layer, rows, q, n, qlen, sm_scale)
         has_q = (qlen > 0)[:, None]
@@ -478,7 +487,7 @@ class PagedKVCache:
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 
-    def _attend_quantized(self, layer, rows, q, qlen, sm_scale):
+    def _attend_quantized(self, layer, rows, q, qlen, sm_scale, partials: bool = False):
         # a sequence with no quantized token attends one token of its first page (a valid page:
         # the trash page at worst); attend() drops that result by its lse
         lengths = qlen.clamp(min=1).to(torch.int32)
@@ -488,7 +497,8 @@ class PagedKVCache:
 
             return decode_paged(q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
                                 table.contiguous(), lengths, self.scheme, self.page_size, sm_scale, return_lse=True,
-                                num_splits=self.num_splits(q.shape[0]), check_pages=False, layout="hopper")
+                                num_splits=self.num_splits(q.shape[0]), check_pages=False, layout="hopper",
+                                partials=partials)
         cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
                             self.v_params[layer], table, lengths)
         k, v = cache.dequantize(torch.float32)  # [B, kvh, max_tokens, D], zero past the lengths

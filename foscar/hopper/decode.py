@@ -66,12 +66,14 @@ def _build(scheme, page_size, partial_output, arch, consumers):
 
 
 def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme, num_splits: int = 1,
-               out=None, lse=None, arch: str = DEFAULT_ARCH, consumers: int | None = None):
+               out=None, lse=None, arch: str = DEFAULT_ARCH, consumers: int | None = None, partials: bool = False):
     """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out, lse)``.
 
     ``out`` (q's dtype ``[B, Hq, D]``) and ``lse`` (fp32 ``[B, Hq]``) are written in place when
     given (a caller can poison them, or keep them static for CUDA graphs). With ``num_splits > 1``
     the kernel writes fp32 partials that ``foscar.kernels.combine`` merges into them.
+    ``partials=True`` returns those partials unmerged, ``(o [B, Hq, S, D], lse [B, Hq, S])`` fp32
+    (also for one split), for a caller that merges them with more (``foscar.kernels.window``).
     """
     import torch
     from cutlass import Float16, Float32, Int32
@@ -81,7 +83,7 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     device = q.device
     batch, hq, d = q.shape
     page_size = k_codes.shape[2] * 64
-    partial = num_splits > 1
+    partial = num_splits > 1 or partials
     compiled = compile_decode(scheme, page_size, partial, arch, consumers)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, hq, dtype=torch.float32, device=device) if lse is None else lse
@@ -109,6 +111,8 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
         Float32(float(sm_scale)),
         stream,
     )
+    if partials:
+        return o_part, lse_part
     if partial:
         combine_splits(o_part, lse_part, out, lse)
     return out, lse
