@@ -3,18 +3,22 @@ engine) into stages guarded by mbarriers.
 
 Every (page, kv_head, 64-token tile) block of packed codes is contiguous in global memory, and so
 are the tile's (scale, offset) rows, so a stage is filled by four plain ``cp.async.bulk`` copies
-(no tensor map): K codes, V codes, K params, V params. One producer thread per CTA issues them.
+(no tensor map): K codes, V codes, K params, V params. Producer threads issue them (Hopper: lane 0
+of each of the 4 producer warps, every 4th tile; Blackwell: one thread).
 
 Barriers of stage ``s`` (``full[s]``, ``empty[s]``):
 
 * ``full[s]``: arrival count 1. The producer arrives with ``expect_tx(stage bytes)``; the copies
   complete the transaction bytes. Consumers wait on its phase parity.
-* ``empty[s]``: arrival count ``CONSUMER_THREADS`` (one warpgroup). Every thread of the consumer
-  warpgroup that read stage ``s`` arrives after its last shared-memory read; the producer waits
-  before overwriting the stage. A fresh barrier counts as completed for parity 1, so the
-  producer's first pass over the ring waits on ``phase ^ 1`` and does not block.
+* ``empty[s]``: arrival count = the threads that read stage ``s`` (Hopper: the one warp that owns
+  the tile; Blackwell: the two warpgroups that read it). Each arrives after its last shared-memory
+  read; the producer waits before overwriting the stage. A fresh barrier counts as completed for
+  parity 1, so the producer's first pass over the ring waits on ``phase ^ 1`` and does not block.
 
-Local tile ``i`` of a CTA uses stage ``i % stages`` in phase ``(i // stages) % 2``.
+Local tile ``i`` of a CTA uses stage ``i % stages`` in phase ``(i // stages) % 2``. A consumer must
+never wait on a stage two phases ahead of its fill (the parity would read as complete): the Hopper
+kernel makes every stage belong to one consumer warp, which waits on it right after its own
+previous use.
 """
 
 from __future__ import annotations
