@@ -18,6 +18,15 @@ def fsel(cond, a, b):
     return Float32(cutlass.select_(cond, Float32(a), Float32(b)))
 
 
+def output_offsets(split_output: bool, hq, split, num_splits, head_dim: int):
+    """(first ``o`` element, ``lse`` element) of global query row ``hq`` (``b * Hq + head``, Int64):
+    fp32 partials ``o [B, Hq, S, D]``, ``lse [B, Hq, S]`` of split ``split`` when ``split_output``,
+    else the final ``o [B, Hq, D]``, ``lse [B, Hq]``."""
+    if split_output:
+        return (hq * num_splits + split) * head_dim, hq * num_splits + split
+    return hq * head_dim, hq
+
+
 def reduce_over_rows(x, combine):
     """Combine ``x`` over the 8 lanes of a warp that hold one accumulator column (lane bits 2..4):
     the rows of an mma accumulator fragment. ``combine``: e.g. ``cute.arch.fmax`` or ``+``."""

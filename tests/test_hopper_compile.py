@@ -87,3 +87,16 @@ def test_compile_cache_hits():
 
     scheme = Scheme.make(2, head_dim=128, gqa_ratio=4)
     assert compile_decode(scheme, 64) is compile_decode(scheme, 64)
+
+
+def test_every_ring_stage_belongs_to_one_consumer_warp():
+    """STAGES is a multiple of TPG * NW for every coverage-matrix variant and page size, so a warp
+    never waits on a stage's mbarrier parity two phases ahead of its fill (foscar/pipeline.py)."""
+    from foscar.hopper.kernel import DecodeConfig, default_consumers
+    from foscar.testing import coverage_matrix
+
+    for scheme, page_size, _ in coverage_matrix():
+        for consumers in {default_consumers(scheme), 1, 2, 3}:
+            cfg = DecodeConfig(scheme, page_size, True, consumers)
+            assert cfg.STAGES % (cfg.TPG * cfg.NW) == 0 and cfg.STAGES >= cfg.TPG * cfg.NW, (scheme.name, consumers)
+            assert cfg.STAGES * cfg.STAGE_BYTES <= 220 * 1024

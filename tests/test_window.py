@@ -42,7 +42,7 @@ def window_merge_reference(q, k_win, v_win, rows, n, n_quant, sink, o_part, lse_
 
 def test_reference_equals_attention_over_all_tokens(rng):
     """Splits of a quantized token set + the window == one softmax over every valid token."""
-    batch, kvh, r, d, sink, ring, splits, nq = 3, 2, 2, 16, 3, 10, 3, 12
+    batch, kvh, r, d, sink, ring, nq = 3, 2, 2, 16, 3, 10, 12
     q = torch.randn(batch, kvh * r, d, generator=rng, dtype=torch.float64)
     k_win = torch.randn(5, kvh, sink + ring, d, generator=rng, dtype=torch.float64)
     v_win = torch.randn(5, kvh, sink + ring, d, generator=rng, dtype=torch.float64)

@@ -80,7 +80,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float4E2M1FN, Float8E4M3FN, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
-from ..device import LN2, LOG2E, NEG_INF, fsel
+from ..device import LN2, LOG2E, NEG_INF, fsel, output_offsets
 from ..layouts.blackwell import BlackwellTile
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import bulk_copy_g2s
@@ -990,13 +990,7 @@ class BlackwellDecodeKernel:
                 lt = sFinal[r]
                 has = lt > Float32(0.0)
                 inv_l = fsel(has, cute.arch.rcp_approx(lt), Float32(0.0))
-                hq = (b * Hq + h * R + r).to(Int64)
-                if cutlass.const_expr(cfg.split):
-                    obase = (hq * num_splits + split) * D
-                    lidx = hq * num_splits + split
-                else:
-                    obase = hq * D
-                    lidx = hq
+                obase, lidx = output_offsets(cfg.split, (b * Hq + h * R + r).to(Int64), split, num_splits, D)
                 if t == 0:
                     lse = fsel(has, (sFinal[16 + r] + cute.math.log2(lt, fastmath=True)) * LN2, Float32(NEG_INF))
                     _scalar(lse_ptr, lidx)[0] = lse

@@ -63,7 +63,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from ..device import LN2, LOG2E, NEG_INF, f16x2_to_f32, fsel, movmatrix_trans, pack_f16x2, reduce_over_rows
+from ..device import (LN2, LOG2E, NEG_INF, f16x2_to_f32, fsel, movmatrix_trans, output_offsets, pack_f16x2,
+                      reduce_over_rows)
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..operands import EXACT_CANCEL_MIN_SCALE, FP16_ONE_X2, HopperRecipe
 from ..pipeline import bulk_copy_g2s, stage_and_phase
@@ -684,13 +685,7 @@ class HopperDecodeKernel:
                 has = lt > Float32(0.0)
                 inv_l = fsel(has, cute.arch.rcp_approx(lt), Float32(0.0))
                 lse = fsel(has, (m_all + cute.math.log2(lt)) * LN2, Float32(NEG_INF))
-                hq = (b * Hq + h * R + col).to(Int64)
-                if cutlass.const_expr(cfg.split):
-                    obase = (hq * num_splits + split) * D
-                    lidx = hq * num_splits + split
-                else:
-                    obase = hq * D
-                    lidx = hq
+                obase, lidx = output_offsets(cfg.split, (b * Hq + h * R + col).to(Int64), split, num_splits, D)
                 if d == 0:
                     cute.make_tensor(lse_ptr + lidx, cute.make_layout((1,)))[0] = lse
                 val = ot * inv_l

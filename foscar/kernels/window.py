@@ -21,8 +21,6 @@ thread ``x`` merges channel ``x`` (and ``x + 128``) with the quantized splits. F
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -134,8 +132,8 @@ class WindowMerge:
         for i in cutlass.range_constexpr(self.steps):
             slot = SLOTS_PER_STEP * i + 8 * warp + t
             rel = (slot - sink - q_b) % ring
-            rel = rel + fsel_i(rel < 0, ring, 0)  # floor mod
-            valid = (slot < L) & fsel_b(slot < sink, slot < n_b, rel < recent)
+            rel = rel + select_i32(rel < 0, ring, 0)  # floor mod
+            valid = (slot < L) & select_pred(slot < sink, slot < n_b, rel < recent)
             kvec = load_channels(k_win, (kv_row + cutlass.min(slot, L - 1)) * D + c * DC, DC)
             dot = Float32(0.0)
             for j in cutlass.range_constexpr(DC):
@@ -216,11 +214,13 @@ def scalar(ptr, idx, dtype):
     return cute.make_tensor(ptr + idx, cute.make_layout((1,)))[0].to(dtype)
 
 
-def fsel_i(cond, a, b):
+def select_i32(cond, a, b):
+    """Int32 ``cond ? a : b``, branch-free."""
     return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
 
 
-def fsel_b(cond, a, b):
+def select_pred(cond, a, b):
+    """Predicate ``cond ? a : b``, branch-free."""
     return cutlass.select_(cond, a, b)
 
 
