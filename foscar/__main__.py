@@ -23,11 +23,15 @@ def compile_report(scheme: Scheme, page_size: int):
     from .inspect import Artifacts, artifacts, decode_loop_stats
     from .kernels.combine import compile_combine
     from .kernels.dequantize import compile_dequantize
+    from .kernels.quantize import granule_of
+    from .kernels.window import compile_window_merge
 
+    slots = 64 + 256 + granule_of(scheme)  # PagedKVCache defaults: sink 64, window 256
     builds = [
         ("sm_90a", "decode (hopper)", lambda: compile_decode(scheme, "sm_90a", page_size)),
         ("sm_90a", "dequantize K", lambda: compile_dequantize(scheme, "k", arch="sm_90a")),
         ("sm_90a", "combine", lambda: compile_combine(scheme.head_dim, "sm_90a")),
+        ("sm_90a", "window + merge", lambda: compile_window_merge(scheme.head_dim, slots, scheme.gqa_ratio, "sm_90a")),
         ("sm_100a", "decode (blackwell)", lambda: compile_decode(scheme, "sm_100a", page_size)),
         ("sm_100a", "dequantize K", lambda: compile_dequantize(scheme, "k", arch="sm_100a")),
         ("sm_100a", "combine", lambda: compile_combine(scheme.head_dim, "sm_100a")),
