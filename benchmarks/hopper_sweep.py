@@ -26,21 +26,34 @@ VARIANTS = {
 }
 
 
-def layers(scheme, batch, context, splits, consumers, kv_heads=8, page_size=128):
-    """Closures over enough clones of one cache that a graph replay reads >= 4x L2; (fns, bytes, splits)."""
-    from foscar.decode import plan_splits
-    from foscar.hopper.decode import run_decode
+def cache_sets(scheme, batch, context, kv_heads=8, page_size=128):
+    """``q``, enough clones of one random cache that a graph replay over all reads >= 4x L2, and
+    the bytes one decode call over one cache reads."""
     from foscar.testing import random_problem
 
     q, cache = random_problem(scheme, [context] * batch, kv_heads=kv_heads, page_size=page_size, shuffle=False)
     nbytes = cache.nbytes() + 2 * q.numel() * q.element_size()
-    if splits is None:
-        splits = plan_splits(batch, kv_heads, cache.max_tokens, torch.cuda.get_device_properties(0).multi_processor_count)
     names = ("k_codes", "k_params", "v_codes", "v_params")
     sets = [cache] + [
         type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in names}})
         for _ in range(copies_for(nbytes) - 1)
     ]
+    return q, sets, nbytes
+
+
+def planned_splits(batch, kv_heads, max_tokens):
+    from foscar.decode import plan_splits
+
+    return plan_splits(batch, kv_heads, max_tokens, torch.cuda.get_device_properties(0).multi_processor_count)
+
+
+def layers(scheme, batch, context, splits, consumers, kv_heads=8, page_size=128):
+    """Decode closures over :func:`cache_sets`; (fns, bytes per call, splits)."""
+    from foscar.hopper.decode import run_decode
+
+    q, sets, nbytes = cache_sets(scheme, batch, context, kv_heads, page_size)
+    if splits is None:
+        splits = planned_splits(batch, kv_heads, sets[0].max_tokens)
     fns = [
         (lambda c=c: run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
                                 scheme.head_dim**-0.5, scheme, splits, consumers=consumers))

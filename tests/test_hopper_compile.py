@@ -100,3 +100,14 @@ def test_every_ring_stage_belongs_to_one_consumer_warp():
             cfg = DecodeConfig(scheme, page_size, True, consumers)
             assert cfg.STAGES % (cfg.TPG * cfg.NW) == 0 and cfg.STAGES >= cfg.TPG * cfg.NW, (scheme.name, consumers)
             assert cfg.STAGES * cfg.STAGE_BYTES <= 220 * 1024
+
+
+def test_pipeline_probe_compiles_without_compute():
+    """benchmarks/pipeline_probe.py: the decode kernel's producer and ring, consumers that only wait
+    and release -- bulk copies and mbarrier waits in the PTX, no MMA."""
+    from benchmarks.pipeline_probe import compile_pipeline_only
+
+    ptx = compile_pipeline_only(Scheme.make(2, "token", 128, "token", 128, 128, 4)).__ptx__
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "mbarrier.try_wait.parity" in ptx
+    assert "mma" not in ptx
