@@ -131,3 +131,20 @@ def test_window_merge_kernel_matches_reference(case):
     err = (out.cpu().double() - ref_o).abs().max().item()
     assert torch.isfinite(out).all() and err <= 2 * rounding + 1e-5, (err, rounding)
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-4, rtol=0)
+
+
+def test_window_merge_names_the_bad_argument():
+    from foscar.kernels import window_merge
+
+    b, hq, kvh, d, slots, splits = 2, 4, 2, 64, 12, 1
+    good = dict(q=torch.zeros(b, hq, d, dtype=torch.bfloat16), k_win=torch.zeros(3, kvh, slots, d, dtype=torch.bfloat16),
+                v_win=torch.zeros(3, kvh, slots, d, dtype=torch.bfloat16), rows=torch.zeros(b, dtype=torch.int64),
+                n_tokens=torch.ones(b, dtype=torch.int64), n_quant=torch.zeros(b, dtype=torch.int64), sink=4,
+                o_part=torch.zeros(b, hq, splits, d), lse_part=torch.zeros(b, hq, splits), sm_scale=0.1)
+    bad = {"rows": torch.zeros(b, dtype=torch.int32), "v_win": torch.zeros(3, kvh, slots + 1, d, dtype=torch.bfloat16),
+           "lse_part": torch.zeros(b, hq, splits + 1), "q": torch.zeros(b, hq, d)}
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=name):
+            window_merge(**{**good, name: value})
+    with pytest.raises(ValueError, match="q:"):  # CPU tensors: the kernel needs CUDA ones
+        window_merge(**good)

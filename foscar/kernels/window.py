@@ -281,9 +281,12 @@ def window_merge(q, k_win, v_win, rows, n_tokens, n_quant, sink: int, o_part, ls
               ("out", out, (q.dtype,), (batch, q_heads, d)),
               ("lse", lse, (torch.float32,), (batch, q_heads)))
     for name, t, dtypes, shape in checks:
-        if t.dtype not in dtypes or tuple(t.shape) != shape or not t.is_cuda or not t.is_contiguous():
-            raise ValueError(f"{name}: need a contiguous CUDA {dtypes} tensor of shape {shape}, got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        if t.dtype not in dtypes or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name}: need a contiguous {dtypes} tensor of shape {shape}, got "
+                             f"{t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    for name, t, _, _ in checks:
+        if t.device != q.device or not t.is_cuda:
+            raise ValueError(f"{name}: must be on q's CUDA device, got {t.device} (q on {q.device})")
     if q_heads % kv_heads:
         raise ValueError(f"q heads {q_heads} must be a multiple of kv_heads {kv_heads}")
     if not 0 <= sink <= slots:
