@@ -381,7 +381,6 @@ class HopperDecodeKernel:
         cols = [8 * (cs // 2) + 2 * tq + (cs % 2) for cs in range(NS)]
 
         # ---------------------------------------------------------------- Q^T (B operand)
-        # thread value qv[((nb*KB_D + kb)*2 + hh)*2 + e] = q[head 8*nb + g, channel 16*kb + 8*hh + 2*tq + e]
         Hq = kv_heads * R
         q_base = (b * Hq + h * R).to(Int64) * D
         qv = cute.make_rmem_tensor((NB * cfg.KB_D * 4,), Float32)
@@ -393,10 +392,7 @@ class HopperDecodeKernel:
                     for e in cutlass.range_constexpr(2):
                         d = 16 * kb + 8 * hh + 2 * tq + e
                         x = cute.make_tensor(q_ptr + (q_row + d), cute.make_layout((1,)))[0].to(Float32)
-                        qv[((nb * cfg.KB_D + kb) * 2 + hh) * 2 + e] = fsel(head < R, x, Float32(0.0))
-
-        def qidx(nb, kb, hh, e):
-            return ((nb * cfg.KB_D + kb) * 2 + hh) * 2 + e
+                        qv[q_index(cfg, nb, kb, hh, e)] = fsel(head < R, x, Float32(0.0))
 
         n_qsets = 1 if cfg.k_token else cfg.NGK
         qB = [[[tiled_mma.make_fragment_B(shape_B) for _ in range(cfg.KB_D)] for _ in range(NB)] for _ in range(n_qsets)]
@@ -407,13 +403,13 @@ class HopperDecodeKernel:
                 for kb in cutlass.range_constexpr(cfg.KB_D):
                     regs = cute.recast_tensor(qB[0][nb][kb], Int32)
                     for hh in cutlass.range_constexpr(2):
-                        regs[hh] = pack_f16x2(qv[qidx(nb, kb, hh, 0)], qv[qidx(nb, kb, hh, 1)])
+                        regs[hh] = pack_f16x2(qv[q_index(cfg, nb, kb, hh, 0)], qv[q_index(cfg, nb, kb, hh, 1)])
             for j in cutlass.range_constexpr(cfg.NJK):
                 for nb in cutlass.range_constexpr(NB):
                     part = Float32(0.0)
                     for kb in cutlass.range_constexpr(j * cfg.GK // 16, (j + 1) * cfg.GK // 16):
                         for x in cutlass.range_constexpr(4):
-                            part = part + qv[qidx(nb, kb, 0, 0) + x]
+                            part = part + qv[q_index(cfg, nb, kb, 0, 0) + x]
                     part = reduce_over_tq(part)
                     for e in cutlass.range_constexpr(2):
                         qsum[j * NS + 2 * nb + e] = to_columns(part, tq, e)
@@ -646,7 +642,7 @@ class HopperDecodeKernel:
                         kzp.append(zp)
                         krt.append(zp * cute.arch.rcp_approx(fsel(sp != Float32(0.0), sp, Float32(1.0))))
                     for nb in cutlass.range_constexpr(cfg.NB):
-                        base = ((nb * cfg.KB_D + kb) * 2 + hh) * 2
+                        base = q_index(cfg, nb, kb, hh, 0)
                         packed = pack_f16x2(qv[base] * ksp[0], qv[base + 1] * ksp[1])
                         cute.recast_tensor(qB[gi][nb][kb], Int32)[hh] = packed
                         for e in cutlass.range_constexpr(2):
@@ -691,6 +687,12 @@ class HopperDecodeKernel:
                 val = ot * inv_l
                 out = cute.make_tensor(o_ptr + (obase + d), cute.make_layout((1,)))
                 out[0] = val if cutlass.const_expr(cfg.split) else val.to(cfg.q_dtype)
+
+
+def q_index(cfg: DecodeConfig, nb: int, kb: int, hh: int, e: int) -> int:
+    """Index in a thread's q values of q[head 8*nb + g, channel 16*kb + 8*hh + 2*tq + e]: the order
+    of the Q^T B fragments (value e + 2*hh of n8 block nb, k16 block kb)."""
+    return ((nb * cfg.KB_D + kb) * 2 + hh) * 2 + e
 
 
 def a_fragment(tiled_mma: cute.TiledMma, shape_A, words, n0: int, cfg: DecodeConfig):
