@@ -152,6 +152,8 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
     if partials:
+        if out is not None or lse is not None:
+            raise ValueError("out/lse: partials=True returns fresh split partials; do not pass out or lse with it")
         if arch != "sm_90a":
             raise NotImplementedError(f"partials: the {arch} decode kernel merges its splits itself")
         return run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme, num_splits,
