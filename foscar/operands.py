@@ -3,17 +3,27 @@
 The kernels use the constants here; the tests run the same bit operations on the CPU and check
 that every operand equals ``Construction.operand(code)`` exactly (``foscar.scheme``).
 
-Hopper (FP16, mma.sync with A in registers): register ``n`` of a thread holds codes at bit ``bits*(n % (16/bits))``
-(+16 for the second half, ``foscar.layouts.fragment``). One shift brings both codes to the top
-``bits`` mantissa bits of each FP16 half, one LOP3 masks them and ORs in 1.0::
+Hopper (FP16, mma.sync with A in registers): register ``n`` of a thread holds codes at bit
+``bits*(n % (16/bits))`` (+16 for the second half, ``foscar.layouts.fragment``). A code that lies
+at mantissa bits ``[p, p + bits)`` of an FP16 with exponent ``E = 10 - bits - p`` makes the value
+``2^E + c/2^bits``: the same code weight ``1/2^bits`` in every slot, only the bias ``2^E`` differs.
+So the slots inside the 10-bit mantissa need no shift at all (one LOP3 each), and one shift by 6
+per word brings the remaining slots (the top of each half) into the mantissa::
 
-    op = ((word >> shift) & mask) | 0x3C003C00      # == f16x2(1 + c0/2^bits, 1 + c1/2^bits)
+    op = (word & mask[k]) | magic[k]              # slots with bits*k + bits <= 10
+    op = ((word >> 6) & mask[k]) | magic[k]        # the rest, one shared shift per word
 
-Codes in the *top* mantissa bits keep the construction bias small (operand in [1, 2)), which
-loses ~``bits`` bits of FP32 to cancellation where a code in the low mantissa bits of 1024.0
-would lose 10. FP16 rather than BF16 because the other MMA operand (Q or P times a group scale)
-is rounded to the MMA type: FP16's 10-bit mantissa makes that rounding 4x smaller than BF16's,
-which is what keeps the kernels within 2x of a BF16 PyTorch computation's error.
+INT2: 9 instructions per 16 codes (biases 256, 64, 16, 4, 1, 16, 4, 1); INT4: 5 per 8 codes
+(biases 64, 4, 16, 1). The bias never reaches the folding algebra: it depends only on the slot,
+i.e. on the reduction index and the accumulator row parity (``hopper_slot``), so the kernel
+removes it inside the accumulator with one more MMA against a constant A fragment of ``-bias``
+(exact powers of two) and the *same* rounded B operand the data MMA multiplies. What is left is
+``c/2^bits`` (``HOPPER_FP16``: ``a = 1/2^bits, b = 0``), and the offset corrections take the
+unrounded Q or P. The cancellation of a bias up to ``2^10/2^bits`` times the code weight costs
+FP32 accumulator bits, ~30x below the FP16 rounding of the other operand. FP16 rather than BF16
+because the other MMA operand (Q or P times a group scale) is rounded to the MMA type: FP16's
+10-bit mantissa makes that rounding 4x smaller than BF16's, which is what keeps the kernels within
+2x of a BF16 PyTorch computation's error.
 
 Blackwell (tcgen05 kind::f8f6f4): an INT2 code zero-extended into an E2M1 nibble encodes ``c/2``;
 an INT4 code zero-extended into a byte encodes ``c * 2^-9`` in E4M3 (``foscar/blackwell/operands.py``
@@ -22,6 +32,7 @@ has the word-level recipes of the Blackwell layout).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,34 +40,70 @@ import torch
 from .layouts import TileGeometry
 from .layouts.fragment import THREADS
 
-FP16_ONE_X2 = 0x3C003C00
 FP16_MANTISSA = 10
-# The offset corrections use the *rounded* scaled operand (q*s' or p*s' in FP16), so that the operand
-# bias 1 cancels exactly against its rounding; below this scale the scaled operand may be an FP16
-# subnormal, and the correction uses the unrounded operand instead (error ~ s', not ~ x/s').
-EXACT_CANCEL_MIN_SCALE = 2.0**-6
+HALF_BITS = 16
+# one right shift per word brings the top code of each FP16 half to the top of its mantissa
+SHARED_SHIFT = HALF_BITS - FP16_MANTISSA
+
+
+def _f16x2(value: float) -> int:
+    """Bits of an FP16 power of two ``value``, in both halves of a 32-bit word."""
+    exponent = round(math.log2(value))
+    assert value == 2.0**exponent and -14 <= exponent <= 15
+    return ((exponent + 15) << FP16_MANTISSA) * 0x00010001
+
+
+@dataclass(frozen=True)
+class HopperSlot:
+    """How register slot ``k`` of a packed word becomes an f16x2 operand ``bias + c/2^bits``."""
+
+    shift: int  # right shift of the word (0 or SHARED_SHIFT)
+    mask: int  # the slot's two codes, after the shift, at mantissa bits [p, p + bits) of each half
+    magic: int  # f16x2 exponent bits of 2^E, E = 10 - bits - p
+    bias: float  # 2^E: the operand is bias + c/2^bits
 
 
 @dataclass(frozen=True)
 class HopperRecipe:
-    """Shift/mask constants of the Hopper FP16 construction for ``bits``."""
+    """Per-slot shift/mask/magic constants of the Hopper FP16 construction for ``bits``."""
 
     bits: int
 
     @property
-    def mask(self) -> int:
-        return ((2**self.bits - 1) << (FP16_MANTISSA - self.bits)) * 0x00010001
-
-    def right_shift(self, k: int) -> int:
-        """Right shift (negative: left) that moves register slot ``k``'s codes to the top mantissa."""
-        return self.bits * k - (FP16_MANTISSA - self.bits)
+    def slots(self) -> tuple[HopperSlot, ...]:
+        out = []
+        for k in range(HALF_BITS // self.bits):
+            low = self.bits * k  # the slot's code bits in the word's low half
+            shift = 0 if low + self.bits <= FP16_MANTISSA else SHARED_SHIFT
+            p = low - shift
+            bias = 2.0 ** (FP16_MANTISSA - self.bits - p)
+            out.append(HopperSlot(shift, ((2**self.bits - 1) << p) * 0x00010001, _f16x2(bias), bias))
+        return tuple(out)
 
     def build(self, words: torch.Tensor, k: int) -> torch.Tensor:
         """Operand f16x2 words (int64 holding 32 bits) for slot ``k`` of int32 ``words``."""
-        u = words.to(torch.int64) & 0xFFFFFFFF
-        shift = self.right_shift(k)
-        u = (u >> shift) if shift >= 0 else ((u << -shift) & 0xFFFFFFFF)
-        return (u & self.mask) | FP16_ONE_X2
+        slot = self.slots[k]
+        return (((words.to(torch.int64) & 0xFFFFFFFF) >> slot.shift) & slot.mask) | slot.magic
+
+
+def bias_slot(regs_per_word: int, k_block: int, reg: int) -> int:
+    """Slot of A-fragment register ``reg`` (= h_r + 2*h_c) of k16 block ``k_block``: the bias an
+    MMA over that block meets depends only on the block's parity and the register, i.e. on the
+    reduction index and the accumulator row parity h_r, never on the row itself."""
+    return (4 * k_block + reg) % regs_per_word
+
+
+def hopper_tile_biases(geom: TileGeometry) -> torch.Tensor:
+    """The bias of every (token, channel) operand of a tile, float64 ``[64, D]``, from
+    :func:`bias_slot` alone (what the kernel's constant bias fragments assume)."""
+    slots = HopperRecipe(geom.bits).slots
+    out = torch.empty((64, geom.head_dim), dtype=torch.float64)
+    for token in range(64):
+        for channel in range(geom.head_dim):
+            row, col = (token, channel) if geom.role == "k" else (channel, token)
+            reg = (row % 16) // 8 + 2 * ((col % 16) // 8)  # h_r + 2*h_c
+            out[token, channel] = slots[bias_slot(geom.regs_per_word, col // 16, reg)].bias
+    return out
 
 
 def _f16_bits_to_float(bits16: torch.Tensor) -> torch.Tensor:

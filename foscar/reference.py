@@ -23,7 +23,6 @@ import torch
 LOG2E = math.log2(math.e)
 
 from .layouts import TILE_TOKENS
-from .operands import EXACT_CANCEL_MIN_SCALE
 from .quantize import QuantizedKV
 from .scheme import Axis, Construction, Correction, Site
 
@@ -75,8 +74,8 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, construction: Construc
 
     ``operand_dtype`` (e.g. ``torch.float16``) additionally emulates the Hopper kernel's one rounding
     step: the MMA's other operand (Q, Q*s', P or P*s', scaled as the kernel scales it) is rounded to
-    that type, and the offset corrections use the rounded operand where its scale is at least
-    ``EXACT_CANCEL_MIN_SCALE`` (``foscar.operands``), as the kernel does; everything else stays exact.
+    that type; the offset corrections take the unrounded q or p, as the kernel does (the operand bias
+    cancels inside the MMA accumulator, ``foscar.operands``); everything else stays exact.
     """
     check_query(q, cache, sm_scale)
     rnd = (lambda x: x) if operand_dtype is None else (lambda x: x.to(operand_dtype).to(torch.float64))
@@ -116,10 +115,8 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, construction: Construc
             q_scaled = rnd(qg[:, :, :, None, :] * s_tok[:, :, None])  # [b,h,r,l,d]: one scaled Q per token block
             scores = torch.einsum("bhrld,bhld->bhrl", q_scaled, kop)
             assert plan.k.correction is Correction.Q_DOT_OFFSET
-            exact = s_tok >= EXACT_CANCEL_MIN_SCALE if operand_dtype is not None else torch.zeros_like(s_tok, dtype=torch.bool)
-            ratio_z = z_tok / torch.where(s_tok == 0, 1.0, s_tok)
-            corr = torch.where(exact[:, :, None], q_scaled * ratio_z[:, :, None], qg[:, :, :, None, :] * z_tok[:, :, None])
-            scores = (scores + corr.sum(-1)) / LOG2E
+            corr = (qg[:, :, :, None, :] * z_tok[:, :, None]).sum(-1)
+            scores = (scores + corr) / LOG2E
         scores = torch.where(valid, scores, -torch.inf)
         # ---- online softmax
         m_new = torch.maximum(m, scores.amax(-1))
@@ -135,9 +132,7 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, construction: Construc
             p_scaled = rnd(p[..., None] * s_el[:, :, None])  # [b,h,r,l,d]: one scaled P per channel block
             pv = torch.einsum("bhrld,bhld->bhrd", p_scaled, vop)
             assert plan.v.correction is Correction.P_DOT_OFFSET
-            exact = s_el >= EXACT_CANCEL_MIN_SCALE if operand_dtype is not None else torch.zeros_like(s_el, dtype=torch.bool)
-            ratio_z = z_el / torch.where(s_el == 0, 1.0, s_el)
-            corr = torch.where(exact[:, :, None], p_scaled * ratio_z[:, :, None], p[..., None] * z_el[:, :, None]).sum(-2)
+            corr = (p[..., None] * z_el[:, :, None]).sum(-2)
         else:  # V channel-wise: one partial sum per token block t, scaled after the MMA
             sub = min(plan.v.block, tile)  # a tile holds whole groups, or lies inside one
             blocks = tile // sub
@@ -146,7 +141,8 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, construction: Construc
             partial = torch.einsum("bhrtl,bhtld->bhrtd", p_blocks, vop.reshape(batch, kvh, blocks, sub, dim))
             pv = torch.einsum("bhrtd,bhtd->bhrd", partial, v_s[:, :, group_of_block])
             assert plan.v.correction is Correction.OFFSET_TIMES_PSUM
-            corr = torch.einsum("bhrt,bhtd->bhrd", p_blocks.sum(-1), v_z[:, :, group_of_block])
+            psum = p.reshape(batch, kvh, ratio, blocks, sub).sum(-1)
+            corr = torch.einsum("bhrt,bhtd->bhrd", psum, v_z[:, :, group_of_block])
         acc = acc * alpha[..., None] + pv + corr
         m = m_new
     out = acc / denom[..., None]

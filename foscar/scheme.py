@@ -106,8 +106,10 @@ class Construction:
         return codes.to(torch.float64) * float(self.a) + float(self.b)
 
 
-# Hopper: codes ORed into the top mantissa bits of FP16 1.0 -> 1 + c/2^bits (foscar.operands).
-HOPPER_FP16 = {bits: Construction(f"fp16-1+c/{2**bits}", "float16", Fraction(1, 2**bits), Fraction(1)) for bits in BITS}
+# Hopper: codes ORed into FP16 mantissas -> bias + c/2^bits, with a per-slot power-of-two bias that
+# the kernel removes inside the accumulator (one MMA against a constant fragment, foscar.operands):
+# the folding sees c/2^bits.
+HOPPER_FP16 = {bits: Construction(f"fp16-c/{2**bits}", "float16", Fraction(1, 2**bits), Fraction(0)) for bits in BITS}
 # Blackwell: an INT2 code zero-extended into an FP4 E2M1 nibble is c/2; an INT4 code zero-extended
 # into a byte is the E4M3 encoding of c * 2^-9 (subnormals 0..7, then the first binade: one mask, no table).
 BLACKWELL_FP4 = Construction("fp4e2m1-c/2", "float4_e2m1fn", Fraction(1, 2), Fraction(0))

@@ -1,10 +1,10 @@
 """The Hopper kernel's arithmetic, emulated on the CPU, meets the accuracy rule -- and why it runs FP16.
 
 ``attend_folded(..., operand_dtype=...)`` reproduces the kernel's only rounding step besides the output:
-the MMA's other operand (Q, Q*s', P, P*s') in the MMA type, with offset corrections taken from the
-rounded operand. With FP16 operands the error stays within the rule of foscar/testing.py (2x a BF16
+the MMA's other operand (Q, Q*s', P, P*s') in the MMA type (the offset corrections take the unrounded
+q or p). With FP16 operands the error stays within the rule of foscar/testing.py (2x a BF16
 PyTorch dequantize-then-SDPA, + 1e-3); with BF16 operands it does not (on the H200: 0.0156 vs 0.0044),
-which is why the kernel builds FP16 operands (1 + c/2^bits in the top mantissa bits).
+which is why the kernel builds FP16 operands (bias + c/2^bits, foscar.operands).
 """
 
 import pytest

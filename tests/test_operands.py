@@ -3,11 +3,13 @@ import torch
 
 from foscar.layouts import TileGeometry, pack_tiles
 from foscar.operands import (
+    SHARED_SHIFT,
     HopperRecipe,
     blackwell_int2_nibbles,
     blackwell_int4_e4m3,
     e2m1_value,
     e4m3_value,
+    hopper_tile_biases,
     hopper_tile_operands,
 )
 from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, HOPPER_FP16
@@ -15,18 +17,22 @@ from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, HOPPER_FP16
 
 @pytest.mark.parametrize("geom", [TileGeometry(r, b, d) for r in "kv" for b in (2, 4) for d in (64, 128, 256)], ids=str)
 def test_hopper_recipe_builds_every_operand_exactly(geom, rng):
+    """Every operand is its slot's bias + c/2^bits, and that bias is the one bias_slot predicts (the
+    kernel's constant fragments): what the MMA sees after the bias MMA is the construction's a*c."""
     codes = torch.randint(0, 2**geom.bits, (64, geom.head_dim), generator=rng, dtype=torch.uint8)
     ops = hopper_tile_operands(pack_tiles(codes, geom), geom)
-    assert torch.equal(ops, HOPPER_FP16[geom.bits].operand(codes))
+    assert torch.equal(ops - hopper_tile_biases(geom), HOPPER_FP16[geom.bits].operand(codes))
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_hopper_recipe_is_one_shift_and_one_lop3_per_register(bits):
-    recipe = HopperRecipe(bits)
-    # every slot's codes land in the top `bits` mantissa bits: shifts stay within one word
-    shifts = [recipe.right_shift(k) for k in range(16 // bits)]
-    assert all(-10 < s < 16 for s in shifts)
-    assert recipe.mask == {2: 0x03000300, 4: 0x03C003C0}[bits]
+@pytest.mark.parametrize("bits, shifted, biases", [(2, 3, [256, 64, 16, 4, 1, 16, 4, 1]), (4, 2, [64, 4, 16, 1])])
+def test_hopper_recipe_needs_one_shift_per_word(bits, shifted, biases):
+    slots = HopperRecipe(bits).slots
+    # the slots inside the mantissa take no shift; the rest share one shift by 6
+    assert [s.shift for s in slots].count(SHARED_SHIFT) == shifted and {s.shift for s in slots} == {0, SHARED_SHIFT}
+    assert [s.bias for s in slots] == biases
+    # every mask covers one code in each FP16 half, inside the mantissa, clear of the exponent bits
+    for s in slots:
+        assert bin(s.mask).count("1") == 2 * bits and s.mask & 0xFC00FC00 == 0 and s.magic & s.mask == 0
 
 
 def test_blackwell_fp4_and_fp8_constructions_are_exact():

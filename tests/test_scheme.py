@@ -1,7 +1,9 @@
+from fractions import Fraction
+
 import pytest
 import torch
 
-from foscar.scheme import BLACKWELL_FP4, HOPPER_FP16, Axis, Correction, Scheme, Site, TensorQuant
+from foscar.scheme import BLACKWELL_FP4, HOPPER_FP16, Axis, Construction, Correction, Scheme, Site, TensorQuant
 
 
 def test_scheme_is_frozen_and_hashable():
@@ -31,7 +33,7 @@ def test_plan_places_scales_and_offsets_as_in_design_table(k_axis, v_axis, k_sit
 
 
 def test_construction_folds_bias_into_offset():
-    con = HOPPER_FP16[2]  # operand = 1 + c/4
+    con = Construction("fp16-1+c/4", "float16", Fraction(1, 4), Fraction(1))  # a biased construction
     s, z, c = 0.3, -1.1, torch.arange(4)
     x = con.fold_scale(s) * con.operand(c) + con.fold_offset(s, z)
     assert torch.allclose(x, s * c.double() + z, rtol=0, atol=1e-12)

@@ -16,22 +16,26 @@ max/P exchanges of the warpgroup form cost more instructions than the MMAs).
 A (the codes) comes from registers: the packed order of a tile is the mma A-fragment order of a
 128-thread warpgroup (foscar/layouts/fragment.py); the warp that owns the tile reads the words of
 all four "virtual warps" (16-byte ld.shared, conflict-free) and turns two codes into one f16x2
-register with one shift and one LOP3 (foscar.operands.HopperRecipe):
+register with one LOP3, plus one shift per word for its top slots (foscar.operands.HopperRecipe):
 
-    op = ((word >> (bits*k - (10-bits))) & mask) | 0x3C003C00 = f16x2(1 + c/2^bits)
+    op = ((word >> shift[k]) & mask[k]) | magic[k] = f16x2(bias[k] + c/2^bits)
 
-so a code c with (scale s, offset z) is x = s'*op + z' with s' = 2^bits*s, z' = z - 2^bits*s.
+The bias depends only on the slot k, i.e. on the MMA's k16 block parity and the A register
+(``bias_slot``): one MMA of a constant A fragment of -bias with the same B operand removes it
+inside the accumulator (for K once per Q^T, as the accumulator's initial value; for V once per
+tile and n8 block). So a code c with (scale s, offset z) is x = s'*op' + z with s' = 2^bits*s and
+op' = op - bias = c/2^bits.
 B lives in registers too: Q^T (or the scaled Q^T of channel-wise K) is built once per warp (per K
 group); P^T comes from the S^T accumulator by ``movmatrix`` (an 8x8 transpose of the f16x2
 registers), scaled per token for token-wise V.
 
 The four folding cases (design.md), per query column r, token l, channel d:
-  * K token-wise:  S = sum_j s'[l,j]*acc_j + z'[l,j]*Qsum[r,j]   (one accumulator per block j)
+  * K token-wise:  S = sum_j s'[l,j]*acc_j + z[l,j]*Qsum[r,j]   (one accumulator per block j)
   * K channel-wise: B = Q^T scaled by s'[d,t] per token group t (G=32: two per tile, one per
-    pair of token blocks), plus sum_d z'[d,t] q[r,d] per group.
+    pair of token blocks), plus sum_d z[d,t] q[r,d] per group.
   * V token-wise:  B = P^T scaled per token by s'[l,j] for the channel block j of the MMA's
-    channels, plus sum_l z'[l,j] P[l,r] added to every channel of block j at the end.
-  * V channel-wise: O += s'[d,t]*(PV over token group t) + z'[d,t]*Psum[r,t].
+    channels, plus sum_l z[l,j] P[l,r] added to every channel of block j at the end.
+  * V channel-wise: O += s'[d,t]*(PV over token group t) + z[d,t]*Psum[r,t].
 All corrections in FP32; softmax in the log2 domain with sm_scale*log2(e) folded into the score.
 The MMAs run in FP16 (not BF16): the scaled other operand (Q*s' or P*s') is rounded to the MMA
 type, and FP16's 3 extra mantissa bits keep that rounding 4x below BF16's (foscar.operands).
@@ -66,7 +70,7 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from ..device import (LN2, LOG2E, NEG_INF, f16x2_to_f32, fsel, movmatrix_trans, output_offsets, pack_f16x2,
                       reduce_over_rows)
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
-from ..operands import EXACT_CANCEL_MIN_SCALE, FP16_ONE_X2, HopperRecipe
+from ..operands import HopperRecipe, HopperSlot, bias_slot
 from ..pipeline import bulk_copy_g2s, stage_and_phase
 from ..scheme import Axis, Scheme
 
@@ -82,14 +86,24 @@ MERGE_PAD = 4  # fp32 words of padding per merged output row: conflict-free frag
 
 def default_consumers(scheme: Scheme) -> int:
     """Consumer warpgroups: as many warps as keep a warp's loop-carried state (fp32 O^T, the Q^T
-    fragments, fp32 q for channel-wise K) in registers next to a tile's working set: 3 warpgroups
-    leave 152 registers per thread, 2 leave 232, 1 leaves 240."""
+    fragments, fp32 q for channel-wise K) in registers next to a tile's working set (its packed
+    words): 3 warpgroups leave 152 registers per thread, 2 leave 232, 1 leaves 240. (Measured on
+    the H200, benchmarks/NOTES.md section 8: INT2 K channel-wise g128, state 80 + 32 words, runs 8%
+    faster with 3 warpgroups despite an 8-byte spill; INT4, 80 + 64 words, 6% slower; the variants
+    with more V state spill 24-192 bytes with 3.)"""
     nb = 1 if scheme.gqa_ratio <= 8 else 2
     blocks = scheme.head_dim // 16
     state = blocks * nb * (4 + 2)  # O^T accumulators + f16x2 Q^T
     if scheme.k.axis is Axis.CHANNEL:
         state += blocks * nb * 4 + blocks * nb * 2 * (max(1, TILE_TOKENS // scheme.k.group) - 1)
-    return 3 if state <= 56 else 2 if state <= 96 else 1
+    if state <= 56:
+        return 3
+    tile_words = 2 * 4 * TileGeometry("k", scheme.bits, scheme.head_dim).words_per_thread  # K + V, 4 virtual threads
+    # channel-wise V (per-group PV accumulators) or several V channel groups (P^T per group) add state
+    v_extra = 0 if scheme.v.axis is Axis.TOKEN and scheme.v.group == scheme.head_dim else 16
+    if nb == 1 and state + tile_words + v_extra <= 112:
+        return 3
+    return 2 if state <= 96 else 1
 
 
 class DecodeConfig:
@@ -126,9 +140,7 @@ class DecodeConfig:
         self.MB_V = self.D // 16  # m16 channel blocks of V^T
         self.KB_T = TILE_TOKENS // 16  # k16 blocks of a tile's tokens in the packed V layout
         self.ppw = 16 // self.bits  # fragment registers per packed word
-        recipe = HopperRecipe(self.bits)
-        self.mask = recipe.mask
-        self.shifts = tuple(recipe.right_shift(k) for k in range(self.ppw))  # per register slot
+        self.slots = HopperRecipe(self.bits).slots  # per register slot: shift, mask, magic, bias
         self.q_dtype = self.cute_dtype(scheme.q_dtype)
         # K
         self.k_token = scheme.k.axis is Axis.TOKEN
@@ -177,20 +189,16 @@ class DecodeConfig:
         return BFloat16 if torch_dtype == torch.bfloat16 else Float16
 
 
-def _shift_mask(word, sh: int, mask: int):
-    """f16x2 operand of two codes: ((word >> sh) & mask) | 1.0x2 -- one SHF + one LOP3.
+def _slot_operand(word, slot: HopperSlot):
+    """f16x2 operand ``bias + c/2^bits`` of a slot's two codes: ((word >> shift) & mask) | magic,
+    one LOP3 (the shift by 6 is shared by the word's top slots; the compiler keeps one).
 
     The AND and the OR are fused explicitly (LUT 0xEA = (a & b) | c): left to itself the compiler
     emits two LOP3s.
     """
     w = cutlass.Uint32(word)
-    if sh > 0:
-        x = w >> sh
-    elif sh < 0:
-        x = w << (-sh)
-    else:
-        x = w
-    return Int32(cute.arch.lop3(cutlass.Uint32(x), cutlass.Uint32(mask), cutlass.Uint32(FP16_ONE_X2), 0xEA))
+    x = w >> slot.shift if slot.shift else w
+    return Int32(cute.arch.lop3(cutlass.Uint32(x), cutlass.Uint32(slot.mask), cutlass.Uint32(slot.magic), 0xEA))
 
 
 class HopperDecodeKernel:
@@ -397,13 +405,21 @@ class HopperDecodeKernel:
         n_qsets = 1 if cfg.k_token else cfg.NGK
         qB = [[[tiled_mma.make_fragment_B(shape_B) for _ in range(cfg.KB_D)] for _ in range(NB)] for _ in range(n_qsets)]
         qsum = cute.make_rmem_tensor((max(1, cfg.NJK) * NS,), Float32)  # token-wise K: Qsum[j, column slot]
-        qz = cute.make_rmem_tensor((max(1, cfg.NGK) * NS,), Float32)  # channel-wise K: sum_d z' q per group
+        qz = cute.make_rmem_tensor((max(1, cfg.NGK) * NS,), Float32)  # channel-wise K: sum_d z q per group
+        # -(bias x Q^T): the initial value of every S^T accumulator (token-wise K: per channel block j;
+        # channel-wise K: per token group, set with the scaled Q^T)
+        k_bias = [[zero_accumulator(tiled_mma, shape_C) for _ in range(NB)] for _ in range(max(cfg.NJK, cfg.NGK))]
         if cutlass.const_expr(cfg.k_token):
             for nb in cutlass.range_constexpr(NB):
                 for kb in cutlass.range_constexpr(cfg.KB_D):
                     regs = cute.recast_tensor(qB[0][nb][kb], Int32)
                     for hh in cutlass.range_constexpr(2):
                         regs[hh] = pack_f16x2(qv[q_index(cfg, nb, kb, hh, 0)], qv[q_index(cfg, nb, kb, hh, 1)])
+            blocks_per_group = cfg.GK // 16
+            for j in cutlass.range_constexpr(cfg.NJK):
+                for nb in cutlass.range_constexpr(NB):
+                    add_bias_mmas(tiled_mma, shape_A, k_bias[j][nb], qB[0][nb],
+                                  range(j * blocks_per_group, (j + 1) * blocks_per_group), cfg)
             for j in cutlass.range_constexpr(cfg.NJK):
                 for nb in cutlass.range_constexpr(NB):
                     part = Float32(0.0)
@@ -417,13 +433,15 @@ class HopperDecodeKernel:
         # ---------------------------------------------------------------- running state
         m_run = cute.make_rmem_tensor((NS,), Float32)  # running max (log2 domain), per column slot
         l_run = cute.make_rmem_tensor((NS,), Float32)  # per-thread partial row sum
-        corr = cute.make_rmem_tensor((max(1, cfg.NJV) * NS,), Float32)  # token-wise V: per-thread sum_l z' P
+        corr = cute.make_rmem_tensor((max(1, cfg.NJV) * NS,), Float32)  # token-wise V: per-thread sum_l z P
         for cs in cutlass.range_constexpr(NS):
             m_run[cs] = Float32(NEG_INF)
             l_run[cs] = Float32(0.0)
         for x in cutlass.range_constexpr(max(1, cfg.NJV) * NS):
             corr[x] = Float32(0.0)
         accO = [[zero_accumulator(tiled_mma, shape_C) for _ in range(NB)] for _ in range(cfg.MB_V)]  # (m16 channel block, n8 block)
+        # token-wise V: -(bias x P^T) summed like O, per channel block j (rows: channel parity only)
+        v_bias = [[zero_accumulator(tiled_mma, shape_C) for _ in range(NB)] for _ in range(cfg.NJV)]
 
         n_local = cutlass.max(t_end - t_begin, 0)
         n_runs = (n_local + cfg.TPG - 1) // cfg.TPG
@@ -452,22 +470,20 @@ class HopperDecodeKernel:
                         for j in cutlass.range_constexpr(cfg.NJK):
                             s, z = load_param(kpar, (rows[t] * cfg.NJK + j) * 2)
                             ks[t * cfg.NJK + j] = s * (two_b * scale_log2)
-                            kz[t * cfg.NJK + j] = (z - two_b * s) * scale_log2
+                            kz[t * cfg.NJK + j] = z * scale_log2
                 else:
                     if step % cfg.TPG == 0:  # first tile of a K group run: scale Q^T for the group(s)
-                        self.scale_q(qB, qz, qv, kpar, scale_log2, tq)
+                        self.scale_q(tiled_mma, shape_A, shape_C, qB, qz, k_bias, qv, kpar, scale_log2, tq)
                 if cutlass.const_expr(cfg.v_token):
                     vs = cute.make_rmem_tensor((2 * TB * cfg.NJV,), Float32)  # s' (0 past the end)
-                    vz = cute.make_rmem_tensor((2 * TB * cfg.NJV,), Float32)  # z'
-                    vr = cute.make_rmem_tensor((2 * TB * cfg.NJV,), Float32)  # z'/s' (0 when s' = 0)
+                    vz = cute.make_rmem_tensor((2 * TB * cfg.NJV,), Float32)  # z (0 past the end)
                     for t in cutlass.range_constexpr(2 * TB):
                         ok = rows[t] < valid
                         for j in cutlass.range_constexpr(cfg.NJV):
                             x = t * cfg.NJV + j
                             s, z = load_param(vpar, (rows[t] * cfg.NJV + j) * 2)
                             vs[x] = fsel(ok, s * two_b, Float32(0.0))
-                            vz[x] = fsel(ok, z - two_b * s, Float32(0.0))
-                            vr[x] = vz[x] * cute.arch.rcp_approx(fsel(vs[x] != Float32(0.0), vs[x], Float32(1.0)))
+                            vz[x] = fsel(ok, z, Float32(0.0))
                 else:
                     # channels 16*md + g + 8*hr, per token group of the tile: x = (md*2 + hr)*NGV + gi
                     cvs = cute.make_rmem_tensor((cfg.MB_V * 2 * cfg.NGV,), Float32)
@@ -479,7 +495,7 @@ class HopperDecodeKernel:
                                 s, z = load_param(vpar, (gi * D + 16 * md + g + 8 * hr) * 2)
                                 x = (md * 2 + hr) * cfg.NGV + gi
                                 cvs[x] = fsel(ok, s * two_b, Float32(0.0))
-                                cvz[x] = fsel(ok, z - two_b * s, Float32(0.0))
+                                cvz[x] = fsel(ok, z, Float32(0.0))
                 cute.arch.mbarrier_arrive(empty + ring_stage)  # codes and params are in registers
 
                 # ------------------------------------------------ S^T = K . Q^T, scores (log2 domain)
@@ -488,17 +504,12 @@ class HopperDecodeKernel:
                     kfr = [a_fragment(tiled_mma, shape_A, kw[tb], 4 * kb, cfg) for kb in range(cfg.KB_D)]
                     for nb in cutlass.range_constexpr(NB):
                         if cutlass.const_expr(cfg.k_token):
-                            accS = []
-                            for j in cutlass.range_constexpr(cfg.NJK):
-                                acc = zero_accumulator(tiled_mma, shape_C)
-                                for kb in cutlass.range_constexpr(j * cfg.GK // 16, (j + 1) * cfg.GK // 16):
-                                    cute.gemm(tiled_mma, acc, kfr[kb], qB[0][nb][kb], acc)
-                                accS.append(acc)
+                            accS = [mma_chain(tiled_mma, shape_C, k_bias[j][nb],
+                                              [(kfr[kb], qB[0][nb][kb]) for kb in range(j * cfg.GK // 16, (j + 1) * cfg.GK // 16)])
+                                    for j in range(cfg.NJK)]
                         else:
                             gi = (16 * tb) // cfg.GK if cfg.NGK > 1 else 0
-                            acc = zero_accumulator(tiled_mma, shape_C)
-                            for kb in cutlass.range_constexpr(cfg.KB_D):
-                                cute.gemm(tiled_mma, acc, kfr[kb], qB[gi][nb][kb], acc)
+                            acc = mma_chain(tiled_mma, shape_C, k_bias[gi][nb], [(kfr[kb], qB[gi][nb][kb]) for kb in range(cfg.KB_D)])
                         for i in cutlass.range_constexpr(4):
                             t = 2 * tb + i // 2
                             cs = i % 2 + 2 * nb
@@ -547,20 +558,15 @@ class HopperDecodeKernel:
                             p_regs = cute.recast_tensor(pB[tb][nb][ps], Int32)
                             for hr in cutlass.range_constexpr(2):
                                 if cutlass.const_expr(cfg.v_token):
-                                    # Ps = fp16(p*s'); correction Ps*(z'/s') so that O = sum_l Ps * x/s' exactly
-                                    # (the operand bias cancels against the rounding of Ps); p*z' for tiny s'.
                                     x = (2 * tb + hr) * cfg.NJV + ps
-                                    packed = pack_f16x2(p[2 * hr] * vs[x], p[2 * hr + 1] * vs[x])
+                                    packed = pack_f16x2(p[2 * hr] * vs[x], p[2 * hr + 1] * vs[x])  # Ps = fp16(p*s')
                                     for e in cutlass.range_constexpr(2):
-                                        rounded = f16x2_to_f32(packed, e)
-                                        term = fsel(vs[x] >= Float32(EXACT_CANCEL_MIN_SCALE), rounded * vr[x], p[2 * hr + e] * vz[x])
-                                        corr[ps * NS + 2 * nb + e] = corr[ps * NS + 2 * nb + e] + term
+                                        corr[ps * NS + 2 * nb + e] = corr[ps * NS + 2 * nb + e] + p[2 * hr + e] * vz[x]
                                 else:
-                                    # Psum from the rounded P, the values the MMA multiplies
                                     packed = pack_f16x2(p[2 * hr], p[2 * hr + 1])
                                     gi = (16 * tb) // cfg.GV if cfg.NGV > 1 else 0
                                     for e in cutlass.range_constexpr(2):
-                                        pg[gi * NS + 2 * nb + e] = pg[gi * NS + 2 * nb + e] + f16x2_to_f32(packed, e)
+                                        pg[gi * NS + 2 * nb + e] = pg[gi * NS + 2 * nb + e] + p[2 * hr + e]
                                 p_regs[hr] = movmatrix_trans(packed)  # rows = tokens -> k = tokens
                 if cutlass.const_expr(not cfg.v_token):
                     for x in cutlass.range_constexpr(cfg.NGV * NS):
@@ -569,10 +575,20 @@ class HopperDecodeKernel:
                 # ------------------------------------------------ O^T += V^T . P^T (+ corrections)
                 if cutlass.const_expr(cfg.v_token):
                     if rescale:
-                        for md in cutlass.range_constexpr(cfg.MB_V):
+                        for row in accO + v_bias:
                             for nb in cutlass.range_constexpr(NB):
                                 for i in cutlass.range_constexpr(4):
-                                    accO[md][nb][i] = accO[md][nb][i] * alpha[i % 2 + 2 * nb]
+                                    row[nb][i] = row[nb][i] * alpha[i % 2 + 2 * nb]
+                    for j in cutlass.range_constexpr(cfg.NJV):
+                        for nb in cutlass.range_constexpr(NB):
+                            add_bias_mmas(tiled_mma, shape_A, v_bias[j][nb], [pB[tb][nb][j] for tb in range(TB)], range(TB), cfg)
+                else:
+                    # per token group and n8 block: the initial value of every channel block's PV accumulator
+                    pv_bias = [[zero_accumulator(tiled_mma, shape_C) for _ in range(NB)] for _ in range(cfg.NGV)]
+                    for gi in cutlass.range_constexpr(cfg.NGV):
+                        for nb in cutlass.range_constexpr(NB):
+                            add_bias_mmas(tiled_mma, shape_A, pv_bias[gi][nb], [pB[tb][nb][0] for tb in range(TB)],
+                                          range(gi * TB // cfg.NGV, (gi + 1) * TB // cfg.NGV), cfg)
                 for md in cutlass.range_constexpr(cfg.MB_V):
                     # channel block md = virtual warp md % 4 of m64 tile md // 4; k16 block = token block
                     vfr = [a_fragment(tiled_mma, shape_A, vw[md % 4], ((md // 4) * cfg.KB_T + tb) * 4, cfg) for tb in range(TB)]
@@ -582,12 +598,9 @@ class HopperDecodeKernel:
                             for tb in cutlass.range_constexpr(TB):
                                 cute.gemm(tiled_mma, accO[md][nb], vfr[tb], pB[tb][nb][j], accO[md][nb])
                         else:
-                            accV = []
-                            for gi in cutlass.range_constexpr(cfg.NGV):
-                                acc = zero_accumulator(tiled_mma, shape_C)
-                                for tb in cutlass.range_constexpr(gi * TB // cfg.NGV, (gi + 1) * TB // cfg.NGV):
-                                    cute.gemm(tiled_mma, acc, vfr[tb], pB[tb][nb][0], acc)
-                                accV.append(acc)
+                            accV = [mma_chain(tiled_mma, shape_C, pv_bias[gi][nb],
+                                              [(vfr[tb], pB[tb][nb][0]) for tb in range(gi * TB // cfg.NGV, (gi + 1) * TB // cfg.NGV)])
+                                    for gi in range(cfg.NGV)]
                             for i in cutlass.range_constexpr(4):
                                 cs = i % 2 + 2 * nb
                                 add = Float32(0.0)
@@ -611,7 +624,8 @@ class HopperDecodeKernel:
                     cs = i % 2 + 2 * nb
                     val = accO[md][nb][i]
                     if cutlass.const_expr(cfg.v_token):
-                        val = val + corr[((16 * md) // cfg.GV) * NS + cs]
+                        j = (16 * md) // cfg.GV
+                        val = val + corr[j * NS + cs] + v_bias[j][nb][i]
                     merge[mine + cols[cs] * cfg.MERGE_ROW + 16 * md + g + 8 * (i // 2)] = val
         if g == 0:
             for cs in cutlass.range_constexpr(NS):
@@ -621,38 +635,35 @@ class HopperDecodeKernel:
         self.merge_and_store(merge, o_ptr, lse_ptr, b, h, split, kv_heads, num_splits, warp * 32 + lane)
 
     @cute.jit
-    def scale_q(self, qB, qz, qv, kpar: cute.Pointer, scale_log2: Float32, tq: Int32):
-        """Channel-wise K: Q^T scaled by s'[d] of each token group of the tile into ``qB[gi]``, and
-        the per-group constant sum_d z'[d] q[r,d] into ``qz``. The constant is computed from the
-        *rounded* scaled q as sum_d Qs[r,d] * (z'/s')[d], so that the bias of the operand
-        (op = 1 + c/2^b) cancels exactly against the fp16 rounding of Qs:
-        S = sum_d Qs[r,d] * x[d]/s'[d]. A tiny s' (Qs may be subnormal) falls back to q*z'."""
+    def scale_q(self, tiled_mma: cute.TiledMma, shape_A, shape_C, qB, qz, k_bias, qv, kpar: cute.Pointer,
+                scale_log2: Float32, tq: Int32):
+        """Channel-wise K: Q^T scaled by s'[d] of each token group of the tile into ``qB[gi]``, the
+        per-group constant sum_d z[d] q[r,d] into ``qz``, and -(bias x scaled Q^T) into
+        ``k_bias[gi]`` (the S^T accumulators' initial value: it cancels the operand bias against
+        the same rounded Qs the data MMAs multiply)."""
         cfg = self.cfg
         two_b = float(1 << cfg.bits)
         for gi in cutlass.range_constexpr(cfg.NGK):
             part = [Float32(0.0) for _ in range(cfg.NB)]
             for kb in cutlass.range_constexpr(cfg.KB_D):
                 for hh in cutlass.range_constexpr(2):
-                    ksp, kzp, krt = [], [], []
+                    ksp, kzp = [], []
                     for e in cutlass.range_constexpr(2):
                         s, z = load_param(kpar, (gi * cfg.D + 16 * kb + 8 * hh + 2 * tq + e) * 2)
-                        sp = s * (two_b * scale_log2)
-                        zp = (z - two_b * s) * scale_log2
-                        ksp.append(sp)
-                        kzp.append(zp)
-                        krt.append(zp * cute.arch.rcp_approx(fsel(sp != Float32(0.0), sp, Float32(1.0))))
+                        ksp.append(s * (two_b * scale_log2))
+                        kzp.append(z * scale_log2)
                     for nb in cutlass.range_constexpr(cfg.NB):
                         base = q_index(cfg, nb, kb, hh, 0)
                         packed = pack_f16x2(qv[base] * ksp[0], qv[base + 1] * ksp[1])
                         cute.recast_tensor(qB[gi][nb][kb], Int32)[hh] = packed
                         for e in cutlass.range_constexpr(2):
-                            term = fsel(ksp[e] >= Float32(EXACT_CANCEL_MIN_SCALE), f16x2_to_f32(packed, e) * krt[e],
-                                        qv[base + e] * kzp[e])
-                            part[nb] = part[nb] + term
+                            part[nb] = part[nb] + qv[base + e] * kzp[e]
             for nb in cutlass.range_constexpr(cfg.NB):
                 total = reduce_over_tq(part[nb])
                 for e in cutlass.range_constexpr(2):
                     qz[gi * cfg.NS + 2 * nb + e] = to_columns(total, tq, e)
+                k_bias[gi][nb].fill(0.0)
+                add_bias_mmas(tiled_mma, shape_A, k_bias[gi][nb], qB[gi][nb], range(cfg.KB_D), cfg)
 
     @cute.jit
     def merge_and_store(self, merge: cute.Tensor, o_ptr: cute.Pointer, lse_ptr: cute.Pointer, b: Int32, h: Int32,
@@ -701,8 +712,38 @@ def a_fragment(tiled_mma: cute.TiledMma, shape_A, words, n0: int, cfg: DecodeCon
     regs = cute.recast_tensor(frag, Int32)
     for r in range(4):
         n = n0 + r
-        regs[r] = _shift_mask(words[n // cfg.ppw], cfg.shifts[n % cfg.ppw], cfg.mask)
+        regs[r] = _slot_operand(words[n // cfg.ppw], cfg.slots[n % cfg.ppw])
     return frag
+
+
+def bias_fragment(tiled_mma: cute.TiledMma, shape_A, k_block: int, cfg: DecodeConfig):
+    """Constant A fragment of -bias for k16 block ``k_block``: its MMA with a B operand is minus
+    what the operand biases of that block add to the accumulator (exact: powers of two)."""
+    frag = tiled_mma.make_fragment_A(shape_A)
+    regs = cute.recast_tensor(frag, Int32)
+    for r in range(4):
+        regs[r] = Int32((cfg.slots[bias_slot(cfg.ppw, k_block, r)].magic | 0x80008000) - (1 << 32))
+    return frag
+
+
+def add_bias_mmas(tiled_mma: cute.TiledMma, shape_A, acc, b_frags, k_blocks, cfg: DecodeConfig):
+    """acc -= sum over ``k_blocks`` of bias x B (in place): cancels what the operand biases of those
+    k16 blocks add to an accumulator of the same B operand."""
+    for kb in k_blocks:
+        cute.gemm(tiled_mma, acc, bias_fragment(tiled_mma, shape_A, kb, cfg), b_frags[kb], acc)
+
+
+def mma_chain(tiled_mma: cute.TiledMma, shape_C, init, pairs):
+    """init + sum of A x B over the (A, B) fragment ``pairs``, in a new accumulator.
+
+    ``init`` is copied first (free: HMMA reads C and writes D in different registers): the DSL's
+    warp-MMA gemm writes its result into C's registers when D and C differ, which would clobber
+    ``init``."""
+    acc = tiled_mma.make_fragment_C(shape_C)
+    acc.store(init.load())
+    for a, b in pairs:
+        cute.gemm(tiled_mma, acc, a, b, acc)
+    return acc
 
 
 def zero_accumulator(tiled_mma: cute.TiledMma, shape_C):
