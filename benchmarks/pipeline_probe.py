@@ -17,60 +17,180 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass import Float32, Int32
 
-from foscar.hopper.kernel import DecodeConfig, HopperDecodeKernel, default_consumers
-from foscar.pipeline import stage_and_phase
+from cutlass import Int64
+
+from foscar.hopper.kernel import PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, default_consumers, mPT_load
+from foscar.layouts.fragment import TILE_TOKENS
+from foscar.pipeline import bulk_copy_g2s, stage_and_phase
 
 from .decode import time_layers
 from .hopper_sweep import VARIANTS, cache_sets, planned_splits
 
 
+@dsl_user_op
+def cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None):
+    """``cp.async.cg`` of 16 bytes from global ``src`` to shared ``dst`` (L2 only, LSU path)."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+        asm_string="cp.async.cg.shared.global [$0], [$1], 16;",
+        constraints="r,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def cp_async_arrive(mbar: cute.Pointer, *, loc=None, ip=None):
+    """``cp.async.mbarrier.arrive``: raise ``mbar``'s pending count by one now and arrive once when
+    this thread's earlier ``cp.async`` copies have landed (the phase waits for both)."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+        asm_string="cp.async.mbarrier.arrive.shared.b64 [$0];",
+        constraints="r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+COPIES = {
+    "tile": "4 copies per 64-token tile: K codes, V codes, K params, V params (the decode kernel's)",
+    "page": "4 copies per 128-token page: the same bytes in half as many copies of twice the size",
+    "codes": "2 copies per tile: K and V codes only (params not read)",
+    "mixed": "K codes + params by bulk copy (TMA), V codes + params by 16-byte cp.async of the producer warp's lanes",
+}
+
+
 class PipelineOnly(HopperDecodeKernel):
-    """The decode kernel with consumers that only wait, touch and release each of their stages."""
+    """The decode kernel with consumers that only wait, touch and release each of their stages, and
+    a producer that issues the copies of ``copies`` (see COPIES) into the same ring bytes."""
+
+    def __init__(self, cfg: DecodeConfig, copies: str = "tile"):
+        super().__init__(cfg)
+        if copies not in COPIES:
+            raise ValueError(f"copies must be one of {sorted(COPIES)}, got {copies!r}")
+        self.copies = copies
+        self.unit = cfg.SUB if copies == "page" else 1  # tiles per stage
+        self.stages = cfg.STAGES // self.unit  # same ring bytes
+        if self.stages % cfg.NW or self.stages == 0:
+            raise ValueError(f"{copies}: {self.stages} stages are not a multiple of {cfg.NW} consumer warps")
+        self.unit_words = self.unit * cfg.STAGE_WORDS
+        params = 0 if copies == "codes" else 4 * (cfg.KPW + cfg.VPW)
+        self.unit_bytes = self.unit * (8 * cfg.TW + params)
+
+    @cute.jit
+    def produce(self, ring, full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, b, h, kv_heads, max_pages,
+                t_begin, t_end, pw, lane):
+        cfg = self.cfg
+        P, U, SUB = PRODUCER_WARPS, self.unit, cfg.SUB
+        u_begin = t_begin // U
+        u_end = (t_end + U - 1) // U
+        page_first = t_begin // SUB
+        page_end = (t_end + SUB - 1) // SUB
+        for chunk in cutlass.range(page_first, page_end, 32, unroll=1):
+            my_page = mPT_load(pt_ptr, b.to(Int64) * max_pages + cutlass.min(chunk + lane, page_end - 1))
+            u_lo = cutlass.max(u_begin, chunk * SUB // U)
+            u_hi = cutlass.min(u_end, (chunk + 32) * SUB // U)
+            first = u_lo + (pw + P - (u_lo - u_begin) % P) % P
+            for unit in cutlass.range(first, u_hi, P, unroll=1):
+                tile = unit * U
+                page = cute.arch.shuffle_sync(my_page, offset=tile // SUB - chunk)
+                if cutlass.const_expr(self.copies == "mixed"):
+                    self.produce_mixed(ring, full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, page, h, kv_heads, tile,
+                                       unit - u_begin, lane)
+                elif lane == 0:
+                    s, phase = stage_and_phase(unit - u_begin, self.stages)
+                    cute.arch.mbarrier_wait(empty + s, phase ^ 1)
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.unit_bytes)
+                    head = page.to(Int64) * kv_heads + h
+                    slot0 = (tile % SUB) * TILE_TOKENS
+                    dst = ring + cute.assume(s * self.unit_words, divby=4)
+                    codes = (head * SUB + tile % SUB) * cfg.TW
+                    bulk_copy_g2s(dst, kc_ptr + codes, 4 * cfg.TW * U, full + s)
+                    bulk_copy_g2s(dst + U * cfg.TW, vc_ptr + codes, 4 * cfg.TW * U, full + s)
+                    if cutlass.const_expr(self.copies != "codes"):
+                        kp = dst + 2 * U * cfg.TW
+                        bulk_copy_g2s(kp, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW * U, full + s)
+                        bulk_copy_g2s(kp + U * cfg.KPW, vp_ptr + 2 * self.params_row(head, slot0, "v"),
+                                      4 * cfg.VPW * U, full + s)
+
+    @cute.jit
+    def produce_mixed(self, ring, full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, page, h, kv_heads, tile, local, lane):
+        """One tile: every lane waits for the stage, copies its 16-byte pieces of V codes and params
+        with cp.async and registers them on ``full`` (pending count +1 each, before lane 0's arrive,
+        so the phase cannot complete early); then lane 0 bulk-copies K codes and params."""
+        cfg = self.cfg
+        s, phase = stage_and_phase(local, self.stages)
+        cute.arch.mbarrier_wait(empty + s, phase ^ 1)
+        head = page.to(Int64) * kv_heads + h
+        slot0 = (tile % cfg.SUB) * TILE_TOKENS
+        dst = ring + cute.assume(s * self.unit_words, divby=4)
+        codes = (head * cfg.SUB + tile % cfg.SUB) * cfg.TW
+        for x in cutlass.range_constexpr(cfg.TW // 4 // 32):  # 16-byte pieces of V codes per lane
+            piece = 4 * (32 * x + lane)
+            cp_async_16(dst + cfg.TW + piece, vc_ptr + codes + piece)
+        vrow = 2 * self.params_row(head, slot0, "v")
+        for x in cutlass.range_constexpr((cfg.VPW // 4 + 31) // 32):
+            piece = 4 * (32 * x + lane)
+            if piece < cfg.VPW:
+                cp_async_16(dst + 2 * cfg.TW + cfg.KPW + piece, vp_ptr + vrow + 2 * piece)
+        cp_async_arrive(full + s)
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(full + s, 4 * (cfg.TW + cfg.KPW))
+            bulk_copy_g2s(dst, kc_ptr + codes, 4 * cfg.TW, full + s)
+            bulk_copy_g2s(dst + 2 * cfg.TW, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW, full + s)
 
     @cute.jit
     def consume(self, tiled_mma, ring, full, empty, q_ptr, o_ptr, lse_ptr, length, b, h, split, kv_heads,
                 num_splits, t_begin, t_end, scale_log2, warp, lane):
         cfg = self.cfg
-        n_local = cutlass.max(t_end - t_begin, 0)
-        my_tiles = (cutlass.max(n_local - warp, 0) + cfg.NW - 1) // cfg.NW
+        n_local = cutlass.max((t_end + self.unit - 1) // self.unit - t_begin // self.unit, 0)
+        my_units = (cutlass.max(n_local - warp, 0) + cfg.NW - 1) // cfg.NW
         touched = Int32(0)
-        for step in cutlass.range(0, my_tiles, 1, unroll=1):
-            stage, phase = stage_and_phase(warp + cfg.NW * step, cfg.STAGES)
+        for step in cutlass.range(0, my_units, 1, unroll=1):
+            stage, phase = stage_and_phase(warp + cfg.NW * step, self.stages)
             cute.arch.mbarrier_wait(full + stage, phase)
-            touched = touched + cute.make_tensor(ring + stage * cfg.STAGE_WORDS + lane, cute.make_layout((1,)))[0]
+            touched = touched + cute.make_tensor(ring + stage * self.unit_words + lane, cute.make_layout((1,)))[0]
             cute.arch.mbarrier_arrive(empty + stage)
         if touched == Int32(0x7FFFFFFF):  # keeps the reads; practically never true
             cute.make_tensor(lse_ptr, cute.make_layout((1,)))[0] = Float32(1.0)
 
 
-def compile_pipeline_only(scheme, page_size: int = 128, arch: str = "sm_90a"):
+def compile_pipeline_only(scheme, page_size: int = 128, arch: str = "sm_90a", copies: str = "tile"):
     """Compile (no GPU needed) the probe kernel with partial outputs, as ``foscar.hopper.decode``."""
     from foscar.inspect import compile_for
     from foscar.jit import fake_ptr
 
     cfg = DecodeConfig(scheme, page_size, True, default_consumers(scheme))
     i32 = Int32(1)
-    return compile_for(arch, PipelineOnly(cfg), fake_ptr(cfg.q_dtype), fake_ptr(Int32), fake_ptr(cutlass.Float16),
+    return compile_for(arch, PipelineOnly(cfg, copies), fake_ptr(cfg.q_dtype), fake_ptr(Int32), fake_ptr(cutlass.Float16),
                        fake_ptr(Int32), fake_ptr(cutlass.Float16), fake_ptr(Int32), fake_ptr(Int32), fake_ptr(Float32),
                        fake_ptr(Float32), i32, i32, i32, i32, Float32(1.0), cuda.CUstream(0))
 
 
-def probe_layers(scheme, batch, context):
-    """(decode closures, probe closures, bytes per call, splits) over the same cache clones."""
+def probe_layers(scheme, batch, context, copies=("tile",)):
+    """Decode closures, {copies: probe closures}, bytes per call and splits, over the same cache clones."""
     from foscar.hopper.decode import run_decode
     from foscar.jit import current_stream, gmem_ptr
 
     q, sets, nbytes = cache_sets(scheme, batch, context)
     splits = planned_splits(batch, sets[0].k_codes.shape[1], sets[0].max_tokens)
-    compiled = compile_pipeline_only(scheme)
     q_type = DecodeConfig.cute_dtype(scheme.q_dtype)
     b, hq, d = q.shape
     o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
 
-    def probe(c):
+    def probe(compiled, c):
         compiled(gmem_ptr(q, q_type), gmem_ptr(c.k_codes, Int32), gmem_ptr(c.k_params, cutlass.Float16),
                  gmem_ptr(c.v_codes, Int32), gmem_ptr(c.v_params, cutlass.Float16), gmem_ptr(c.page_table, Int32),
                  gmem_ptr(c.lengths, Int32), gmem_ptr(o, Float32), gmem_ptr(lse, Float32), Int32(b),
@@ -79,23 +199,40 @@ def probe_layers(scheme, batch, context):
 
     fns = [(lambda c=c: run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
                                    scheme.head_dim**-0.5, scheme, splits)) for c in sets]
-    return fns, [(lambda c=c: probe(c)) for c in sets], nbytes, splits
+    probes = {}
+    for kind in copies:
+        compiled = compile_pipeline_only(scheme, copies=kind)
+        probes[kind] = [(lambda c=c, k=compiled: probe(k, c)) for c in sets]
+    return fns, probes, nbytes, splits
+
+
+def copied_fraction(scheme, copies: str) -> float:
+    """Share of a call's bytes that the ``copies`` probe reads (the codes alone for 'codes')."""
+    if copies != "codes":
+        return 1.0
+    cfg = DecodeConfig(scheme, 128, True, default_consumers(scheme))
+    return 2 * cfg.TW / (2 * cfg.TW + cfg.KPW + cfg.VPW)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="int2-kt128,int4-kt128")
     parser.add_argument("--configs", default="8x32768,32x8192")
+    parser.add_argument("--copies", default="tile", help="comma-separated: " + "; ".join(f"{k}: {v}" for k, v in COPIES.items()))
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args(argv)
+    copies = args.copies.split(",")
     rows = []
     for name in args.variants.split(","):
+        scheme = VARIANTS[name]
         for shape in args.configs.split(","):
             batch, context = map(int, shape.split("x"))
-            fns, probes, nbytes, splits = probe_layers(VARIANTS[name], batch, context)
-            for kind, closures in (("decode", fns), ("pipeline only", probes)):
+            fns, probes, nbytes, splits = probe_layers(scheme, batch, context, copies)
+            us = time_layers(fns, reps=args.reps)
+            rows.append((name, shape, splits, "decode", us, nbytes / us / 1e6))
+            for kind, closures in probes.items():
                 us = time_layers(closures, reps=args.reps)
-                rows.append((name, shape, splits, kind, us, nbytes / us / 1e6))
+                rows.append((name, shape, splits, f"copies={kind}", us, nbytes * copied_fraction(scheme, kind) / us / 1e6))
             del fns, probes
             torch.cuda.empty_cache()
     print(f"{'variant':12} {'BxL':>9} {'splits':>6} {'kernel':>14} {'us':>8} {'TB/s':>6}")

@@ -123,7 +123,12 @@ def test_pipeline_probe_compiles_without_compute():
     and release -- bulk copies and mbarrier waits in the PTX, no MMA."""
     from benchmarks.pipeline_probe import compile_pipeline_only
 
-    ptx = compile_pipeline_only(Scheme.make(2, "token", 128, "token", 128, 128, 4)).__ptx__
-    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
-    assert "mbarrier.try_wait.parity" in ptx
-    assert "mma" not in ptx
+    scheme = Scheme.make(2, "token", 128, "token", 128, 128, 4)
+    bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+    # per tile (or page): 4 bulk copies; codes only: 2; mixed: 2 bulk + 16-byte cp.async for V
+    for copies, n_bulk, lsu in (("tile", 4, False), ("page", 4, False), ("codes", 2, False), ("mixed", 2, True)):
+        ptx = compile_pipeline_only(scheme, copies=copies).__ptx__
+        assert ptx.count(bulk) == n_bulk, copies
+        assert ("cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive" in ptx) == lsu, copies
+        assert "mbarrier.try_wait.parity" in ptx
+        assert "mma" not in ptx
