@@ -45,3 +45,33 @@ def test_bf16_operands_would_be_less_accurate(rng):
         _, raw, _ = _errors(Scheme.make(bits, k_axis, 128, v_axis, 128, 128, 4), rng)
         fp16, bf16 = fp16 + raw[torch.float16], bf16 + raw[torch.bfloat16]
     assert bf16 > 4 * fp16, (bf16, fp16)
+
+
+@pytest.mark.parametrize("bits, min_ratio", [(2, 3.0), (4, 10.0)])
+def test_operand_bias_cancellation_costs_less_than_the_fp16_rounding(bits, min_ratio, rng):
+    """The Hopper operands carry a per-slot bias up to 2^(10-bits) (1024x the code weight); the kernel
+    cancels it in the FP32 accumulator with a constant-fragment MMA over the same rounded Q
+    (foscar.operands). Emulated with one FP32 rounding per k16-block MMA: the cancellation error of
+    S = Q.K stays several times below the error the FP16 rounding of Q itself makes (measured:
+    INT2 ~5-8x, INT4 ~20-40x), so the FP16 rounding stays the dominant term."""
+    from foscar.layouts import TileGeometry
+    from foscar.operands import hopper_tile_biases
+
+    geom = TileGeometry("k", bits, 128)
+    bias = hopper_tile_biases(geom)  # [64 tokens, 128 channels]
+    ratios = []
+    for _ in range(20):
+        codes = torch.randint(0, 2**bits, (64, 128), generator=rng).double()
+        q = torch.randn(8, 128, generator=rng, dtype=torch.float64) * 3
+        qr = q.to(torch.float16).double()  # the MMA's B operand
+        exact = qr @ (codes / 2**bits).T
+        acc = torch.zeros(8, 64, dtype=torch.float32)
+        blocks = [slice(16 * kb, 16 * kb + 16) for kb in range(8)]
+        for sl in blocks:  # the bias MMAs: the accumulator's initial value
+            acc = acc - (qr[:, sl] @ bias[:, sl].T).float()
+        for sl in blocks:  # the data MMAs over the biased operands
+            acc = acc + (qr[:, sl] @ (bias[:, sl] + codes[:, sl] / 2**bits).T).float()
+        cancellation = (acc.double() - exact).abs().max()
+        fp16_rounding = ((qr - q) @ (codes / 2**bits).T).abs().max()
+        ratios.append(float(fp16_rounding / cancellation))
+    assert min(ratios) >= min_ratio, ratios
