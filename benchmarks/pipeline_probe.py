@@ -17,12 +17,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass import Float32, Int32
 
 from cutlass import Int64
 
+from foscar.device import inline_ptx
 from foscar.hopper.kernel import PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, default_consumers, mPT_load
 from foscar.layouts.fragment import TILE_TOKENS
 from foscar.pipeline import bulk_copy_g2s, stage_and_phase
@@ -34,32 +34,15 @@ from .hopper_sweep import VARIANTS, cache_sets, planned_splits
 @dsl_user_op
 def cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None):
     """``cp.async.cg`` of 16 bytes from global ``src`` to shared ``dst`` (L2 only, LSU path)."""
-    llvm.inline_asm(
-        res=None,
-        operands_=[dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
-        asm_string="cp.async.cg.shared.global [$0], [$1], 16;",
-        constraints="r,l,~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    inline_ptx(None, [dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip)], "cp.async.cg.shared.global [$0], [$1], 16;",
+               "r,l,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
 def cp_async_arrive(mbar: cute.Pointer, *, loc=None, ip=None):
     """``cp.async.mbarrier.arrive``: raise ``mbar``'s pending count by one now and arrive once when
     this thread's earlier ``cp.async`` copies have landed (the phase waits for both)."""
-    llvm.inline_asm(
-        res=None,
-        operands_=[mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
-        asm_string="cp.async.mbarrier.arrive.shared.b64 [$0];",
-        constraints="r,~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    inline_ptx(None, [mbar.toint(loc=loc, ip=ip)], "cp.async.mbarrier.arrive.shared.b64 [$0];", "r,~{memory}", True, loc, ip)
 
 
 COPIES = {

@@ -40,7 +40,8 @@ def reduce_over_rows(x, combine):
 # ---------------------------------------------------------------------------------------------
 # f16x2 registers and warp-level fragment moves (PTX the DSL does not wrap)
 # ---------------------------------------------------------------------------------------------
-def _asm(res_type, operands, asm: str, constraints: str, side_effects: bool, loc, ip):
+def inline_ptx(res_type, operands, asm: str, constraints: str, side_effects: bool, loc, ip):
+    """One inline-PTX statement over DSL values (``res_type`` None: no result)."""
     from cutlass._mlir.dialects import llvm
 
     return llvm.inline_asm(
@@ -59,15 +60,7 @@ def _asm(res_type, operands, asm: str, constraints: str, side_effects: bool, loc
 @dsl_user_op
 def pack_f16x2(lo, hi, *, loc=None, ip=None):
     """Int32 f16x2 (round to nearest) of two fp32: ``lo`` in bits 0..15, ``hi`` in bits 16..31."""
-    return Int32(_asm(T.i32(), [Float32(hi), Float32(lo)], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", False, loc, ip))
-
-
-@dsl_user_op
-def f16x2_to_f32(x, half: int, *, loc=None, ip=None):
-    """fp32 of the low (``half`` 0) or high (1) FP16 of an Int32 f16x2 register (exact)."""
-    pick = "lo" if half == 0 else "hi"
-    asm = f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.f32.f16 $0, {pick}; }}"
-    return Float32(_asm(T.f32(), [Int32(x)], asm, "=f,r", False, loc, ip))
+    return Int32(inline_ptx(T.i32(), [Float32(hi), Float32(lo)], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", False, loc, ip))
 
 
 @dsl_user_op
@@ -75,4 +68,4 @@ def movmatrix_trans(x, *, loc=None, ip=None):
     """Transpose an 8x8 b16 matrix held as one register per lane in the mma fragment layout (lane
     4*r + c holds row r, columns 2c, 2c+1): afterwards lane 4*r + c holds column r, rows 2c, 2c+1.
     Turns an m16n8 accumulator quarter (rows = tokens) into the k16n8 B operand quarter of the next MMA."""
-    return Int32(_asm(T.i32(), [Int32(x)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", True, loc, ip))
+    return Int32(inline_ptx(T.i32(), [Int32(x)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", True, loc, ip))

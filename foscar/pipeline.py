@@ -25,29 +25,18 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 from cutlass import Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
+
+from .device import inline_ptx
 
 
 @dsl_user_op
 def bulk_copy_g2s(dst: cute.Pointer, src: cute.Pointer, nbytes: int, mbar: cute.Pointer, *, loc=None, ip=None):
     """``cp.async.bulk`` of ``nbytes`` (multiple of 16) from global ``src`` to shared ``dst``,
     completing its bytes on the mbarrier ``mbar``. Issue from one thread."""
-    llvm.inline_asm(
-        res=None,
-        operands_=[
-            dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-            src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-            Int32(nbytes).ir_value(loc=loc, ip=ip),
-            mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-        ],
-        asm_string="cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        constraints="r,l,r,r,~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    inline_ptx(None, [dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip), Int32(nbytes), mbar.toint(loc=loc, ip=ip)],
+               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+               "r,l,r,r,~{memory}", True, loc, ip)
 
 
 def stage_and_phase(i, stages: int):

@@ -67,7 +67,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from ..device import (LN2, LOG2E, NEG_INF, f16x2_to_f32, fsel, movmatrix_trans, output_offsets, pack_f16x2,
+from ..device import (LN2, LOG2E, NEG_INF, fsel, movmatrix_trans, output_offsets, pack_f16x2,
                       reduce_over_rows)
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..operands import HopperRecipe, HopperSlot, bias_slot
