@@ -20,8 +20,8 @@ removes it inside the accumulator with one more MMA against a constant A fragmen
 (exact powers of two) and the *same* rounded B operand the data MMA multiplies. What is left is
 ``c/2^bits`` (``HOPPER_FP16``: ``a = 1/2^bits, b = 0``), and the offset corrections take the
 unrounded Q or P. The cancellation of a bias up to ``2^10/2^bits`` times the code weight costs
-FP32 accumulator bits: emulated, its error in Q.K is 5-8x (INT2) and 20-40x (INT4) below the error
-of the FP16 rounding of Q itself (tests/test_kernel_numerics.py). FP16 rather than BF16
+FP32 accumulator bits: emulated, its error in Q.K is typically 7-12x (INT2) and 25-40x (INT4) below
+the error of the FP16 rounding of Q itself (tests/test_kernel_numerics.py). FP16 rather than BF16
 because the other MMA operand (Q or P times a group scale) is rounded to the MMA type: FP16's
 10-bit mantissa makes that rounding 4x smaller than BF16's, which is what keeps the kernels within
 2x of a BF16 PyTorch computation's error.
