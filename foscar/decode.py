@@ -13,7 +13,7 @@ import torch
 
 from .jit import device_arch
 from .layouts import ARCH_LAYOUT
-from .quantize import PAGE_SIZES, QuantizedKV
+from .quantize import QuantizedKV, check_page_size
 from .scheme import Axis, Scheme
 
 __all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged"]
@@ -70,11 +70,7 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
     """
     if not isinstance(scheme, Scheme):
         raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
-    if page_size not in PAGE_SIZES:
-        raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {page_size!r}")
-    for name, quant in (("k", scheme.k), ("v", scheme.v)):
-        if quant.axis is Axis.CHANNEL and page_size % quant.group:
-            raise ValueError(f"page_size={page_size} must be a multiple of the channel-wise {name} group {quant.group}")
+    check_page_size(scheme, page_size)
     if sm_scale is not None and (
         not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale) or sm_scale <= 0
     ):
@@ -185,8 +181,7 @@ def compile_decode(scheme: Scheme, arch: str, page_size: int = 128, split: bool 
         raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
     if arch not in ARCH_LAYOUT:
         raise ValueError(f"arch must be one of {sorted(ARCH_LAYOUT)}, got {arch!r}")
-    if page_size not in PAGE_SIZES:
-        raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {page_size!r}")
+    check_page_size(scheme, page_size)
     if arch == "sm_90a":
         from .hopper.decode import compile_decode as build
     else:

@@ -32,6 +32,15 @@ __all__ = ["PAGE_SIZES", "QuantizedKV", "quantize_groups", "dequantize_groups", 
 PAGE_SIZES = (64, 128, 256)
 
 
+def check_page_size(scheme: Scheme, page_size) -> None:
+    """A page holds whole 64-token tiles and whole channel-wise groups of ``scheme``."""
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {page_size!r}")
+    for name, quant in (("k", scheme.k), ("v", scheme.v)):
+        if quant.axis is Axis.CHANNEL and page_size % quant.group:
+            raise ValueError(f"page_size={page_size} must be a multiple of the channel-wise {name} group {quant.group}")
+
+
 def _grouped(x: torch.Tensor, quant: TensorQuant) -> torch.Tensor:
     """View ``[..., L, D]`` as ``[..., groups_l, gl, groups_d, gd]`` (one group = gl x gd)."""
     *lead, length, dim = x.shape
@@ -198,11 +207,7 @@ def quantize_kv(k, v, scheme: Scheme, page_size: int = 64, lengths=None, layout:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.device != v.device:
         raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
-    if page_size not in PAGE_SIZES:
-        raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {page_size!r}")
-    for name, quant in (("k", scheme.k), ("v", scheme.v)):
-        if quant.axis is Axis.CHANNEL and page_size % quant.group:
-            raise ValueError(f"page_size={page_size} must be a multiple of the channel-wise {name} group {quant.group}")
+    check_page_size(scheme, page_size)
     batch, kv_heads, tokens, dim = k.shape
     if tokens < 1:
         raise ValueError("k and v must hold at least one token")
