@@ -135,7 +135,7 @@ class PagedKVCache:
 
     def _pool(self, role, quant, pool):
         d, ps = self.scheme.head_dim, self.page_size
-        words = TileGeometry(role, self.scheme.bits, d).words
+        words = TileGeometry(role, quant.bits, d).words
         codes = torch.zeros(self.num_layers, pool, self.kv_heads, ps // TILE_TOKENS, words, dtype=torch.int32,
                             device=self.device)
         rows, cols = (ps, d // quant.group) if quant.axis is Axis.TOKEN else (ps // quant.group, d)
@@ -432,9 +432,9 @@ class PagedKVCache:
             return
         quant = self.scheme.k if role == "k" else self.scheme.v
         page = torch.where(page < 0, self.trash_page, page).long()
-        c, scale, offset = quantize_groups(src, self.scheme.bits, quant)
+        c, scale, offset = quantize_groups(src, quant)
         n, kvh, t, d = src.shape
-        words = pack_tiles(c.reshape(n, kvh, t // TILE_TOKENS, TILE_TOKENS, d), TileGeometry(role, self.scheme.bits, d))
+        words = pack_tiles(c.reshape(n, kvh, t // TILE_TOKENS, TILE_TOKENS, d), TileGeometry(role, quant.bits, d))
         tiles = (slot.long() // TILE_TOKENS)[:, None] + torch.arange(t // TILE_TOKENS, device=src.device)[None, :]
         codes[page[:, None], :, tiles] = words.transpose(1, 2)
         rows_per_granule = t if quant.axis is Axis.TOKEN else t // quant.group

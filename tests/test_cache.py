@@ -51,7 +51,7 @@ def test_round_trip_and_append_paths(scheme, rng):
         for x, ref, quant in zip(dense[0], (k[b], v[b]), (scheme.k, scheme.v)):
             assert x.shape == (2, 900, scheme.head_dim)
             assert torch.equal(x[:, :s], ref[:, :s].float()) and torch.equal(x[:, s + qn:], ref[:, s + qn:].float())
-            codes, scale, offset = quantize_groups(ref[:, s:s + qn], scheme.bits, quant)
+            codes, scale, offset = quantize_groups(ref[:, s:s + qn], quant)
             assert torch.equal(x[:, s:s + qn], dequantize_groups(codes, scale, offset, quant))
     for c in caches:  # layer 0 untouched
         assert c.seq_len(ids[0][0], layer=0) == 0 and c.seq_len(ids[0][0], layer=1) == 900

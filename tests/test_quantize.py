@@ -6,10 +6,11 @@ from foscar.scheme import Axis, Scheme, TensorQuant
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("quant", [TensorQuant(Axis.TOKEN, 32), TensorQuant(Axis.TOKEN, 128), TensorQuant(Axis.CHANNEL, 64)])
+@pytest.mark.parametrize("quant", [(Axis.TOKEN, 32), (Axis.TOKEN, 128), (Axis.CHANNEL, 64)])
 def test_round_trip_error_is_at_most_half_a_step(bits, quant, rng):
+    quant = TensorQuant(*quant, bits)
     x = torch.randn(2, 128, 128, generator=rng) * 3 + 0.5
-    codes, scale, offset = quantize_groups(x, bits, quant)
+    codes, scale, offset = quantize_groups(x, quant)
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 2**bits - 1
     assert scale.dtype == offset.dtype == torch.float16
     err = (dequantize_groups(codes, scale, offset, quant, torch.float64) - x.double()).abs()
@@ -20,7 +21,7 @@ def test_round_trip_error_is_at_most_half_a_step(bits, quant, rng):
 
 def test_constant_group_has_zero_scale_and_exact_values():
     x = torch.full((64, 128), 0.75)
-    codes, scale, offset = quantize_groups(x, 2, TensorQuant(Axis.TOKEN, 128))
+    codes, scale, offset = quantize_groups(x, TensorQuant(Axis.TOKEN, 128, 2))
     assert (scale == 0).all() and (codes == 0).all() and (offset == 0.75).all()
 
 
@@ -28,7 +29,7 @@ def test_invalid_tokens_do_not_enter_channel_group_statistics(rng):
     x = torch.randn(1, 64, 64, generator=rng)
     x[:, 40:] = 1000.0  # padding garbage past the length
     valid = torch.arange(64)[None] < 40
-    codes, scale, offset = quantize_groups(x, 4, TensorQuant(Axis.CHANNEL, 64), valid)
+    codes, scale, offset = quantize_groups(x, TensorQuant(Axis.CHANNEL, 64, 4), valid)
     assert float(scale.float().max()) < 1.0 and (codes[:, 40:] == 0).all()
 
 
@@ -94,19 +95,19 @@ def test_quantize_kv_rejects_bad_input():
 
 
 def test_group_functions_reject_bad_input():
-    quant = TensorQuant(Axis.TOKEN, 32)
+    quant = TensorQuant(Axis.TOKEN, 32, 2)
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="x must have shape"):
-        quantize_groups(torch.randn(64), 2, quant)
-    with pytest.raises(ValueError, match="bits must be 2 or 4"):
-        quantize_groups(x, 3, quant)
+        quantize_groups(torch.randn(64), quant)
+    with pytest.raises(ValueError, match="quant.bits must be 2 or 4"):
+        quantize_groups(x, TensorQuant(Axis.TOKEN, 32, 3))
     with pytest.raises(ValueError, match="token-wise group 128 must divide"):
-        quantize_groups(x, 2, TensorQuant(Axis.TOKEN, 128))
+        quantize_groups(x, TensorQuant(Axis.TOKEN, 128, 2))
     with pytest.raises(ValueError, match="channel-wise group 32 must divide the token count 4"):
-        quantize_groups(x, 2, TensorQuant(Axis.CHANNEL, 32))
+        quantize_groups(x, TensorQuant(Axis.CHANNEL, 32, 2))
     with pytest.raises(ValueError, match="valid must have shape"):
-        quantize_groups(x, 2, quant, valid=torch.ones(5, dtype=torch.bool))
-    codes, scale, offset = quantize_groups(x, 2, quant)
+        quantize_groups(x, quant, valid=torch.ones(5, dtype=torch.bool))
+    codes, scale, offset = quantize_groups(x, quant)
     with pytest.raises(ValueError, match="scale must have shape"):
         dequantize_groups(codes, scale[:2], offset, quant)
     with pytest.raises(ValueError, match="offset must have shape"):

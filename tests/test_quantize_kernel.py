@@ -51,8 +51,8 @@ def test_quantize_compiles(cfg, arch):
 
 def torch_quantize(src, cfg, codes, params, page, slot):
     """What the kernel must produce, by the CPU torch quantizer (the documented semantics)."""
-    quant = TensorQuant(cfg.axis, cfg.group)
-    c, scale, offset = quantize_groups(src.cpu(), cfg.bits, quant)
+    quant = TensorQuant(cfg.axis, cfg.group, cfg.bits)
+    c, scale, offset = quantize_groups(src.cpu(), quant)
     n, kvh, t, d = src.shape
     words = pack_tiles(c.reshape(n, kvh, t // 64, 64, d), cfg.geometry)
     for i in range(n):

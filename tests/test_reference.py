@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from foscar.quantize import quantize_kv
 from foscar.reference import attend_dequantized, attend_dequantized_torch, attend_folded
-from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, HOPPER_FP16, Scheme
+from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, Scheme
 
 
 @st.composite
@@ -40,14 +40,15 @@ def _make(scheme, page_size, lengths, seed, kv_heads=2):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(), st.sampled_from(["hopper", "fp4", "fp8"]))
+@given(problems(), st.sampled_from(["sm_90a", "sm_100a", "fp4", "fp8"]))
 def test_folded_reference_equals_dequantize_then_attend(problem, construction):
+    """Each arch's plan (its construction per tensor), and any construction forced on both tensors."""
     scheme, page_size, lengths, seed = problem
-    con = {"hopper": HOPPER_FP16[scheme.bits], "fp4": BLACKWELL_FP4, "fp8": BLACKWELL_FP8}[construction]
+    arch, con = (construction, None) if construction.startswith("sm_") else ("sm_90a", {"fp4": BLACKWELL_FP4, "fp8": BLACKWELL_FP8}[construction])
     q, cache = _make(scheme, page_size, lengths, seed)
     sm_scale = scheme.head_dim**-0.5
     out, lse = attend_dequantized(q, cache, sm_scale)
-    out_f, lse_f = attend_folded(q, cache, sm_scale, con)
+    out_f, lse_f = attend_folded(q, cache, sm_scale, arch, construction=con)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert ((out_f - out).norm() / out.norm()) <= 1e-9
     assert ((out_f - out).abs().max() / out.abs().max()) <= 1e-9
