@@ -107,11 +107,13 @@ class QuantizeConfig:
 
     @classmethod
     def of(cls, scheme: Scheme, role: str) -> "QuantizeConfig":
+        """The config of one tensor of ``scheme``: its own bits, axis and group (K and V may differ);
+        the granule is the scheme's, shared by both tensors."""
         if not isinstance(scheme, Scheme) or role not in ("k", "v"):
             raise TypeError("pass a Scheme and role='k' or 'v'")
         quant = scheme.k if role == "k" else scheme.v
         src = str(scheme.q_dtype).removeprefix("torch.")
-        return cls(scheme.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src)
+        return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src)
 
     @property
     def geometry(self) -> TileGeometry:
