@@ -89,10 +89,9 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
     num_pages, kv_heads = k_codes.shape[:2]
     if q_heads != kv_heads * scheme.gqa_ratio:
         raise ValueError(f"q has {q_heads} heads; must be kv_heads ({kv_heads}) * Scheme.gqa_ratio ({scheme.gqa_ratio})")
-    tile_words = 64 * dim * scheme.bits // 32
-    codes_shape = (num_pages, kv_heads, page_size // 64, tile_words)
-    for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
-        _tensor(name, t, torch.int32, codes_shape, device)
+    for name, t, quant in (("k_codes", k_codes, scheme.k), ("v_codes", v_codes, scheme.v)):
+        tile_words = 64 * dim * quant.bits // 32  # K and V may differ in width
+        _tensor(name, t, torch.int32, (num_pages, kv_heads, page_size // 64, tile_words), device)
     for name, t, quant in (("k_params", k_params, scheme.k), ("v_params", v_params, scheme.v)):
         rows, cols = (page_size, dim // quant.group) if quant.axis is Axis.TOKEN else (page_size // quant.group, dim)
         _tensor(name, t, torch.float16, (num_pages, kv_heads, rows, cols, 2), device)
