@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .jit import device_arch
-from .layouts import ARCH_LAYOUT
+from .archs import HOPPER, arch_of_device
 from .quantize import QuantizedKV, quantize_kv
 from .reference import attend_dequantized, attend_dequantized_torch
 from .scheme import Axis, Scheme
@@ -30,7 +29,7 @@ def random_problem(scheme: Scheme, lengths, kv_heads=2, page_size=64, device="cu
     ``layout``: the cache's bit order; default: what the CUDA device's kernel reads ("hopper" on CPU).
     """
     if layout is None:
-        layout = ARCH_LAYOUT[device_arch(device)] if torch.device(device).type == "cuda" else "hopper"
+        layout = (arch_of_device(device) if torch.device(device).type == "cuda" else HOPPER).layout
     lengths = list(lengths)
     if generator is None:  # a fresh seed every call, drawn on the host, generated on the device
         generator = torch.Generator(device).manual_seed(int.from_bytes(os.urandom(4), "little"))
