@@ -49,10 +49,11 @@ from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
 from ..scheme import Axis, Scheme
 
-__all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "compile_quantize", "quantize_tiles", "granule_of"]
+__all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "compile_quantize", "quantize_tiles", "granule_of", "LAYOUT"]
 
 THREADS = 128
 SRC_DTYPES = ("bfloat16", "float16")
+LAYOUT = "hopper"  # the bit order this kernel writes (word_code_coords inverts fragment.tile_position)
 
 
 def granule_of(scheme: Scheme) -> int:
