@@ -16,6 +16,7 @@ Q) and write (O).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -243,13 +244,13 @@ def run_sweep(shapes, methods, reps, after_config=None):
                     row.us = time_layers([fn for fn, _ in layers], reps)
                 elif method.endswith("+sw"):
                     scheme = variants()[method.removesuffix("+sw")]
-                    scheme = type(scheme)(scheme.bits, scheme.k, scheme.v, head_dim, q_heads // kv_heads, scheme.q_dtype)
+                    scheme = dataclasses.replace(scheme, head_dim=head_dim, gqa_ratio=q_heads // kv_heads)
                     fns, row.bytes, row.copies = foscar_window_layers(scheme, batch, context, kv_heads)
                     row.note = "BF16 sink 64 + window 256"
                     row.us = time_layers(fns, reps)
                 else:
                     scheme = variants()[method]
-                    scheme = type(scheme)(scheme.bits, scheme.k, scheme.v, head_dim, q_heads // kv_heads, scheme.q_dtype)
+                    scheme = dataclasses.replace(scheme, head_dim=head_dim, gqa_ratio=q_heads // kv_heads)
                     fns, row.bytes, row.copies, splits = foscar_layers(scheme, batch, context, kv_heads)
                     row.extra["splits"] = splits
                     row.us = time_layers(fns, reps)

@@ -15,6 +15,7 @@ SCHEMES = [
     Scheme.make(2, "channel", 128, "token", 64, 64, 2),  # KIVI-style: 128-token granule
     Scheme.make(4, "token", 64, "token", 64, 64, 2),  # OSCAR-style: 64-token granule
     Scheme.make(2, "channel", 64, "channel", 32, 64, 1),
+    Scheme.make(None, "channel", 64, "token", 32, 64, 2, k_bits=4, v_bits=2),  # K and V of different widths
 ]
 
 
@@ -95,7 +96,7 @@ def attention(q, k, v, sm_scale):
 
 
 @pytest.mark.parametrize("rotate", [False, True])
-@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.name)
+@pytest.mark.parametrize("scheme", SCHEMES[:2] + SCHEMES[3:], ids=lambda s: s.name)
 def test_attend_matches_dense(scheme, rotate, rng):
     cache = make_cache(scheme, rotate=rotate)
     ids = [cache.allocate() for _ in range(3)]
@@ -113,6 +114,31 @@ def test_attend_matches_dense(scheme, rotate, rng):
         ref, ref_lse = attention(qb, k, v, 0.1)
         assert (out[b].double() - ref).abs().max() < 1e-2
         assert (lse[b].double() - ref_lse).abs().max() < 1e-4
+
+
+def test_pages_take_the_bit_order_of_the_cache_arch(rng):
+    """One K4V2 sequence in a cache for each arch: pages packed in each arch's order (foscar.archs), the
+    same tokens read back, and each tensor's pool as wide as its own bits."""
+    from foscar.layouts import PACKERS, TileGeometry
+
+    scheme = SCHEMES[3]
+    k, v = kv(rng, scheme, 1, 700)
+    caches = {arch: make_cache(scheme, arch=arch) for arch in ("sm_90a", "sm_100a")}
+    assert make_cache(scheme).arch.name == "sm_90a"  # a CPU cache defaults to Hopper's order
+    dense = {}
+    for arch, cache in caches.items():
+        seq = cache.allocate()
+        cache.append(0, [seq], k, v)
+        dense[arch] = cache.dense(0, seq)
+        page = cache.pages_of(seq)[0]
+        for role, codes, quant in (("k", cache.k_codes, scheme.k), ("v", cache.v_codes, scheme.v)):
+            geom = TileGeometry(role, quant.bits, scheme.head_dim)
+            assert codes.shape[-1] == geom.words == 64 * 64 * quant.bits // 32
+            tiles = PACKERS[cache.arch.layout][1](codes[0, page], geom)  # the page's codes, by the arch's unpacker
+            assert int(tiles.max()) <= 2**quant.bits - 1
+        assert cache.arch.layout == {"sm_90a": "hopper", "sm_100a": "blackwell"}[arch]
+    assert not torch.equal(caches["sm_90a"].k_codes, caches["sm_100a"].k_codes)  # different bit orders
+    assert all(torch.equal(a, b) for a, b in zip(dense["sm_90a"], dense["sm_100a"]))  # the same values
 
 
 def test_hadamard_and_rotation_helps_int2(rng):
@@ -179,6 +205,7 @@ def test_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
         with pytest.raises(error, match=message):
             call()
         assert_unchanged(cache, snap)
-    for name, kwargs in [("window", dict(window=100)), ("page_size", dict(page_size=96)), ("sink", dict(sink=-1))]:
+    for name, kwargs in [("window", dict(window=100)), ("page_size", dict(page_size=96)), ("sink", dict(sink=-1)),
+                         ("arch", dict(arch="sm_80"))]:
         with pytest.raises(ValueError, match=name):
             make_cache(scheme, **kwargs)
