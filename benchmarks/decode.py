@@ -203,6 +203,10 @@ def variants():
         "int2-kc128": Scheme.make(2, "channel", 128, "token", 128, 128, 4),
         "int4-kt128": Scheme.make(4, "token", 128, "token", 128, 128, 4),
         "int4-kc128": Scheme.make(4, "channel", 128, "token", 128, 128, 4),
+        # K and V bits chosen independently (keys are the more sensitive tensor)
+        "k4v2-kt128": Scheme.make(k_bits=4, v_bits=2, k="token", k_group=128, v="token", v_group=128, gqa_ratio=4),
+        "k4v2-kc128": Scheme.make(k_bits=4, v_bits=2, k="channel", k_group=128, v="token", v_group=128, gqa_ratio=4),
+        "k2v4-kt128": Scheme.make(k_bits=2, v_bits=4, k="token", k_group=128, v="token", v_group=128, gqa_ratio=4),
     }
 
 
