@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import operator
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 

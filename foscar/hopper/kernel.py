@@ -67,10 +67,11 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from ..device import LN2, LOG2E, NEG_INF, fsel, movmatrix_trans, output_offsets, reduce_over_rows
+from ..device import LOG2E, NEG_INF, fsel, movmatrix_trans, output_offsets, reduce_over_rows
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..pipeline import bulk_copy_g2s, split_range, stage_and_phase
 from ..scheme import Scheme
+from ..softmax import finite_reference, normalize
 from .folds import hooks_for, q_index
 from .mma import TOKEN_BLOCKS, FragmentOperand, WarpMma
 
@@ -508,16 +509,14 @@ class HopperDecodeKernel:
                 m_all = Float32(NEG_INF)
                 for w in cutlass.range_constexpr(NW):
                     m_all = cute.arch.fmax(m_all, merge[w * cfg.MERGE_WARP + ml + col])
-                m_ref = fsel(m_all == Float32(NEG_INF), Float32(0.0), m_all)  # all empty: weights 0
+                m_ref = finite_reference(m_all)  # all empty: weights 0
                 lt = Float32(0.0)
                 ot = Float32(0.0)
                 for w in cutlass.range_constexpr(NW):
                     wt = cute.arch.exp2(merge[w * cfg.MERGE_WARP + ml + col] - m_ref)
                     lt = lt + merge[w * cfg.MERGE_WARP + ml + N + col] * wt
                     ot = ot + merge[w * cfg.MERGE_WARP + col * cfg.MERGE_ROW + d] * wt
-                has = lt > Float32(0.0)
-                inv_l = fsel(has, cute.arch.rcp_approx(lt), Float32(0.0))
-                lse = fsel(has, (m_all + cute.math.log2(lt)) * LN2, Float32(NEG_INF))
+                inv_l, lse = normalize(lt, m_all, fastmath=False)
                 obase, lidx = output_offsets(cfg.split, (b * Hq + h * R + col).to(Int64), split, num_splits, D)
                 if d == 0:
                     cute.make_tensor(lse_ptr + lidx, cute.make_layout((1,)))[0] = lse
