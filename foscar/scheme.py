@@ -114,13 +114,21 @@ BLACKWELL_FP4 = Construction("fp4e2m1-c/2", "float4_e2m1fn", Fraction(1, 2), Fra
 BLACKWELL_FP8 = Construction("fp8e4m3-c/512", "float8_e4m3fn", Fraction(1, 512), Fraction(0))
 
 
+# the construction each arch's kernel uses per code width (foscar.archs.Arch.construction reads it)
+CONSTRUCTIONS = {
+    ("sm_90a", 2): HOPPER_FP16[2],
+    ("sm_90a", 4): HOPPER_FP16[4],
+    ("sm_100a", 2): BLACKWELL_FP4,
+    ("sm_100a", 4): BLACKWELL_FP8,
+}
+
+
 def construction_for(arch: str, bits: int) -> Construction:
-    """The operand construction each arch's kernel uses."""
-    if arch == "sm_90a":
-        return HOPPER_FP16[bits]
-    if arch == "sm_100a":
-        return BLACKWELL_FP4 if bits == 2 else BLACKWELL_FP8
-    raise ValueError(f"arch must be 'sm_90a' or 'sm_100a', got {arch!r}")
+    """The operand construction ``arch``'s kernel uses for ``bits``-bit codes."""
+    if (arch, bits) not in CONSTRUCTIONS:
+        raise ValueError(f"arch must be one of {sorted({a for a, _ in CONSTRUCTIONS})} and bits one of {BITS}, "
+                         f"got arch={arch!r}, bits={bits!r}")
+    return CONSTRUCTIONS[(arch, bits)]
 
 
 @dataclass(frozen=True)

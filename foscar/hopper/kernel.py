@@ -110,22 +110,15 @@ def default_consumers(scheme: Scheme) -> int:
 
 class DecodeConfig:
     """Static configuration of one build: the variant's plan (``Scheme.plan("sm_90a")``: per tensor
-    its fold case and operand construction), page size, output format and consumer warpgroups."""
+    its fold case and operand construction), page size, output format and consumer warpgroups.
+
+    The variant's limits (gqa ratio, page sizes, group sizes) are ``foscar.archs.HOPPER.can_implement``'s,
+    checked before this is built; what only the geometry tells (the ring fits) is checked here."""
 
     def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int):
-
-        if page_size % TILE_TOKENS or page_size not in (64, 128, 256):
-            raise ValueError(f"page_size must be 64, 128 or 256, got {page_size}")
         if consumers not in (1, 2, 3):
             raise ValueError(f"consumers must be 1, 2 or 3 warpgroups, got {consumers}")
-        if not 1 <= scheme.gqa_ratio <= 16:
-            raise NotImplementedError("the Hopper kernel supports gqa_ratio 1..16")
         plan = scheme.plan("sm_90a")
-        for fold in (plan.k, plan.v):
-            if not fold.token_wise and page_size % fold.group:
-                raise ValueError(f"channel-wise {fold.tensor} group {fold.group} must divide page_size {page_size}")
-            if fold.group < 16:
-                raise ValueError(f"{fold.tensor} group {fold.group}: the Hopper kernel needs groups of >= 16")
         self.scheme = scheme
         self.plan = plan
         self.page_size = page_size
