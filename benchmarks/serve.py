@@ -33,9 +33,10 @@ Formats (``FORMATS``; a format that cannot run is reported as missing, never dro
              grow on the device and due tiles are quantized inside the graph
   k4v2       4-bit K, 2-bit V: runs once ``Scheme.make(k_bits=, v_bits=)`` exists
 
-Memory account per format (bytes): device total = outside torch (CUDA context, libraries) + weights
-+ KV pages + BF16 window + metadata (page tables, lengths) + workspace (FlashInfer's buffer and
-``--reserve-gib`` for step temporaries) + free (less than one more sequence).
+Memory account per format (bytes): device total = other (CUDA context, libraries, measured before
+the format allocates) + weights + KV pages + BF16 window + metadata (page tables, lengths) +
+workspace (FlashInfer's buffer and ``--reserve-gib`` for step temporaries; the temporaries the steps
+did use are measured) + free (less than one more sequence). Max N is the most that fits.
 """
 
 from __future__ import annotations
@@ -241,23 +242,33 @@ class FlashInferKV:
     def nbytes(self):
         return {"kv_pages": self.kv.numel() * self.kv.element_size(), "workspace": self.WORKSPACE}
 
-    def prepare(self, batch):
-        """Plan attention over ``context + 1`` tokens for sequences ``0 .. batch - 1`` and the rows
-        their new token goes to (position ``context``)."""
-        g, dev, page = self.geo, self.kv.device, self.PAGE
-        length = self.context + 1
+    @staticmethod
+    def page_plan(batch, pages_per_seq, length, page):
+        """FlashInfer's ``(indptr, indices, last_page_len)`` (int32) for sequences ``0 .. batch - 1``
+        of ``length`` tokens each, sequence ``s`` owning pages ``[s pages_per_seq, (s + 1) pages_per_seq)``."""
         used = -(-length // page)
         seqs = torch.arange(batch, dtype=torch.int32)
-        indices = (seqs[:, None] * self.pages_per_seq + torch.arange(used, dtype=torch.int32)[None]).flatten()
+        indices = (seqs[:, None] * pages_per_seq + torch.arange(used, dtype=torch.int32)[None]).flatten()
         indptr = torch.arange(batch + 1, dtype=torch.int32) * used
-        last = torch.full((batch,), length - page * (used - 1), dtype=torch.int32)
-        self.wrapper.plan(indptr.to(dev), indices.to(dev), last.to(dev), g.q_heads, g.kv_heads, g.head_dim, page,
+        return indptr, indices, torch.full((batch,), length - page * (used - 1), dtype=torch.int32)
+
+    @staticmethod
+    def token_rows(batch, pages_per_seq, position, kv_heads, page):
+        """Rows ``[batch * kv_heads]`` (sequence-major) of token ``position``'s K and V in the row view
+        ``[pages * 2 * kv_heads * page, D]`` of one layer's HND pages ``[pages, 2, kv_heads, page, D]``."""
+        first = torch.arange(batch)[:, None] * pages_per_seq + position // page
+        k_rows = (first * 2 * kv_heads + torch.arange(kv_heads)[None]) * page + position % page
+        return k_rows.flatten(), (k_rows + kv_heads * page).flatten()
+
+    def prepare(self, batch):
+        """Plan attention over ``context + 1`` tokens for sequences ``0 .. batch - 1``; each step
+        writes their new token at position ``context``."""
+        g, dev = self.geo, self.kv.device
+        plan = self.page_plan(batch, self.pages_per_seq, self.context + 1, self.PAGE)
+        self.wrapper.plan(*(t.to(dev) for t in plan), g.q_heads, g.kv_heads, g.head_dim, self.PAGE,
                           q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype)
-        new_page = seqs.long() * self.pages_per_seq + self.context // page
-        heads = torch.arange(g.kv_heads)
-        k_rows = ((new_page[:, None] * 2) * g.kv_heads + heads[None]) * page + self.context % page
-        self.k_rows = k_rows.flatten().to(dev)
-        self.v_rows = (k_rows + g.kv_heads * page).flatten().to(dev)
+        rows = self.token_rows(batch, self.pages_per_seq, self.context, g.kv_heads, self.PAGE)
+        self.k_rows, self.v_rows = (r.to(dev) for r in rows)
 
     def tokens_held(self, batch):
         return None  # fixed by the plan
@@ -298,7 +309,7 @@ class FoscarKV:
 
         return PagedKVCache(foscar_scheme(geo, fmt), geo.layers, geo.kv_heads, num_pages, max_seqs, capacity,
                             sink=cls.SINK, window=cls.WINDOW, rotate=fmt.rotate, device=device,
-                            use_kernels=None if device != "meta" else False)
+                            use_kernels=False if str(device) == "meta" else None)
 
     @classmethod
     def footprint(cls, geo, fmt, capacity):
@@ -339,19 +350,19 @@ BACKENDS = {"flashinfer": FlashInferKV, "foscar": FoscarKV}
 
 
 # ----------------------------------------------------------------------------- memory account
-ACCOUNT_PARTS = ("outside_torch", "weights", "kv_pages", "bf16_window", "metadata", "workspace", "free")
+ACCOUNT_PARTS = ("other", "weights", "kv_pages", "bf16_window", "metadata", "workspace", "free")
 
 
-def plan_capacity(total, outside, weights, reserve, per_seq, fixed, cap=None):
+def plan_capacity(total, other, weights, reserve, per_seq, fixed, cap=None):
     """Max concurrency (at most ``cap``) and the memory account at it: every part in bytes, summing
     to ``total``; returns (max N, account, bytes per sequence)."""
     per = sum(per_seq.values())
-    available = total - outside - weights - reserve - sum(fixed.values())
+    available = total - other - weights - reserve - sum(fixed.values())
     max_batch = max(0, available // per)
     if cap:
         max_batch = min(max_batch, cap)
     account = dict.fromkeys(ACCOUNT_PARTS, 0)
-    account.update(outside_torch=outside, weights=weights, workspace=reserve)
+    account.update(other=other, weights=weights, workspace=reserve)
     for part, value in fixed.items():
         account[part] += value
     for part, value in per_seq.items():
@@ -442,12 +453,14 @@ def measure_point(model, backend, batch, preset, generator):
 
 # ----------------------------------------------------------------------------- the sweep
 def device_memory(device, budget_gib, weights):
-    """(total, outside torch) bytes: the device's (or ``budget_gib``'s) total and what torch does not hold."""
+    """(total, other) bytes: the device's (or ``budget_gib``'s) total, and what is in use besides the
+    weights (CUDA context, libraries, anything torch still holds)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         if budget_gib is not None:
+            free -= total - int(budget_gib * GIB)
             total = int(budget_gib * GIB)
-        return total, max(0, total - free - torch.cuda.memory_reserved(device))
+        return total, max(0, total - free - weights)
     if budget_gib is None:
         raise ValueError("--memory-gib is needed on the CPU (no device memory to read)")
     return int(budget_gib * GIB), 0
@@ -465,11 +478,9 @@ def run_format(name, model, preset, device, log, seed=0, max_batch_cap=None):
         cls = BACKENDS[fmt.backend]
         cls.check(device)
         per_seq, fixed = cls.footprint(model.geo, fmt, capacity)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        total, outside = device_memory(device, preset.memory_gib, model.nbytes())
+        total, other = device_memory(device, preset.memory_gib, model.nbytes())
         reserve = int(preset.reserve_gib * GIB)
-        max_batch, account, per = plan_capacity(total, outside, model.nbytes(), reserve, per_seq, fixed, max_batch_cap)
+        max_batch, account, per = plan_capacity(total, other, model.nbytes(), reserve, per_seq, fixed, max_batch_cap)
         rec.update(max_batch=max_batch, account=account, bytes_per_sequence=per, per_sequence=per_seq, fixed=fixed)
         if max_batch < 1:
             raise MemoryError(f"not one sequence of {capacity} tokens fits ({per / GIB:.2f} GiB each)")
@@ -479,6 +490,8 @@ def run_format(name, model, preset, device, log, seed=0, max_batch_cap=None):
         planned = {part: fixed.get(part, 0) + max_batch * per_seq.get(part, 0) for part in measured}
         if part := next((p for p in measured if measured[p] != planned[p] and p != "workspace"), None):
             raise AssertionError(f"memory account: {part} is {measured[part]} bytes, planned {planned[part]}")
+        if device.type == "cuda":  # from here on: what the steps need beyond weights and pages
+            torch.cuda.reset_peak_memory_stats(device)
         grid = concurrency_grid(max_batch, preset.points)
         rec["grid"] = grid
         for batch in grid:
@@ -597,7 +610,8 @@ def plot(records, meta, path):
     ax.set_ylabel("aggregate output tokens/s")
     ax.set_title(f"{meta['model']}, {meta['context']}-token prefixes ({meta['device']})", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if len(missing) < len(records):
+        ax.legend(fontsize=8)
     if missing:
         ax.text(0.01, 0.01, "not run: " + "; ".join(missing), transform=ax.transAxes, fontsize=7, va="bottom")
     fig.tight_layout()
