@@ -386,7 +386,7 @@ class DecodeLoop:
     step is captured into a CUDA graph (no allocation, no host sync in a replay)."""
 
     def __init__(self, model: Decoder, backend, batch: int, position: int, generator):
-        self.model, self.backend, self.batch = model, backend, batch
+        self.model, self.backend = model, backend
         dev = model.device
         self.tokens = torch.randint(0, model.geo.vocab, (batch,), generator=generator, device=dev)
         self.positions = torch.full((batch,), position, dtype=torch.int64, device=dev)
@@ -447,6 +447,10 @@ def measure_point(model, backend, batch, preset, generator):
              "positions_advanced": int((loop.positions - preset.context).min()) == 1 + preset.warmup + preset.steps}
     after = backend.tokens_held(batch)
     point["cache_advanced"] = None if before is None else bool(((after - before) == 1 + preset.warmup + preset.steps).all())
+    failed = [check for check in ("tokens_in_range", "tokens_changed", "positions_advanced", "cache_advanced")
+              if point[check] is False]
+    if failed:  # the timing stands, but the loop did not do what a decode step does
+        point["note"] = f"check failed: {', '.join(failed)}"
     del loop
     return point
 
@@ -550,15 +554,16 @@ def _fmt(x, spec):
 
 
 def summary_table(records):
-    lines = ["| format | status | max N | N | ms/step | aggregate tok/s | per-seq tok/s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| format | status | max N | N | ms/step | aggregate tok/s | per-seq tok/s | note |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in records:
         if not r["points"]:
-            lines.append(f"| {r['format']} | {r['status']}: {r['note']} | {r['max_batch']} | - | - | - | - |")
+            lines.append(f"| {r['format']} | {r['status']} | {r['max_batch']} | - | - | - | - | {r['note']} |")
         for p in r["points"]:
             peak = " (peak)" if p is r["peak"] else ""
             lines.append(f"| {r['format']} | {r['status']} | {r['max_batch']} | {p['batch']}{peak} | "
                          f"{_fmt(p.get('ms_per_step'), '.2f')} | {_fmt(p.get('aggregate_tokens_per_s'), '.1f')} | "
-                         f"{_fmt(p.get('per_sequence_tokens_per_s'), '.2f')} |" + (f" {p['note']}" if "note" in p else ""))
+                         f"{_fmt(p.get('per_sequence_tokens_per_s'), '.2f')} | {p.get('note', '')} |")
     return "\n".join(lines)
 
 

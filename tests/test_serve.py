@@ -42,7 +42,7 @@ def test_tiny_run_makes_tokens_and_the_account_adds_up(tmp_path):
     assert [r["format"] for r in record["formats"]] == list(serve.FORMATS)
     assert record["meta"]["command"].startswith("python -m benchmarks.serve --model tiny")
     assert all(x["ratio"] is None for x in record["peak_ratios"])  # no FlashInfer baseline on the CPU
-    assert "missing: FlashInfer runs on CUDA devices only" in (tmp_path / "serve-test.md").read_text()
+    assert "| bf16 | missing | 0 | - | - | - | - | FlashInfer runs on CUDA devices only |" in (tmp_path / "serve-test.md").read_text()
     assert (tmp_path / "serve-test.png").stat().st_size > 1000
 
 
