@@ -190,15 +190,15 @@ FORMATS = {
 
 
 def fill_random_(t: torch.Tensor, generator, chunk: int = 2**28) -> None:
-    """Random contents for timing: any bit pattern of an integer pool, N(0, 1) floats (FP8 through
-    BF16 chunks, so that no temporary is larger than ``chunk`` elements)."""
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        for part in t.view(-1).split(chunk):
+    """Random contents for timing, ``chunk`` elements at a time (pools of 100+ GiB; FP8 goes through
+    a BF16 temporary of one chunk): any bit pattern of an integer pool, N(0, 1) floats."""
+    for part in t.view(-1).split(chunk):
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             part.copy_(torch.randn(part.shape, generator=generator, device=t.device, dtype=torch.bfloat16))
-    elif t.is_floating_point():
-        t.normal_(generator=generator)
-    else:
-        t.random_(generator=generator)
+        elif t.is_floating_point():
+            part.normal_(generator=generator)
+        else:
+            part.random_(generator=generator)
 
 
 class FlashInferKV:

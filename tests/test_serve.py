@@ -92,11 +92,17 @@ def test_flashinfer_page_plan_and_append_rows():
     assert torch.count_nonzero(pool.abs().sum(-1)) == 2 * batch * kv_heads  # nothing else written
 
 
-def test_fill_random_fp8_in_chunks():
-    t = torch.zeros(1000, dtype=torch.float8_e4m3fn)
-    serve.fill_random_(t, torch.Generator().manual_seed(0), chunk=64)
-    x = t.float()
-    assert x.isfinite().all() and 0.7 < x.std() < 1.3 and (x[-40:] != 0).any()  # the last, partial chunk too
+def test_fill_random_in_chunks():
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16, torch.int32):
+        t = torch.zeros(1000, dtype=dtype)
+        serve.fill_random_(t, gen, chunk=64)
+        x = t.double()
+        assert x.isfinite().all() and (x[-40:] != 0).sum() > 30  # every chunk, the last partial one too
+        if dtype.is_floating_point:
+            assert 0.8 < x.std() < 1.2
+        else:
+            assert len(x.unique()) == 1000
 
 
 class DenseKV:
