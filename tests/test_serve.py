@@ -160,3 +160,70 @@ def test_decoder_is_qwen3():
         for t in range(ids.shape[1]):
             got = model.forward(ids[:, t], torch.full((2,), t), kv.append_attend)
             assert (got - want[:, t]).abs().max() < 1e-4 * want[:, t].abs().max(), t
+
+
+class FakeDecodeWrapper:
+    """FlashInfer's BatchDecodeWithPagedKVCacheWrapper contract (HND pages ``[pages, 2, kv_heads,
+    page, D]``; indptr / indices / last_page_len; FP8 K/V scaled by k_scale / v_scale) in torch, to
+    run the benchmark's FlashInfer backend on the CPU."""
+
+    def __init__(self, workspace, layout, use_tensor_cores=False):
+        assert layout == "HND" and workspace.dtype == torch.uint8
+
+    def plan(self, indptr, indices, last_page_len, q_heads, kv_heads, head_dim, page, q_data_type, kv_data_type):
+        self.plan_args = indptr, indices, last_page_len, q_heads, kv_heads, page, q_data_type, kv_data_type
+
+    def run(self, q, cache, k_scale=None, v_scale=None):
+        indptr, indices, last, q_heads, kv_heads, page, q_dtype, kv_dtype = self.plan_args
+        assert q.dtype == q_dtype and cache.dtype == kv_dtype and q.shape[:2] == (len(last), q_heads)
+        assert (k_scale is None) == (kv_dtype == torch.bfloat16)
+        out = []
+        for b in range(len(last)):
+            pages = cache[indices[indptr[b]:indptr[b + 1]].long()].float()  # [used, 2, kvh, page, D]
+            n = (len(pages) - 1) * page + int(last[b])
+            k, v = (pages[:, i].permute(1, 0, 2, 3).reshape(kv_heads, -1, q.shape[-1])[:, :n] for i in (0, 1))
+            out.append(torch.nn.functional.scaled_dot_product_attention(q[b, :, None].float(), k, v, enable_gqa=True))
+        return torch.stack(out)[:, :, 0].to(q.dtype)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeDecodeWrapper))
+    monkeypatch.setattr(serve.FlashInferKV, "check", staticmethod(lambda device: None))
+    monkeypatch.setattr(serve.FlashInferKV, "WORKSPACE", 2**20)  # the tiny model's budget is 6 MiB
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_flashinfer_backend_attends_over_the_prefix_and_the_new_token(kv_dtype, fake_flashinfer):
+    geo = serve.PRESETS["tiny"].geometry
+    fmt = serve.Format("flashinfer", "test", kv_dtype=kv_dtype)
+    context, gen = 130, torch.Generator().manual_seed(3)
+    backend = serve.FlashInferKV(geo, fmt, 3, context, context + 64, torch.device("cpu"), gen)
+    backend.prepare(2)
+    q = torch.randn(2, geo.q_heads, geo.head_dim, generator=gen).bfloat16()
+    k, v = (torch.randn(2, geo.kv_heads, geo.head_dim, generator=gen).bfloat16() for _ in range(2))
+    out = backend.append_attend(1, q, k, v)
+    dtype = getattr(torch, kv_dtype)
+    for b in range(2):
+        pages = backend.kv[1, b * backend.pages_per_seq:(b + 1) * backend.pages_per_seq].float()
+        keys, values = (pages[:, i].permute(1, 0, 2, 3).reshape(geo.kv_heads, -1, geo.head_dim) for i in (0, 1))
+        assert torch.equal(keys[:, context], k[b].to(dtype).float()) and torch.equal(values[:, context], v[b].to(dtype).float())
+        want = torch.nn.functional.scaled_dot_product_attention(q[b, :, None].float(), keys[:, :context + 1],
+                                                                values[:, :context + 1], enable_gqa=True)[:, 0]
+        assert torch.allclose(out[b].float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_tiny_run_with_flashinfer_formats(fake_flashinfer):
+    records = serve.main(["--model", "tiny", "--device", "cpu", "--formats", "bf16,fp8,int2"])
+    by = {r["format"]: r for r in records}
+    for name in ("bf16", "fp8"):
+        r = by[name]
+        assert r["status"] == "ok", r["note"]
+        assert sum(r["account"].values()) == round(serve.PRESETS["tiny"].memory_gib * serve.GIB)
+        assert r["account"]["workspace"] == serve.FlashInferKV.WORKSPACE + round(serve.PRESETS["tiny"].reserve_gib * serve.GIB)
+        for p in r["points"]:
+            assert p["tokens_in_range"] and p["tokens_changed"] and p["positions_advanced"] and p["cache_advanced"] is None
+    assert by["fp8"]["max_batch"] >= by["bf16"]["max_batch"]
