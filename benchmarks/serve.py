@@ -2,6 +2,7 @@
 the largest concurrency each KV format fits in memory, aggregate and per-sequence output tokens/s.
 
     python -m benchmarks.serve [--quick] [--formats bf16,fp8,int4,int2,k4v2] [--out benchmarks/results]
+    python -m benchmarks.serve --formats int4,int2 --append   # add formats to today's records
     python -m benchmarks.serve --model tiny --device cpu      # the loop and the memory account, seconds
 
 Model: Qwen3-8B geometry (36 layers, hidden 4096, 32 query / 8 KV heads, head_dim 128, per-head
@@ -560,7 +561,7 @@ def summary_table(records):
         if not r["points"]:
             lines.append(f"| {r['format']} | {r['status']} | {r['max_batch']} | - | - | - | - | {r['note']} |")
         for p in r["points"]:
-            peak = " (peak)" if p is r["peak"] else ""
+            peak = " (peak)" if p == r["peak"] else ""
             lines.append(f"| {r['format']} | {r['status']} | {r['max_batch']} | {p['batch']}{peak} | "
                          f"{_fmt(p.get('ms_per_step'), '.2f')} | {_fmt(p.get('aggregate_tokens_per_s'), '.1f')} | "
                          f"{_fmt(p.get('per_sequence_tokens_per_s'), '.2f')} | {p.get('note', '')} |")
@@ -652,6 +653,8 @@ def parse_args(argv):
     parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results for qwen3-8b, "
                         "none for tiny)")
     parser.add_argument("--tag", default=None, help="file stem (default serve-<model>-<device>-<date>)")
+    parser.add_argument("--append", action="store_true", help="add to the records at the same stem (formats run "
+                        "again replace theirs): a sweep split over several commands")
     args = parser.parse_args(argv)
     base = PRESETS[args.model]
     if args.quick and args.points is None:
@@ -709,17 +712,33 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         slug = device_name.split()[-1].lower() if device.type == "cuda" else "cpu"
         stem = os.path.join(args.out, args.tag or f"serve-{args.model}-{slug}-{datetime.date.today().isoformat()}")
+    run_names = args.formats.split(",")
+    earlier = []
+    if args.append and stem and os.path.exists(stem + ".json"):
+        with open(stem + ".json") as f:
+            old = json.load(f)
+        same = ("model", "device", "context", "output_len", "steps", "warmup")
+        if any(old["meta"].get(k) != meta[k] for k in same):
+            sys.exit(f"--append: {stem}.json was measured with other settings "
+                     f"({ {k: old['meta'].get(k) for k in same} }); use another --tag")
+        earlier = [r for r in old["formats"] if r["format"] not in run_names]
+        meta["command"] = f"{old['meta']['command']}; then {meta['command']}"
     records = []
+
+    def everything():  # earlier formats and this run's, in FORMATS order
+        return sorted(earlier + records, key=lambda r: list(FORMATS).index(r["format"]))
+
     threads = torch.get_num_threads()
     if device.type == "cpu":  # the tiny model is all per-op overhead: a thread pool only adds contention
         torch.set_num_threads(1)
     try:
-        for name in args.formats.split(","):
+        for name in run_names:
             records.append(run_format(name, model, preset, device, log, args.seed, args.max_batch))
             if stem:  # results so far survive a run cut short
-                write_records(records, meta, stem)
+                write_records(everything(), meta, stem)
     finally:
         torch.set_num_threads(threads)
+    records = everything()
     if stem:
         try:
             plot(records, meta, stem + ".png")

@@ -227,3 +227,16 @@ def test_tiny_run_with_flashinfer_formats(fake_flashinfer):
         for p in r["points"]:
             assert p["tokens_in_range"] and p["tokens_changed"] and p["positions_advanced"] and p["cache_advanced"] is None
     assert by["fp8"]["max_batch"] >= by["bf16"]["max_batch"]
+
+
+def test_append_merges_a_split_sweep(tmp_path):
+    common = ["--model", "tiny", "--device", "cpu", "--out", str(tmp_path), "--tag", "split", "--points", "2"]
+    serve.main(common + ["--formats", "int2,int4"])
+    first = json.loads((tmp_path / "split.json").read_text())
+    serve.main(common + ["--formats", "bf16,int4", "--append"])
+    record = json.loads((tmp_path / "split.json").read_text())
+    assert [r["format"] for r in record["formats"]] == ["bf16", "int4", "int2"]
+    assert record["formats"][2] == first["formats"][1]  # int2 kept as measured; int4 measured again
+    assert record["meta"]["command"].count("python -m benchmarks.serve") == 2
+    with pytest.raises(SystemExit):  # other settings do not merge
+        serve.main(common + ["--formats", "int4", "--append", "--steps", "5"])
