@@ -46,7 +46,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import platform
 import sys
@@ -441,13 +440,15 @@ def measure_point(model, backend, batch, preset, generator):
     loop.run(preset.warmup)
     seconds = loop.run(preset.steps)
     tokens = loop.tokens.cpu()
+    appended = 1 + preset.warmup + preset.steps  # the eager step, the warm-up and the timed replays
     point = {"batch": batch, "steps": preset.steps, "ms_per_step": 1e3 * seconds / preset.steps,
-             "aggregate_tokens_per_s": batch * preset.steps / seconds, "per_sequence_tokens_per_s": preset.steps / seconds,
+             "aggregate_tokens_per_s": batch * preset.steps / seconds,
+             "per_sequence_tokens_per_s": preset.steps / seconds,
              "tokens_in_range": bool(((tokens >= 0) & (tokens < model.geo.vocab)).all()),
              "tokens_changed": bool((tokens != start_tokens.cpu()).any()),
-             "positions_advanced": int((loop.positions - preset.context).min()) == 1 + preset.warmup + preset.steps}
+             "positions_advanced": int((loop.positions - preset.context).min()) == appended}
     after = backend.tokens_held(batch)
-    point["cache_advanced"] = None if before is None else bool(((after - before) == 1 + preset.warmup + preset.steps).all())
+    point["cache_advanced"] = None if before is None else bool(((after - before) == appended).all())
     failed = [check for check in ("tokens_in_range", "tokens_changed", "positions_advanced", "cache_advanced")
               if point[check] is False]
     if failed:  # the timing stands, but the loop did not do what a decode step does
@@ -506,9 +507,9 @@ def run_format(name, model, preset, device, log, seed=0, max_batch_cap=None):
             except Exception as exc:  # keep the format's other points
                 point = {"batch": batch, "note": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
             rec["points"].append(point)
-            log(f"{name}: N {batch}: " + (f"{point['ms_per_step']:.2f} ms/step, {point['aggregate_tokens_per_s']:.1f} tok/s"
-                                        if "ms_per_step" in point else point["note"])
-                + f" ({time.perf_counter() - t0:.1f} s)")
+            result = (f"{point['ms_per_step']:.2f} ms/step, {point['aggregate_tokens_per_s']:.1f} tok/s"
+                      if "ms_per_step" in point else "")
+            log(f"{name}: N {batch}: {result} {point.get('note', '')} ({time.perf_counter() - t0:.1f} s)")
             _release(device)
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
@@ -585,8 +586,9 @@ def write_records(records, meta, stem):
     ratios = peak_ratios(records)
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "formats": records, "peak_ratios": ratios}, f, indent=1)
+    verdict = {None: "-", True: "met", False: "not met"}
     ratio_lines = [f"- {x['format']} / {x['baseline']} peak aggregate: {_fmt(x['ratio'], '.2f')}x (target "
-                   f">= {x['target']}x: {'-' if x['met'] is None else 'met' if x['met'] else 'not met'})" for x in ratios]
+                   f">= {x['target']}x: {verdict[x['met']]})" for x in ratios]
     with open(stem + ".md", "w") as f:
         f.write(f"# Serving throughput, {meta['model']} ({meta['device']}, {meta['date']})\n\n"
                 f"Command: `{meta['command']}`. Versions: {meta['versions']}.\n\n{meta['workload']}\n\n"
@@ -633,6 +635,15 @@ def _versions():
         except Exception as exc:
             out[name] = f"missing ({type(exc).__name__})"
     return out
+
+
+def workload_note(preset, device):
+    step = "one CUDA-graph replay of the whole model step" if device.type == "cuda" else "one eager step (CPU)"
+    return (f"Workload: N sequences with a {preset.context}-token prefix each (random codes/values written straight "
+            f"into the pages at the real layout; pages reserved for {preset.output_len} more tokens), random BF16 "
+            f"weights (throughput does not depend on weight values). One step = {step} with greedy sampling; "
+            f"{preset.steps} steps timed after {preset.warmup} warm-up steps. FlashInfer formats attend over "
+            "context + 1 tokens, planned once per N; FOSCAR lengths grow on the device.")
 
 
 def parse_args(argv):
@@ -701,12 +712,7 @@ def main(argv=None):
             "versions": _versions(), "command": "python -m benchmarks.serve " + " ".join(argv), "model": args.model,
             "geometry": asdict(preset.geometry), "context": preset.context, "output_len": preset.output_len,
             "steps": preset.steps, "warmup": preset.warmup, "reserve_gib": preset.reserve_gib,
-            "workload": (f"Workload: N sequences with a {preset.context}-token prefix each (random codes/values written "
-                         f"straight into the pages at the real layout; pages reserved for {preset.output_len} more "
-                         f"tokens), random BF16 weights (throughput does not depend on weight values). One step = one "
-                         f"CUDA-graph replay of the whole model step with greedy sampling; {preset.steps} steps timed "
-                         f"after {preset.warmup} warm-up replays. FlashInfer formats attend over context + 1 tokens "
-                         "planned once per N; FOSCAR lengths grow on the device.")}
+            "workload": workload_note(preset, device)}
     stem = None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
