@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -381,6 +382,13 @@ def concurrency_grid(max_batch: int, points: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the step loop
+@functools.cache
+def _side_stream(device):
+    """One warm-up stream for every loop: libraries keep per-stream state (cuBLAS a workspace), so a
+    fresh stream per concurrency level would pile that up."""
+    return torch.cuda.Stream(device)
+
+
 class DecodeLoop:
     """Decode steps for sequences ``0 .. batch - 1``: static token and position buffers; on CUDA one
     step is captured into a CUDA graph (no allocation, no host sync in a replay)."""
@@ -404,7 +412,7 @@ class DecodeLoop:
         if self.model.device.type != "cuda":
             self.step()
             return
-        stream = torch.cuda.Stream()
+        stream = _side_stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.step()
