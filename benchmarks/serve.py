@@ -312,13 +312,17 @@ class FoscarKV:
                             sink=cls.SINK, window=cls.WINDOW, rotate=fmt.rotate, device=device,
                             use_kernels=False if str(device) == "meta" else None)
 
+    @staticmethod
+    def _parts(cache):
+        size, lengths = cache.nbytes(), cache.lengths
+        return {"kv_pages": size["quantized"], "bf16_window": size["bf16"],
+                "metadata": size["page_table"] + lengths.numel() * lengths.element_size()}
+
     @classmethod
     def footprint(cls, geo, fmt, capacity):
         """(bytes per sequence, fixed bytes), by part, from a cache of one sequence on the meta device."""
         probe = cls._cache(geo, fmt, 1, 1, capacity, "meta")
-        size = probe.nbytes()
-        per_seq = {"kv_pages": probe.pages_for(capacity) * probe.bytes_per_page(), "bf16_window": size["bf16"],
-                   "metadata": size["page_table"] + probe.lengths.numel() * probe.lengths.element_size()}
+        per_seq = {**cls._parts(probe), "kv_pages": probe.pages_for(capacity) * probe.bytes_per_page()}
         return per_seq, {"kv_pages": probe.bytes_per_page()}  # fixed: the trash page
 
     def __init__(self, geo, fmt, max_seqs, context, capacity, device, generator):
@@ -331,10 +335,7 @@ class FoscarKV:
             cache.reserve(seq, capacity)
 
     def nbytes(self):
-        size = self.cache.nbytes()
-        lengths = self.cache.lengths
-        return {"kv_pages": size["quantized"], "bf16_window": size["bf16"],
-                "metadata": size["page_table"] + lengths.numel() * lengths.element_size()}
+        return self._parts(self.cache)
 
     def prepare(self, batch):
         self.ids = self.seqs[:batch]
