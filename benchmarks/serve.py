@@ -582,12 +582,14 @@ def account_table(records):
     accounts = [r for r in records if r["account"]]
     unit, size = ("GiB", GIB) if any(sum(r["account"].values()) >= GIB for r in accounts) else ("MiB", 2**20)
     lines = [f"Memory account at max N ({unit}):", "",
-             "| format | max N | per sequence | " + " | ".join(ACCOUNT_PARTS) + " | total |",
-             "|---|---|---|" + "---|" * (len(ACCOUNT_PARTS) + 1)]
+             "| format | max N | per sequence | " + " | ".join(ACCOUNT_PARTS) + " | total | step temporaries used |",
+             "|---|---|---|" + "---|" * (len(ACCOUNT_PARTS) + 2)]
     for r in accounts:
         a = r["account"]
+        used = r.get("measured", {}).get("step_temporaries")
         lines.append(f"| {r['format']} | {r['max_batch']} | {r['bytes_per_sequence'] / size:.3f} | "
-                     + " | ".join(f"{a[p] / size:.2f}" for p in ACCOUNT_PARTS) + f" | {sum(a.values()) / size:.2f} |")
+                     + " | ".join(f"{a[p] / size:.2f}" for p in ACCOUNT_PARTS) + f" | {sum(a.values()) / size:.2f} | "
+                     + ("-" if used is None else f"{used / size:.2f}") + " |")
     return "\n".join(lines)
 
 
