@@ -287,8 +287,10 @@ class FlashInferKV:
 def foscar_scheme(geo, fmt):
     from foscar import Scheme
 
+    bit_args = dict(fmt.scheme)
+    positional = (bit_args.pop("bits"),) if "bits" in bit_args else ()  # Scheme.make(bits, ...) takes it first
     try:
-        return Scheme.make(**fmt.scheme, k="token", v="token", head_dim=geo.head_dim,
+        return Scheme.make(*positional, **bit_args, k="token", v="token", head_dim=geo.head_dim,
                            gqa_ratio=geo.q_heads // geo.kv_heads)
     except TypeError as exc:  # e.g. k_bits/v_bits before independent K/V bit widths exist
         raise FormatMissing(f"Scheme.make({', '.join(f'{k}={v}' for k, v in fmt.scheme.items())}) is not "
