@@ -226,6 +226,17 @@ class PagedKVCache:
         self._grow(seq_id, need)
         return seq_id
 
+    def allocate_prefilled(self, num_tokens: int) -> int:
+        """Claim a sequence that already holds ``num_tokens`` tokens: whatever its pages and BF16
+        slots contain is taken as their contents (every layer). For benchmarks: write random codes
+        and params straight into the pools (the real layout and byte counts, without quantizing a
+        long prefix first); attention time does not depend on the values. Returns its id."""
+        seq_id = self.allocate(num_tokens)
+        self._sync_mirror()
+        self.lengths[:, seq_id] = num_tokens
+        self._host_len[:, seq_id] = num_tokens
+        return seq_id
+
     def free(self, seq_id: int) -> None:
         """Return the pages of ``seq_id`` to the pool and release its slot."""
         self._no_capture("free")

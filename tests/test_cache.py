@@ -209,3 +209,35 @@ def test_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
                          ("arch", dict(arch="sm_80"))]:
         with pytest.raises(ValueError, match=name):
             make_cache(scheme, **kwargs)
+
+
+def test_allocate_prefilled_equals_appending(rng):
+    """A sequence claimed with allocate_prefilled over pools that hold what appending wrote is the
+    appended sequence: same pages, lengths, dense contents and attention, before and after one more token."""
+    scheme = SCHEMES[1]
+    appended, prefilled = make_cache(scheme), make_cache(scheme)
+    k, v = kv(rng, scheme, 2, 700)
+    ids = [appended.allocate(), appended.allocate()]
+    for layer in range(2):
+        appended.append(layer, ids, k, v)
+    for name in ("k_codes", "k_params", "v_codes", "v_params", "k_bf16", "v_bf16"):
+        getattr(prefilled, name).copy_(getattr(appended, name))
+    assert [prefilled.allocate_prefilled(700), prefilled.allocate_prefilled(700)] == ids
+    assert torch.equal(prefilled.page_table, appended.page_table) and torch.equal(prefilled.lengths, appended.lengths)
+    assert prefilled.free_pages == appended.free_pages
+    q = torch.randn(2, 4, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+    k1, v1 = kv(rng, scheme, 2, 1)
+    for step in range(2):
+        for layer in range(2):
+            assert prefilled.seq_len(ids[1], layer) == 700 + step
+            for a, b in zip(prefilled.dense(layer, ids[1]), appended.dense(layer, ids[1])):
+                assert torch.equal(a, b)
+            assert torch.equal(prefilled.attend(layer, ids, q), appended.attend(layer, ids, q))
+            for cache in (prefilled, appended):
+                cache.append(layer, ids, k1, v1)
+    big = prefilled.allocate_prefilled(1500)  # 11 of the 16 free pages
+    assert prefilled.seq_len(big, 1) == 1500 and len(prefilled.pages_of(big)) == prefilled.pages_for(1500)
+    before = prefilled.lengths.clone()
+    with pytest.raises(PagePoolFull):
+        prefilled.allocate_prefilled(1500)
+    assert prefilled.sequences == ids + [big] and torch.equal(prefilled.lengths, before)
