@@ -48,12 +48,12 @@ def register(case):
 
 
 def hooks_for(fold, cfg):
-    """The hooks object of a plan's fold case (``plan.k`` / ``plan.v``) for kernel config ``cfg``."""
-    try:
-        cls = HOOKS[type(fold)]
-    except KeyError:
-        raise NotImplementedError(f"the Blackwell kernel has no hooks for the fold case {type(fold).__name__}") from None
-    return cls(fold, cfg)
+    """The hooks object of a plan's fold case (``plan.k`` / ``plan.v``) for kernel config ``cfg`` (a
+    subclass of a registered case inherits its hooks)."""
+    for case in type(fold).__mro__:
+        if case in HOOKS:
+            return HOOKS[case](fold, cfg)
+    raise NotImplementedError(f"the Blackwell kernel has no hooks for the fold case {type(fold).__name__}")
 
 
 class BlackwellFold:
