@@ -92,7 +92,7 @@ from . import storage as sm_
 from .folds import hooks_for
 from .operands import recipe_for
 from .pipeline import tcgen05_fence_after, tcgen05_fence_before
-from .primitives import BAR_FINAL, BAR_PREP, BAR_SOFTMAX, STEP, WG, fabs, hilo, load_acc, max4, pow2_scale, scalar
+from .primitives import BAR_FINAL, BAR_PREP, BAR_SOFTMAX, STEP, WG, fabs, hilo, max4, pow2_scale, scalar
 
 # warpgroup roles
 WG_MMA, WG_PREP, WG_SOFTMAX, WG_OUTPUT = 0, 1, 2, 3
