@@ -48,10 +48,13 @@ def stage_and_phase(i, stages: int):
 def split_range(length, split, num_splits, align: int):
     """(n_tiles, t_begin, t_end) of split ``split``: the sequence's ``n_tiles`` 64-token tiles cut into
     ``num_splits`` ranges of whole runs of ``align`` tiles (a channel-wise K group, a Blackwell
-    128-token step), so no run straddles two CTAs. The last splits may be empty (t_begin >= t_end)."""
+    128-token step), so no run straddles two CTAs. The last splits may be empty (t_begin >= t_end).
+    ``align`` is a power of two: rounding up is then one add and one AND."""
     import cutlass
 
+    if align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
     n_tiles = (length + TILE_TOKENS - 1) // TILE_TOKENS
-    per_split = ((n_tiles + num_splits - 1) // num_splits + align - 1) // align * align
+    per_split = ((n_tiles + num_splits - 1) // num_splits + align - 1) & -align
     t_begin = split * per_split
     return n_tiles, t_begin, cutlass.min(t_begin + per_split, n_tiles)

@@ -84,7 +84,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from ..device import LN2, LOG2E, NEG_INF, fsel, output_offsets
 from ..layouts.fragment import TILE_TOKENS
-from ..pipeline import bulk_copy_g2s
+from ..pipeline import bulk_copy_g2s, split_range
 from ..quantize import check_page_size
 from ..scheme import Scheme
 from . import pipeline as pl
@@ -231,11 +231,7 @@ def _geometry(len_ptr, b, split, num_splits):
     """(length, n_tiles, t_begin, t_end, n_steps) of the CTA's token range: whole 128-token steps
     per split. Called inside each role (after the dispatch), so nothing is live across it."""
     length = scalar(len_ptr, b)[0]
-    n_tiles = (length + TILE_TOKENS - 1) // TILE_TOKENS
-    per_split = (n_tiles + num_splits - 1) // num_splits
-    per_split = per_split + per_split % 2
-    t_begin = split * per_split
-    t_end = cutlass.min(t_begin + per_split, n_tiles)
+    n_tiles, t_begin, t_end = split_range(length, split, num_splits, STEP // TILE_TOKENS)
     return length, n_tiles, t_begin, t_end, (t_end - t_begin + 1) // 2
 
 
@@ -381,7 +377,7 @@ class BlackwellDecodeKernel:
         scale_log2: Float32,
     ):
         cfg = self.cfg
-        N, NM, D = cfg.N, cfg.NM, cfg.D
+        NM, D = cfg.NM, cfg.D
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
