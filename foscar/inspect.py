@@ -61,9 +61,13 @@ def compile_for(arch: str, fn, *args, options: str = "", **kwargs):
     import cutlass.cute as cute
     from cutlass.cutlass_dsl import CuTeDSL
 
+    from .compile_cache import dump_dir
+
     envar = CuTeDSL._get_dsl().envar
-    opts = f"--gpu-arch {arch} --keep-ptx --keep-cubin {options}".strip()
-    with _COMPILE_LOCK:
+    with _COMPILE_LOCK, dump_dir() as dump:
+        # The PTX/cubin files the DSL writes are read into the compiled object; the directory
+        # they go to is removed here, so they do not pile up in the working or temp directory.
+        opts = f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump} {options}".strip()
         previous = getattr(envar, "_arch", None)
         envar.arch = arch
         try:
@@ -208,13 +212,21 @@ def find_nvdisasm() -> str:
 
 
 def disassemble(cubin: bytes) -> str:
-    """SASS of every code section of ``cubin`` (``nvdisasm -c``)."""
+    """SASS of every code section of ``cubin`` (``nvdisasm -c``), kept in the disk cache
+    (:mod:`foscar.compile_cache`): a large kernel takes nvdisasm 1-2 s."""
+    from . import compile_cache
+
+    tool = find_nvdisasm()
+    cached = compile_cache.load_sass(cubin, tool)
+    if cached is not None:
+        return cached
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        result = subprocess.run([find_nvdisasm(), "-c", f.name], capture_output=True, text=True)
+        result = subprocess.run([tool, "-c", f.name], capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"nvdisasm failed ({result.returncode}): {result.stderr.strip()}")
+    compile_cache.store_sass(cubin, tool, result.stdout)
     return result.stdout
 
 
