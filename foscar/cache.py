@@ -438,7 +438,7 @@ class PagedKVCache:
             return
         quant = self.scheme.k if role == "k" else self.scheme.v
         page = torch.where(page < 0, self.trash_page, page).long()
-        c, scale, offset = quantize_groups(src, self.scheme.bits, quant)
+        c, scale, offset = quantize_groups(src, self.scheme.bits, quant, name=role)
         n, kvh, t, d = src.shape
         words = pack_tiles(c.reshape(n, kvh, t // TILE_TOKENS, TILE_TOKENS, d), TileGeometry(role, self.scheme.bits, d))
         tiles = (slot.long() // TILE_TOKENS)[:, None] + torch.arange(t // TILE_TOKENS, device=src.device)[None, :]
