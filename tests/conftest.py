@@ -4,11 +4,8 @@ import pytest
 import torch
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
-
-
 def pytest_collection_modifyitems(config, items):
+    # markers are registered in pyproject.toml ([tool.pytest.ini_options])
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine (python -m pytest -m gpu)")

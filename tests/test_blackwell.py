@@ -220,6 +220,7 @@ def test_compiles_for_sm100a_with_tcgen05(variant):
     assert res.local_bytes == 0
 
 
+@pytest.mark.slow
 def test_whole_coverage_matrix_compiles_for_sm100a():
     """Every (scheme, page size) of foscar.testing.coverage_matrix(), split and not."""
     pytest.importorskip("cutlass")

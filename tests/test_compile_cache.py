@@ -1,7 +1,8 @@
 """The on-disk compile cache (foscar.compile_cache): hits across processes, concurrent writers,
 FOSCAR_CACHE=0, list/clear, no PTX/cubin files left behind, a damaged entry is recompiled.
 
-Each scenario runs in fresh processes, since the in-memory cache would hide the disk cache.
+Each scenario runs in fresh processes, since the in-memory cache would hide the disk cache (marked
+slow: ~10 s each, mostly process start-up and imports).
 """
 
 import os
@@ -45,6 +46,7 @@ def cache_tool(cache_dir, *args):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_second_process_loads_instead_of_compiling(tmp_path):
     cache = tmp_path / "cache"
     first, _ = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
@@ -59,6 +61,7 @@ def test_second_process_loads_instead_of_compiling(tmp_path):
     assert not list(cache.glob("dump-*"))
 
 
+@pytest.mark.slow
 def test_two_processes_compiling_at_once_both_succeed(tmp_path):
     cache = tmp_path / "cache"
     racers = [run_python(COMPILE_COMBINE, cache, tmp_path) for _ in range(2)]
@@ -69,6 +72,7 @@ def test_two_processes_compiling_at_once_both_succeed(tmp_path):
     assert third[:2] == ["LoadedKernel", "0"]
 
 
+@pytest.mark.slow
 def test_cache_off_writes_nothing(tmp_path):
     cache = tmp_path / "cache"
     for _ in range(2):
@@ -77,6 +81,7 @@ def test_cache_off_writes_nothing(tmp_path):
     assert not (cache / "kernels").exists() and not (cache / "sass").exists()
 
 
+@pytest.mark.slow
 def test_list_and_clear(tmp_path):
     cache = tmp_path / "cache"
     assert "0 kernels" in cache_tool(cache, "list")
@@ -88,6 +93,7 @@ def test_list_and_clear(tmp_path):
     assert not cache.exists()
 
 
+@pytest.mark.slow
 def test_damaged_entry_warns_and_recompiles(tmp_path):
     cache = tmp_path / "cache"
     finish(run_python(COMPILE_COMBINE, cache, tmp_path))
