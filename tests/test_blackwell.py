@@ -47,13 +47,11 @@ def test_constructions_are_exact_for_every_code():
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-def test_recipe_is_three_alu_ops_per_word(bits):
+def test_recipe_masks_both_halves_of_a_word(bits):
     tile = BlackwellTile("k", bits, 128)
     w = torch.tensor([-1], dtype=torch.int32)
     lo, hi = build_word(w, bits)
-    assert int(lo) == tile.mask == int(hi)  # one LOP3, one SHF + one LOP3
-    assert tile.elems_per_word * {2: 4, 4: 8}[bits] == 64  # 8 operand bytes per word
-    assert 3 / tile.elems_per_word == {2: 0.1875, 4: 0.375}[bits]
+    assert int(lo) == tile.mask == int(hi)  # lo = w & M, hi = (w >> shift) & M
 
 
 # ------------------------------------------------------------------------------------ CPU: FP8 accuracy
@@ -178,6 +176,8 @@ def _ids(v):
     return f"int{v[0]}-k{v[1][0]}{v[2]}-v{v[3][0]}{v[4]}-d{v[5]}-r{v[6]}-p{v[7]}{'-split' if v[8] else ''}"
 
 
+# The exact PTX counts below (MMAs, bulk copies, fences, ...) follow from the kernel's structure as
+# nvidia-cutlass-dsl 4.8.1 (pinned in pyproject.toml) emits it; a DSL upgrade may change them.
 def _check_compiled(variant):
     from foscar.blackwell.decode import compile_decode
     from foscar.blackwell.kernel import BlackwellConfig
@@ -238,28 +238,51 @@ def test_whole_coverage_matrix_compiles_for_sm100a():
     assert not spills, spills
 
 
-@pytest.mark.parametrize("bits,bound", [(2, 0.25), (4, 0.45)])
+def _prep_loop(bits):
+    """Opcodes and text of the preparation warpgroup's loop (the one loop holding the construction
+    mask) of the Blackwell decode kernel, INT``bits``, head_dim 128, 128-token steps."""
+    from foscar.blackwell.decode import compile_decode
+    from foscar.inspect import artifacts, loop_regions, parse_instructions
+
+    scheme = Scheme.make(bits, head_dim=128, gqa_ratio=4)
+    art = artifacts(compile_decode(scheme, 64, False))
+    sass = art.sass_by_kernel[art.kernel()]
+    ins, _ = parse_instructions(sass)
+    mask = hex(BlackwellTile("k", bits, 128).mask)
+    loops = [(a, e) for a, e in loop_regions(sass) if any(a <= i.address <= e and mask in i.text.lower() for i in ins)]
+    assert loops, "no loop holds the construction mask"
+    a, e = min(loops, key=lambda x: x[1] - x[0])
+    return [i for i in ins if a <= i.address <= e]
+
+
+PREP_ELEMENTS = 2 * 128 * 128 // 128  # K and V elements per prep thread per 128-token step (head_dim 128)
+
+
+# SASS counts and bounds below were measured with nvidia-cutlass-dsl 4.8.1 (pinned in
+# pyproject.toml) and its ptxas; a DSL upgrade may change the code and needs a re-measurement.
+@pytest.mark.sass
+@pytest.mark.parametrize("bits", [2, 4])
+def test_recipe_is_three_alu_ops_per_word(bits):
+    """Counted in SASS: per packed word one LOP3 (lo = w & M), one SHF.R by the code width and one
+    LOP3 (hi = (w >> shift) & M), i.e. 3 ALU instructions per 16 (INT2) or 8 (INT4) operand elements."""
+    pytest.importorskip("cutlass")
+    tile = BlackwellTile("k", bits, 128)
+    body = _prep_loop(bits)
+    words = PREP_ELEMENTS // tile.elems_per_word
+    mask_lop3 = sum(i.base == "LOP3" and hex(tile.mask) in i.text.lower() for i in body)
+    shifts = sum(i.opcode.startswith("SHF.R") and f", {hex(tile.shift)}," in i.text.lower() for i in body)
+    assert (mask_lop3, shifts) == (2 * words, words)
+
+
+@pytest.mark.sass
+@pytest.mark.parametrize("bits,bound", [(2, 0.25), (4, 0.45)])  # measured (DSL 4.8.1): 0.22, 0.41
 def test_prep_loop_alu_per_element(bits, bound):
     """SASS of the preparation loop: LOP3 + SHF per KV element (paper: 0.19 per INT2 element on B200)."""
     pytest.importorskip("cutlass")
     from collections import Counter
 
-    from foscar.blackwell.decode import compile_decode
-    from foscar.inspect import artifacts, find_nvdisasm, loop_regions, parse_instructions
-
-    if find_nvdisasm() is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cutlass-dsl[sass])")
-    scheme = Scheme.make(bits, head_dim=128, gqa_ratio=4)
-    art = artifacts(compile_decode(scheme, 64, False))
-    sass = art.sass_by_kernel[art.kernel()]
-    ins, _ = parse_instructions(sass)
-    mask = "0x33333333" if bits == 2 else "0xf0f0f0f"
-    loops = [(a, e) for a, e in loop_regions(sass) if any(a <= i.address <= e and mask in i.text.lower() for i in ins)]
-    assert loops, "no loop holds the construction mask"
-    a, e = min(loops, key=lambda x: x[1] - x[0])
-    mix = Counter(i.opcode.split(".")[0] for i in ins if a <= i.address <= e)
-    elems = 2 * 128 * 128 // 128  # K and V elements per prep thread per 128-token step
-    construction = (mix["LOP3"] + mix["SHF"]) / elems
+    mix = Counter(i.base for i in _prep_loop(bits))
+    construction = (mix["LOP3"] + mix["SHF"]) / PREP_ELEMENTS
     print(f"int{bits}: prep loop {dict(mix)}; LOP3+SHF per element {construction:.3f}")
     assert construction <= bound
 
