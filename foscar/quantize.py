@@ -200,7 +200,8 @@ def _check_kv(name, x, scheme):
         raise ValueError(f"{name} must hold at least one sequence and one KV head, got shape {tuple(x.shape)}")
 
 
-def quantize_kv(k, v, scheme: Scheme, page_size: int | None = None, lengths=None, layout: str = "hopper") -> QuantizedKV:
+def quantize_kv(k, v, scheme: Scheme, page_size: int | None = None, lengths=None,
+                layout: str = "hopper") -> QuantizedKV:
     """Quantize dense ``k, v [batch, kv_heads, tokens, head_dim]`` into a paged cache.
 
     ``page_size``: tokens per page, default the smallest that holds the scheme's channel-wise

@@ -114,8 +114,9 @@ def _make_layer_class():
         def update(self, key_states, value_states, *args, **kwargs):
             held = self.owner.kv.scheme.q_dtype
             if key_states.dtype != held:
-                raise TypeError(f"FoscarCache holds {held} K/V but the model computes in {key_states.dtype}: build "
-                                f"the cache with FoscarCache(model, ...) (the model's dtype) or dtype={key_states.dtype}")
+                raise TypeError(f"FoscarCache holds {held} K/V but the model computes in {key_states.dtype}: "
+                                f"build the cache with FoscarCache(model, ...) (the model's dtype) or "
+                                f"dtype={key_states.dtype}")
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             tokens = key_states.shape[2]
