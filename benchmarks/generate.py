@@ -50,22 +50,22 @@ def dynamic_cache_bytes(cache):
 def run(model, method, batch, context, steps):
     import transformers
 
-    from foscar.integrations.transformers import FoscarCache
+    from foscar.integrations.transformers import FoscarCache, cache_kwargs
 
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
     if method == "bf16":
         cache = transformers.DynamicCache(config=model.config)
     else:
         bits = 4 if method == "foscar-int4" else 2
-        cache = FoscarCache(model.config, bits=bits, max_batch_size=batch, max_seq_len=context + steps + 1,
+        cache = FoscarCache(model, bits=bits, max_batch_size=batch, max_seq_len=context + steps + 1,
                             rotate=bits == 2)
-    logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[:, -1:]
+    logits = model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:]
     token = logits.argmax(-1)
-    token = model(input_ids=token, past_key_values=cache).logits[:, -1:].argmax(-1)  # warm-up step
+    token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)  # warm-up step
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        token = model(input_ids=token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     kv = dynamic_cache_bytes(cache) if method == "bf16" else cache.kv_bytes()

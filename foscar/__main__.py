@@ -2,9 +2,10 @@
 
 For one variant (default: INT2, KIVI-style K channel-wise + V token-wise, groups of 128, Qwen3-8B
 attention geometry): JIT-compile what exists for sm_90a and sm_100a and report each kernel's
-registers, spills and instruction mix, with the decode main loop's ALU instructions per KV element.
-On a Hopper GPU also run the decode kernel, verify it against the float64 reference (fresh random
-inputs, poisoned outputs) and time it with CUDA-graph replays.
+registers, local memory (spills) and instruction mix, with the decode main loop's ALU instructions
+per KV element and the loop of each warp role. On a Hopper GPU also run the decode kernel, verify
+it against the float64 reference (fresh random inputs, poisoned outputs) and time it with
+CUDA-graph replays. Exits 1 if a kernel does not build or the check fails, 2 for a bad option.
 """
 
 from __future__ import annotations
@@ -17,52 +18,91 @@ import torch
 
 from .scheme import Scheme
 
-def compile_report(scheme: Scheme, page_size: int):
-    """Compile every kernel of ``scheme`` for both arches; print one line per kernel."""
+ARCHS = ("sm_90a", "sm_100a")
+
+
+def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> tuple[float | None, int]:
+    """Compile every kernel of ``scheme`` for ``archs``; print one line per kernel (and one per
+    warp role's loop for the decode kernels). Returns (Hopper main-loop shift/logic per KV
+    element or None, number of kernels that did not build)."""
+    from .compile_cache import cache_dir, enabled
+    import cutlass
+
     from .decode import compile_decode
     from .inspect import Artifacts, artifacts, decode_loop_stats
+    from .jit import cached_compile
     from .kernels.combine import compile_combine
-    from .kernels.dequantize import compile_dequantize
+    from .kernels.dequantize import DequantizeConfig, compile_dequantize
     from .kernels.quantize import granule_of
     from .kernels.window import compile_window_merge
 
     slots = 64 + 256 + granule_of(scheme)  # PagedKVCache defaults: sink 64, window 256
+    d, gqa = scheme.head_dim, scheme.gqa_ratio
+    q_type = cutlass.BFloat16 if scheme.q_dtype == torch.bfloat16 else cutlass.Float16
+
+    # the run paths' cache keys (foscar/kernels/*.py), so the main job and later runs share entries
+    def dequantize_k(arch):
+        cfg = DequantizeConfig.of(scheme, "k")
+        return cached_compile(("dequantize", cfg, arch), lambda: compile_dequantize(cfg, arch=arch))
+
+    def combine(arch):
+        return cached_compile(("combine", d, q_type, arch), lambda: compile_combine(d, arch, q_type))
+
+    def window(arch):
+        return cached_compile(("window_merge", d, slots, gqa, q_type, arch),
+                              lambda: compile_window_merge(d, slots, gqa, arch, q_type))
+
     builds = [
         ("sm_90a", "decode (hopper)", lambda: compile_decode(scheme, "sm_90a", page_size)),
-        ("sm_90a", "dequantize K", lambda: compile_dequantize(scheme, "k", arch="sm_90a")),
-        ("sm_90a", "combine", lambda: compile_combine(scheme.head_dim, "sm_90a")),
-        ("sm_90a", "window + merge", lambda: compile_window_merge(scheme.head_dim, slots, scheme.gqa_ratio, "sm_90a")),
+        ("sm_90a", "dequantize K", lambda: dequantize_k("sm_90a")),
+        ("sm_90a", "combine", lambda: combine("sm_90a")),
+        ("sm_90a", "window + merge", lambda: window("sm_90a")),
         ("sm_100a", "decode (blackwell)", lambda: compile_decode(scheme, "sm_100a", page_size)),
-        ("sm_100a", "dequantize K", lambda: compile_dequantize(scheme, "k", arch="sm_100a")),
-        ("sm_100a", "combine", lambda: compile_combine(scheme.head_dim, "sm_100a")),
+        ("sm_100a", "dequantize K", lambda: dequantize_k("sm_100a")),
+        ("sm_100a", "combine", lambda: combine("sm_100a")),
     ]
-    print(f"variant {scheme.name}, page size {page_size}")
-    print(f"{'arch':8} {'kernel':16} {'regs':>4} {'spill':>5}  instruction mix (main loop; whole kernel)")
-    loop_alu = None
+    builds = [b for b in builds if b[0] in archs]
+    where = f"compile cache {cache_dir()}" if enabled() else "compile cache off (FOSCAR_CACHE=0)"
+    print(f"variant {scheme.name}, page size {page_size}: {len(builds)} kernels for {', '.join(archs)} "
+          f"(a first compile takes seconds per kernel; {where})")
+    print("regs: registers per thread. local: per-thread stack frame in bytes (register spills and local arrays);\n"
+          "the main loop is the loop holding the MMAs (else the largest); LDL/STL are its local-memory accesses per "
+          "trip.")
+    print(f"{'arch':8} {'kernel':18} {'regs':>4} {'local':>5}  instruction mix (main loop; whole kernel)", flush=True)
+    loop_alu, failed = None, 0
     for arch, name, build in builds:
         try:
             built = build()
             art = built if isinstance(built, Artifacts) else artifacts(built)
         except Exception as exc:  # report every kernel, even when one does not build
-            print(f"{arch:8} {name:16} not built: {type(exc).__name__}: {str(exc)[:160]}")
+            print(f"{arch:8} {name:18} not built: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            failed += 1
             continue
         res = art.resources()
         try:
             loop = art.loop_mix(full_opcodes=True)
             whole = art.mix()
         except Exception as exc:  # nvdisasm missing: still report what the cubin says
-            print(f"{arch:8} {name:16} {res.registers:4d} {res.local_bytes:5d}  (no SASS: {exc})")
+            print(f"{arch:8} {name:18} {res.registers:4d} {res.local_bytes:5d}  (no SASS: {exc})", flush=True)
             continue
         top = ", ".join(f"{op} {n}" for op, n in whole.most_common(6))
         mma = sum(n for op, n in loop.items() if "MMA" in op)
-        print(f"{arch:8} {name:16} {res.registers:4d} {res.local_bytes:5d}  loop {sum(loop.values())} instr"
-              f" ({mma} MMA); kernel: {top}")
+        local = sum(n for op, n in loop.items() if op.startswith(("LDL", "STL")))
+        print(f"{arch:8} {name:18} {res.registers:4d} {res.local_bytes:5d}  loop {sum(loop.values())} instr"
+              f" ({mma} MMA, {local} LDL/STL); kernel: {top}", flush=True)
+        if name.startswith("decode"):
+            for role in art.loops():
+                ops = ", ".join(f"{op} {n}" for op, n in role.top)
+                print(f"{'':8} {'':18} {'':4} {'':5}    {role.role} loop @{role.start:#x}: {role.instructions} instr, "
+                      f"{role.mma} MMA, {role.local_accesses} LDL/STL ({ops})")
         if name == "decode (hopper)":
             stats = decode_loop_stats(loop, scheme.head_dim)
             loop_alu = stats["shift_logic_per_element"]
-            print(f"{'':8} {'':16} main loop per KV element: {loop_alu:.2f} shift/logic (LOP3/SHF/PRMT), "
-                  f"{stats['instructions_per_element']:.2f} instructions in all")
-    return loop_alu
+            print(f"{'':8} {'':18} {'':4} {'':5}  main loop per KV element: {loop_alu:.2f} shift/logic "
+                  f"(LOP3/SHF/PRMT), {stats['instructions_per_element']:.2f} instructions in all", flush=True)
+    if failed:
+        print(f"{failed} of {len(builds)} kernels did not build")
+    return loop_alu, failed
 
 
 def gpu_check(scheme: Scheme, page_size: int, quick: bool):
@@ -109,21 +149,45 @@ def gpu_check(scheme: Scheme, page_size: int, quick: bool):
     return acc.ok
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m foscar", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--bits", type=int, default=2, choices=(2, 4), help="code width of K and V (default: 2)")
+    parser.add_argument("--k", default="channel", choices=("token", "channel"),
+                        help="K group axis: token = one token x G channels, channel = one channel x G tokens "
+                             "(default: channel, KIVI-style)")
+    parser.add_argument("--v", default="token", choices=("token", "channel"), help="V group axis (default: token)")
+    parser.add_argument("--group", type=int, default=128,
+                        help="group size G of K and V: 32, 64, 128 or head_dim (default: 128)")
+    parser.add_argument("--k-group", type=int, default=None, help="K group size (default: --group)")
+    parser.add_argument("--v-group", type=int, default=None, help="V group size (default: --group)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension: 64, 128 or 256 (default: 128)")
+    parser.add_argument("--gqa", type=int, default=4, help="query heads per KV head (default: 4)")
+    parser.add_argument("--page-size", type=int, default=128, help="tokens per cache page (default: 128)")
+    parser.add_argument("--arch", default="all", choices=("all",) + ARCHS,
+                        help="compile the kernels of one arch, or of both (default: all)")
+    parser.add_argument("--quick", action="store_true", help="on a Hopper GPU: verify only, no timing")
+    return parser
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bits", type=int, default=2, choices=(2, 4))
-    parser.add_argument("--k", default="channel", choices=("token", "channel"), help="K group axis")
-    parser.add_argument("--v", default="token", choices=("token", "channel"), help="V group axis")
-    parser.add_argument("--group", type=int, default=128)
-    parser.add_argument("--gqa", type=int, default=4)
-    parser.add_argument("--page-size", type=int, default=128)
-    parser.add_argument("--quick", action="store_true", help="on a GPU: verify only, no timing")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    scheme = Scheme.make(args.bits, args.k, args.group, args.v, args.group, 128, args.gqa)
-    compile_report(scheme, args.page_size)
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+    from .quantize import check_page_size
+
+    k_group = args.group if args.k_group is None else args.k_group
+    v_group = args.group if args.v_group is None else args.v_group
+    try:
+        scheme = Scheme.make(args.bits, args.k, k_group, args.v, v_group, args.head_dim, args.gqa)
+        check_page_size(scheme, args.page_size)
+    except (TypeError, ValueError) as exc:  # a bad option: one line, not a traceback
+        parser.error(str(exc))
+    archs = ARCHS if args.arch == "all" else (args.arch,)
+    _, failed = compile_report(scheme, args.page_size, archs)
+    if failed:
+        return 1
+    if "sm_90a" in archs and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         return 0 if gpu_check(scheme, args.page_size, args.quick) else 1
-    print("no Hopper GPU here: compiled and inspected only")
+    print("no Hopper GPU here (or --arch sm_100a): compiled and inspected only")
     return 0
 
 

@@ -85,6 +85,7 @@ class PagedKVCache:
     query heads per KV head). ``num_pages``: pages in the pool, each ``page_size`` quantized tokens
     of every layer. ``max_seq_len``: the longest sequence (sizes the page table). ``sink``,
     ``window``: BF16 parts (OSCAR: 64 and 256). ``rotate``: Hadamard-rotate K and Q.
+    ``device``: default CUDA where torch has a GPU, else the CPU (the torch path below).
     ``use_kernels``: quantize and attend with the CuTe DSL kernels (default: on CUDA devices).
     ``arch``: the arch whose decode kernel reads the pages ("sm_90a", "sm_100a"; ``foscar.archs``): it
     sets their bit order and, with ``use_kernels``, the limits the scheme is checked against at
@@ -93,7 +94,7 @@ class PagedKVCache:
 
     def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, num_pages: int, max_seqs: int, max_seq_len: int,
                  page_size: int | None = None, sink: int = 64, window: int = 256, rotate: bool = False,
-                 device="cuda", use_kernels: bool | None = None, arch: str | None = None):
+                 device=None, use_kernels: bool | None = None, arch: str | None = None):
         if not isinstance(scheme, Scheme):
             raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
         self.scheme = scheme
@@ -108,7 +109,12 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if window % granule:
             raise ValueError(f"window must be a multiple of the granule {granule} (scheme {scheme.name}), got {window}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: torch sees no CUDA GPU here; use device='cpu' (the torch path "
+                             "of this cache, no kernels) or run on a GPU machine")
         if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.use_kernels = self.device.type == "cuda" if use_kernels is None else bool(use_kernels)
@@ -459,7 +465,7 @@ class PagedKVCache:
             return
         quant = self.scheme.k if role == "k" else self.scheme.v
         page = torch.where(page < 0, self.trash_page, page).long()
-        c, scale, offset = quantize_groups(src, quant)
+        c, scale, offset = quantize_groups(src, quant, name=role)
         n, kvh, t, d = src.shape
         pack = PACKERS[self.arch.layout][0]
         words = pack(c.reshape(n, kvh, t // TILE_TOKENS, TILE_TOKENS, d), TileGeometry(role, quant.bits, d))
@@ -527,9 +533,11 @@ class PagedKVCache:
                                 table.contiguous(), lengths, self.scheme, self.page_size, sm_scale, return_lse=True,
                                 num_splits=self.num_splits(q.shape[0]), check_pages=False, layout=self.arch.layout,
                                 partials=partials)
+        if not _capturing(self.device):  # only pages that hold tokens: work follows the lengths, not max_seq_len
+            table = table[:, :-(-int(lengths.max()) // self.page_size)]
         cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
                             self.v_params[layer], table, lengths, self.arch.layout)
-        k, v = cache.dequantize(torch.float32)  # [B, kvh, max_tokens, D], zero past the lengths
+        k, v = cache.dequantize(torch.float32)  # [B, kvh, used pages * page_size, D], zero past the lengths
         valid = torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None]
         return self._softmax_attend(q, k, v, valid[:, None, :].expand(-1, self.kv_heads, -1), sm_scale)
 
@@ -568,7 +576,8 @@ class PagedKVCache:
             parts = [bf16[layer, seq_id, :, :min(n, self.sink)].float()]
             if qn:
                 cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer],
-                                    self.v_codes[layer], self.v_params[layer], self.page_table[seq_id:seq_id + 1],
+                                    self.v_codes[layer], self.v_params[layer],
+                                    self.page_table[seq_id:seq_id + 1, :-(-qn // self.page_size)],
                                     torch.tensor([qn], dtype=torch.int32, device=self.device), self.arch.layout)
                 parts.append(cache.dequantize(torch.float32)[0 if role == "k" else 1][0, :, :qn])
             recent = [self._ring_slot(p) for p in range(self.sink + qn, n)]

@@ -79,6 +79,10 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
     if q.dim() != 3:
         raise ValueError(f"q must have shape [batch, q_heads, head_dim], got {list(q.shape)}")
     batch, q_heads, dim = q.shape
+    if batch < 1:
+        raise ValueError(f"q must hold at least one sequence, got shape {list(q.shape)}")
+    if q.device.type == "meta":
+        raise ValueError("q is a meta tensor (a shape without data): decode needs real tensors")
     if dim != scheme.head_dim:
         raise ValueError(f"q's head_dim {dim} must equal Scheme.head_dim {scheme.head_dim}")
     device = q.device

@@ -8,7 +8,8 @@ options="--gpu-arch sm_90a --keep-ptx --keep-cubin")``), then call :func:`artifa
 * Resources come from the cubin's ELF ``.nv.info`` attributes (what the driver itself reads), not
   from ptxas' verbose log, which the DSL compiles in-process and does not hand back.
 * SASS comes from ``nvdisasm`` (PyPI wheel ``nvidia-cuda-nvdisasm``, or a CUDA toolkit).
-* The main-loop heuristic is documented on :func:`loop_region`.
+* The main-loop heuristic is documented on :func:`loop_region`; :func:`role_loops` lists the loop
+  of every warp role.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ __all__ = [
     "parse_instructions",
     "loop_regions",
     "loop_region",
+    "Loop",
+    "role_loops",
     "instruction_mix",
     "SHIFT_LOGIC_OPS",
     "decode_loop_stats",
@@ -61,9 +64,13 @@ def compile_for(arch: str, fn, *args, options: str = "", **kwargs):
     import cutlass.cute as cute
     from cutlass.cutlass_dsl import CuTeDSL
 
+    from .compile_cache import dump_dir
+
     envar = CuTeDSL._get_dsl().envar
-    opts = f"--gpu-arch {arch} --keep-ptx --keep-cubin {options}".strip()
-    with _COMPILE_LOCK:
+    with _COMPILE_LOCK, dump_dir() as dump:
+        # The PTX/cubin files the DSL writes are read into the compiled object; the directory
+        # they go to is removed here, so they do not pile up in the working or temp directory.
+        opts = f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump} {options}".strip()
         previous = getattr(envar, "_arch", None)
         envar.arch = arch
         try:
@@ -208,13 +215,21 @@ def find_nvdisasm() -> str:
 
 
 def disassemble(cubin: bytes) -> str:
-    """SASS of every code section of ``cubin`` (``nvdisasm -c``)."""
+    """SASS of every code section of ``cubin`` (``nvdisasm -c``), kept in the disk cache
+    (:mod:`foscar.compile_cache`): a large kernel takes nvdisasm 1-2 s."""
+    from . import compile_cache
+
+    tool = find_nvdisasm()
+    cached = compile_cache.load_sass(cubin, tool)
+    if cached is not None:
+        return cached
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        result = subprocess.run([find_nvdisasm(), "-c", f.name], capture_output=True, text=True)
+        result = subprocess.run([tool, "-c", f.name], capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"nvdisasm failed ({result.returncode}): {result.stderr.strip()}")
+    compile_cache.store_sass(cubin, tool, result.stdout)
     return result.stdout
 
 
@@ -299,22 +314,79 @@ def loop_regions(function_sass: str) -> list[tuple[int, int]]:
     return sorted(regions)
 
 
-def loop_region(function_sass: str) -> tuple[int, int] | None:
-    """The main loop: the backward-branch region holding the most instructions.
+def _mma_count(instructions) -> int:
+    return sum("MMA" in i.base for i in instructions)
 
-    Heuristic, and why it is good enough here: the KV loop of a decode kernel is the one loop
-    whose body holds the MMAs, operand construction and softmax, so it dwarfs any prologue or
-    epilogue loop; nested loops (e.g. an unrolled k-block loop the compiler kept rolled) lie
-    inside it and are counted with it. In a warp-specialized kernel the consumer's loop is larger
-    than the producer's. Returns None for straight-line code.
+
+def loop_region(function_sass: str) -> tuple[int, int] | None:
+    """The main loop: the backward-branch region holding the most MMAs; among equals (e.g. no
+    MMA at all), the one holding the most instructions. None for straight-line code.
+
+    Why MMAs first: the KV loop of a decode kernel is the loop that holds the MMAs. In the Hopper
+    kernel it also holds operand construction and softmax and is the largest loop; in the
+    warp-specialized Blackwell kernel the softmax warps' loop is larger than the MMA warp's, so
+    "largest" alone would pick a loop without MMAs (:func:`role_loops` lists every role's loop).
+    Nested loops (e.g. an unrolled k-block loop the compiler kept rolled) lie inside and are
+    counted with it.
     """
     instructions, _ = parse_instructions(function_sass)
-    best, best_count = None, 0
+    best, best_rank = None, (0, 0)
     for start, end in loop_regions(function_sass):
-        count = sum(start <= ins.address <= end for ins in instructions)
-        if count > best_count:
-            best, best_count = (start, end), count
+        body = [ins for ins in instructions if start <= ins.address <= end]
+        rank = (_mma_count(body), len(body))
+        if rank > best_rank:
+            best, best_rank = (start, end), rank
     return best
+
+
+_LOAD_OPS = ("UBLKCP", "UTMALDG", "LDGSTS", "UTMAPF")
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One outermost loop of a kernel (see :func:`role_loops`)."""
+
+    start: int
+    end: int
+    instructions: int
+    mma: int
+    local_accesses: int  # LDL/STL: spills and local arrays touched on every trip
+    role: str  # a guess from the opcodes: "mma", "load", "softmax", "operands" or "other"
+    top: tuple[tuple[str, int], ...]  # the most frequent opcodes
+
+
+def role_loops(function_sass: str, min_instructions: int = 32) -> list[Loop]:
+    """The outermost loops with at least ``min_instructions`` instructions, in address order.
+
+    In a warp-specialized kernel each warp role runs its own loop (load, MMA, softmax,
+    operand conversion); the role is guessed from what the loop holds: MMAs -> "mma", bulk or
+    TMA copies -> "load", max reductions (FMNMX) -> "softmax", shared-memory stores with >= 15%
+    shift/logic -> "operands", else "other" (``top`` shows what it does). Small loops (mbarrier
+    waits, retry loops) are left out.
+    """
+    instructions, _ = parse_instructions(function_sass)
+    regions = loop_regions(function_sass)
+    out = []
+    for start, end in regions:
+        if any(s <= start and end <= e and (s, e) != (start, end) for s, e in regions):
+            continue  # nested: counted with the loop around it
+        body = [i for i in instructions if start <= i.address <= end and i.base != "NOP"]
+        if len(body) < min_instructions:
+            continue
+        bases = Counter(i.base for i in body)
+        mma = _mma_count(body)
+        if mma:
+            role = "mma"
+        elif any(op in bases for op in _LOAD_OPS):
+            role = "load"
+        elif "FMNMX" in bases:  # the running max of online softmax
+            role = "softmax"
+        elif "STS" in bases and sum(n for op, n in bases.items() if op in SHIFT_LOGIC_OPS) >= 0.15 * len(body):
+            role = "operands"  # codes -> MMA operands in shared memory
+        else:
+            role = "other"
+        out.append(Loop(start, end, len(body), mma, bases["LDL"] + bases["STL"], role, tuple(bases.most_common(3))))
+    return out
 
 
 def instruction_mix(function_sass: str, loop_only: bool = False, full_opcodes: bool = False) -> Counter:
@@ -369,6 +441,10 @@ class Artifacts:
 
     def loop_mix(self, name: str | None = None, full_opcodes: bool = False) -> Counter:
         return self.mix(name, loop_only=True, full_opcodes=full_opcodes)
+
+    def loops(self, name: str | None = None, min_instructions: int = 32) -> list[Loop]:
+        """The outermost loop of each warp role of one kernel (see :func:`role_loops`)."""
+        return role_loops(self.sass_by_kernel[self.kernel(name)], min_instructions)
 
 
 def _read_artifact(value, mode):

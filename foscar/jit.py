@@ -3,6 +3,8 @@
 Kernels compile at first call. The cache key is a tuple of what changes the generated code --
 the kernel's name, the :class:`~foscar.scheme.Scheme`, page size, dtypes, the arch -- never batch
 size, lengths, page counts or split counts (those are dynamic extents of the compiled kernel).
+A compiled kernel is kept in memory for the process and on disk for later processes
+(:mod:`foscar.compile_cache`: ``FOSCAR_CACHE_DIR``, ``FOSCAR_CACHE=0``).
 """
 
 from __future__ import annotations
@@ -38,18 +40,31 @@ def device_arch(device=None) -> str:
 
 
 def cached_compile(key: tuple, build):
-    """Return the compiled object for ``key``, calling ``build()`` once per key per process."""
+    """Return the compiled object for ``key``: from memory, else from the disk cache, else ``build()``.
+
+    ``key`` must name the arch (one of :data:`ARCHS`): the disk cache is shared by every process
+    on the machine, whatever GPU each one runs on.
+    """
+    from . import compile_cache
+
     global _compiles
+    if not any(arch in key for arch in ARCHS):
+        raise ValueError(f"cached_compile: the key must name the arch (one of {ARCHS}), got {key!r}")
     with _lock:  # cute.compile is not thread-safe
         hit = _cache.get(key)
         if hit is None:
-            hit = _cache[key] = build()
-            _compiles += 1
+            hit = compile_cache.load(key)
+            if hit is None:
+                hit = build()
+                _compiles += 1
+                compile_cache.store(key, hit)
+            _cache[key] = hit
         return hit
 
 
 def compile_count() -> int:
-    """How many compilations this process has done (tests use it to prove cache hits)."""
+    """How many compilations this process has done, disk-cache loads not counted (tests use it
+    to prove cache hits)."""
     return _compiles
 
 

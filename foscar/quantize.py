@@ -27,18 +27,23 @@ import torch
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .scheme import PARAM_DTYPE, Axis, Scheme, TensorQuant
 
-__all__ = ["PAGE_SIZES", "QuantizedKV", "quantize_groups", "dequantize_groups", "quantize_kv"]
+__all__ = ["PAGE_SIZES", "QuantizedKV", "quantize_groups", "dequantize_groups", "quantize_kv", "smallest_page_size"]
 
 PAGE_SIZES = (64, 128, 256)
 
 
 def check_page_size(scheme: Scheme, page_size) -> None:
     """A page holds whole 64-token tiles and whole channel-wise groups of ``scheme``."""
-    if page_size not in PAGE_SIZES:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size not in PAGE_SIZES:
         raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {page_size!r}")
     for name, quant in (("k", scheme.k), ("v", scheme.v)):
         if quant.axis is Axis.CHANNEL and page_size % quant.group:
             raise ValueError(f"page_size={page_size} must be a multiple of the channel-wise {name} group {quant.group}")
+
+
+def smallest_page_size(scheme: Scheme) -> int:
+    """The smallest page size that holds whole channel-wise groups of ``scheme`` (64 if none)."""
+    return next(p for p in PAGE_SIZES if all(q.axis is Axis.TOKEN or p % q.group == 0 for q in (scheme.k, scheme.v)))
 
 
 def _grouped(x: torch.Tensor, quant: TensorQuant) -> torch.Tensor:
@@ -53,11 +58,13 @@ def _params_shape(quant: TensorQuant, length: int, dim: int):
     return (length, dim // quant.group) if quant.axis is Axis.TOKEN else (length // quant.group, dim)
 
 
-def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | None = None):
-    """Quantize ``x [..., L, D]`` to ``quant.bits`` into codes (uint8, same shape) and fp16 scale, offset.
+def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | None = None, name: str = "x"):
+    """Quantize ``x [..., L, D]`` (named ``name`` in errors) to ``quant.bits`` into codes (uint8, same
+    shape) and fp16 scale, offset.
 
     ``scale``/``offset`` have shape ``[..., L, D // G]`` (token-wise) or ``[..., L // G, D]``
     (channel-wise; L must be a multiple of G). ``valid [..., L]`` (bool) excludes tokens.
+    ``name``: what the caller calls ``x`` ("k", "v"), for the value errors.
     """
     if x.dim() < 2:
         raise ValueError(f"x must have shape [..., tokens, channels], got {tuple(x.shape)}")
@@ -73,7 +80,7 @@ def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | N
     levels = quant.levels - 1
     xf = x.to(torch.float32)
     if not torch.isfinite(xf).all():
-        raise ValueError("x holds inf or nan")
+        raise ValueError(f"{name} holds inf or nan")
     mask = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if valid is None else valid.to(x.device)
     mask = mask[..., None].expand(xf.shape)
     grouped, gmask = _grouped(xf, quant), _grouped(mask, quant)
@@ -86,7 +93,7 @@ def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | N
     # which can differ from the correctly rounded quotient (and from the quantize kernel) by 1 ulp
     scale = ((hi - lo) / torch.full_like(hi, levels)).to(PARAM_DTYPE)
     if not (torch.isfinite(offset).all() and torch.isfinite(scale).all()):
-        raise ValueError("x exceeds the float16 range of the group scale/offset")
+        raise ValueError(f"{name} exceeds the float16 range of the group scale/offset")
     s32, z32 = scale.to(torch.float32), offset.to(torch.float32)
     codes = torch.round((grouped - z32) / torch.where(s32 == 0, 1.0, s32)).clamp_(0, levels)
     codes = torch.where(gmask & (s32 != 0), codes, 0.0).to(torch.uint8).reshape(x.shape)
@@ -187,10 +194,18 @@ def _check_kv(name, x, scheme):
         raise TypeError(f"{name} must have dtype {scheme.q_dtype} (Scheme.q_dtype), got {x.dtype}")
     if x.dim() != 4 or x.shape[-1] != scheme.head_dim:
         raise ValueError(f"{name} must have shape [batch, kv_heads, tokens, {scheme.head_dim}], got {tuple(x.shape)}")
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (a shape without data): quantizing needs its values")
+    if x.shape[0] < 1 or x.shape[1] < 1:
+        raise ValueError(f"{name} must hold at least one sequence and one KV head, got shape {tuple(x.shape)}")
 
 
-def quantize_kv(k, v, scheme: Scheme, page_size: int = 64, lengths=None, layout: str = "hopper") -> QuantizedKV:
+def quantize_kv(k, v, scheme: Scheme, page_size: int | None = None, lengths=None,
+                layout: str = "hopper") -> QuantizedKV:
     """Quantize dense ``k, v [batch, kv_heads, tokens, head_dim]`` into a paged cache.
+
+    ``page_size``: tokens per page, default the smallest that holds the scheme's channel-wise
+    groups (:func:`smallest_page_size`: 64, or 128 for a channel-wise group of 128).
 
     ``lengths`` (int tensor ``[batch]``, default: all ``tokens``) marks each sequence's valid
     prefix. Sequence ``b`` gets pages ``b*max_pages ... (b+1)*max_pages - 1`` (identity page table);
@@ -207,6 +222,7 @@ def quantize_kv(k, v, scheme: Scheme, page_size: int = 64, lengths=None, layout:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.device != v.device:
         raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
+    page_size = smallest_page_size(scheme) if page_size is None else page_size
     check_page_size(scheme, page_size)
     batch, kv_heads, tokens, dim = k.shape
     if tokens < 1:
@@ -225,7 +241,7 @@ def quantize_kv(k, v, scheme: Scheme, page_size: int = 64, lengths=None, layout:
     fields = {}
     for role, x, quant in (("k", k, scheme.k), ("v", v, scheme.v)):
         x = torch.nn.functional.pad(x, (0, 0, 0, padded - tokens))
-        codes, scale, offset = quantize_groups(x, quant, valid)
+        codes, scale, offset = quantize_groups(x, quant, valid, name=role)
         geom = TileGeometry(role, quant.bits, dim)
         tiles = codes.reshape(batch, kv_heads, max_pages, page_size // TILE_TOKENS, TILE_TOKENS, dim)
         words = PACKERS[layout][0](tiles, geom).permute(0, 2, 1, 3, 4)  # [batch, max_pages, kvh, tiles, words]

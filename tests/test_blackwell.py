@@ -47,13 +47,11 @@ def test_constructions_are_exact_for_every_code():
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-def test_recipe_is_three_alu_ops_per_word(bits):
+def test_recipe_masks_both_halves_of_a_word(bits):
     tile = BlackwellTile("k", bits, 128)
     w = torch.tensor([-1], dtype=torch.int32)
     lo, hi = build_word(w, bits)
-    assert int(lo) == tile.mask == int(hi)  # one LOP3, one SHF + one LOP3
-    assert tile.elems_per_word * {2: 4, 4: 8}[bits] == 64  # 8 operand bytes per word
-    assert 3 / tile.elems_per_word == {2: 0.1875, 4: 0.375}[bits]
+    assert int(lo) == tile.mask == int(hi)  # lo = w & M, hi = (w >> shift) & M
 
 
 # ------------------------------------------------------------------------------------ CPU: FP8 accuracy
@@ -202,10 +200,12 @@ def _ids(v):
 CONSTRUCTION_MASKS = {2: "0x33333333", 4: "0xf0f0f0f"}  # LOP3 immediates of the FP4 / FP8 recipes
 
 
+# The exact PTX counts below (MMAs, bulk copies, fences, ...) follow from the kernel's structure as
+# nvidia-cutlass-dsl 4.8.1 (pinned in pyproject.toml) emits it; a DSL upgrade may change them.
 def _check_compiled(scheme, ps, partial):
     from foscar.blackwell.decode import compile_decode
     from foscar.blackwell.kernel import BlackwellConfig
-    from foscar.inspect import artifacts, find_nvdisasm
+    from foscar.inspect import artifacts
 
     compiled = compile_decode(scheme, ps, partial)
     ptx = compiled.__ptx__
@@ -233,16 +233,16 @@ def _check_compiled(scheme, ps, partial):
     assert len(re.findall(r"tcgen05\.fence::before_thread_sync", ptx)) == 2
     assert len(re.findall(r"tcgen05\.wait::ld", ptx)) == len(re.findall(r"tcgen05\.ld\.", ptx))
     art = artifacts(compiled)
-    if find_nvdisasm() is not None:
-        # the preparation warpgroup builds each tensor with the recipe of its own bits
-        sass = art.sass.lower()
-        for bits in {scheme.k.bits, scheme.v.bits}:
-            assert CONSTRUCTION_MASKS[bits] in sass, (scheme.name, bits)
-        for bits in set(CONSTRUCTION_MASKS) - {scheme.k.bits, scheme.v.bits}:
-            assert CONSTRUCTION_MASKS[bits] not in sass, (scheme.name, bits)
+    # the preparation warpgroup builds each tensor with the recipe of its own bits
+    sass = art.sass.lower()
+    for bits in {scheme.k.bits, scheme.v.bits}:
+        assert CONSTRUCTION_MASKS[bits] in sass, (scheme.name, bits)
+    for bits in set(CONSTRUCTION_MASKS) - {scheme.k.bits, scheme.v.bits}:
+        assert CONSTRUCTION_MASKS[bits] not in sass, (scheme.name, bits)
     return art.resources()
 
 
+@pytest.mark.sass
 @pytest.mark.parametrize("variant", VARIANTS, ids=[_ids(v) for v in VARIANTS])
 def test_compiles_for_sm100a_with_tcgen05(variant):
     pytest.importorskip("cutlass")
@@ -268,6 +268,8 @@ def test_mixed_bits_config_reads_the_plan_per_tensor():
     assert cfg.STAGE_WORDS == cfg.K_TW + cfg.V_TW + cfg.KPW + cfg.VPW
 
 
+@pytest.mark.slow
+@pytest.mark.sass
 def test_whole_coverage_matrix_compiles_for_sm100a():
     """Every (scheme, page size) of foscar.testing.coverage_matrix(), split and not."""
     pytest.importorskip("cutlass")
@@ -283,21 +285,12 @@ def test_whole_coverage_matrix_compiles_for_sm100a():
     assert not spills, spills
 
 
-ALU_BOUND = {2: 0.25, 4: 0.45}  # LOP3 + SHF per element of one tensor (the recipes: 3/16, 3/8)
-
-
-@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS, ids=[f"k{k}v{v}" for k, v in BIT_PAIRS])
-def test_prep_loop_alu_per_element(k_bits, v_bits):
-    """SASS of the preparation loop: LOP3 + SHF per KV element (paper: 0.19 per INT2 element on B200);
-    a mixed scheme pays each tensor's own recipe (half the elements each)."""
-    pytest.importorskip("cutlass")
-    from collections import Counter
-
+def _prep_loop(k_bits, v_bits):
+    """Instructions of the preparation warpgroup's loop (the one loop holding the construction masks
+    of both tensors) of the Blackwell decode kernel, head_dim 128, 128-token steps."""
     from foscar.blackwell.decode import compile_decode
-    from foscar.inspect import artifacts, find_nvdisasm, loop_regions, parse_instructions
+    from foscar.inspect import artifacts, loop_regions, parse_instructions
 
-    if find_nvdisasm() is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cutlass-dsl[sass])")
     scheme = Scheme.make(head_dim=128, gqa_ratio=4, k_bits=k_bits, v_bits=v_bits)
     art = artifacts(compile_decode(scheme, 64, False))
     sass = art.sass_by_kernel[art.kernel()]
@@ -307,9 +300,39 @@ def test_prep_loop_alu_per_element(k_bits, v_bits):
              if all(any(a <= i.address <= e and m in i.text.lower() for i in ins) for m in masks)]
     assert loops, "no loop holds the construction masks"
     a, e = min(loops, key=lambda x: x[1] - x[0])
-    mix = Counter(i.opcode.split(".")[0] for i in ins if a <= i.address <= e)
-    elems = 2 * 128 * 128 // 128  # K and V elements per prep thread per 128-token step
-    construction = (mix["LOP3"] + mix["SHF"]) / elems
+    return [i for i in ins if a <= i.address <= e]
+
+
+PREP_ELEMENTS = 2 * 128 * 128 // 128  # K and V elements per prep thread per 128-token step (head_dim 128)
+ALU_BOUND = {2: 0.25, 4: 0.45}  # LOP3 + SHF per element of one tensor; measured (DSL 4.8.1): 0.22, 0.41
+
+
+# SASS counts and bounds below were measured with nvidia-cutlass-dsl 4.8.1 (pinned in
+# pyproject.toml) and its ptxas; a DSL upgrade may change the code and needs a re-measurement.
+@pytest.mark.sass
+@pytest.mark.parametrize("bits", [2, 4])
+def test_recipe_is_three_alu_ops_per_word(bits):
+    """Counted in SASS: per packed word one LOP3 (lo = w & M), one SHF.R by the code width and one
+    LOP3 (hi = (w >> shift) & M), i.e. 3 ALU instructions per 16 (INT2) or 8 (INT4) operand elements."""
+    pytest.importorskip("cutlass")
+    tile = BlackwellTile("k", bits, 128)
+    body = _prep_loop(bits, bits)
+    words = PREP_ELEMENTS // tile.elems_per_word
+    mask_lop3 = sum(i.base == "LOP3" and hex(tile.mask) in i.text.lower() for i in body)
+    shifts = sum(i.opcode.startswith("SHF.R") and f", {hex(tile.shift)}," in i.text.lower() for i in body)
+    assert (mask_lop3, shifts) == (2 * words, words)
+
+
+@pytest.mark.sass
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS, ids=[f"k{k}v{v}" for k, v in BIT_PAIRS])
+def test_prep_loop_alu_per_element(k_bits, v_bits):
+    """SASS of the preparation loop: LOP3 + SHF per KV element (paper: 0.19 per INT2 element on B200);
+    a mixed scheme pays each tensor's own recipe (half the elements each)."""
+    pytest.importorskip("cutlass")
+    from collections import Counter
+
+    mix = Counter(i.base for i in _prep_loop(k_bits, v_bits))
+    construction = (mix["LOP3"] + mix["SHF"]) / PREP_ELEMENTS
     print(f"k{k_bits}v{v_bits}: prep loop {dict(mix)}; LOP3+SHF per element {construction:.3f}")
     assert construction <= (ALU_BOUND[k_bits] + ALU_BOUND[v_bits]) / 2
 

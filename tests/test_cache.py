@@ -241,3 +241,38 @@ def test_allocate_prefilled_equals_appending(rng):
     with pytest.raises(PagePoolFull):
         prefilled.allocate_prefilled(1500)
     assert prefilled.sequences == ids + [big] and torch.equal(prefilled.lengths, before)
+
+
+def test_cpu_attend_work_follows_the_lengths_not_max_seq_len(rng, monkeypatch):
+    """The torch path dequantizes only the pages that hold tokens: a cache sized for 32K tokens
+    attends a short sequence over its own pages, with the same result as a small cache."""
+    import foscar.cache
+
+    widths = []
+    real = foscar.cache.QuantizedKV
+
+    def spy(*args):
+        widths.append(args[6].shape[1])  # the page table's width: the pages dequantized
+        return real(*args)
+
+    monkeypatch.setattr(foscar.cache, "QuantizedKV", spy)
+    scheme = SCHEMES[1]
+    k, v = kv(rng, scheme, 1, 700)
+    q = torch.randn(1, 2 * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+    outs = []
+    for max_seq_len in (1500, 32768):
+        cache = PagedKVCache(scheme, 1, 2, 300, 1, max_seq_len, sink=16, window=128, device="cpu")
+        seq = cache.allocate()
+        cache.append(0, [seq], k, v)
+        outs.append(cache.attend(0, [seq], q, return_lse=True))
+    used = -(-cache.quantized_tokens(700) // cache.page_size)
+    assert cache.max_pages > 50 * used and widths == [used, used]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_default_device_is_where_torch_can_run():
+    cache = PagedKVCache(SCHEMES[1], 1, 2, 4, 1, 1024)
+    assert cache.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda': torch sees no CUDA GPU"):
+            PagedKVCache(SCHEMES[1], 1, 2, 4, 1, 1024, device="cuda")

@@ -77,7 +77,8 @@ def mma_counts(cfg):
 # (variant, bound): shift/logic SASS instructions (LOP3, SHF, IMAD.SHL, PRMT) of the main loop per
 # K/V element a consumer thread handles (2*64*D/32 per 64-token tile: one warp owns the tile).
 # Measured in benchmarks/NOTES.md; the bound is the measurement plus a small margin, so a
-# regression fails.
+# regression fails. Measured with nvidia-cutlass-dsl 4.8.1 (pinned in pyproject.toml) and its ptxas:
+# a DSL upgrade may change the SASS and needs a re-measurement.
 LOOP_BOUNDS = [
     ((2, "channel", 128, "token", 128, 128, 4, 128, True), 0.60),  # measured 0.578 (Q scaling included)
     ((2, "token", 128, "token", 128, 128, 4, 128, True), 0.60),  # measured 0.578
@@ -85,18 +86,13 @@ LOOP_BOUNDS = [
 ]
 
 
+@pytest.mark.sass
 @pytest.mark.parametrize("variant, bound", LOOP_BOUNDS, ids=[_ids(v) for v, _ in LOOP_BOUNDS])
 def test_main_loop_shift_logic_per_element(variant, bound):
     from foscar.hopper.decode import compile_decode
     from foscar.hopper.kernel import DecodeConfig, default_consumers
     from foscar.inspect import artifacts
 
-    try:
-        from foscar.inspect import find_nvdisasm
-
-        find_nvdisasm()
-    except Exception as exc:  # no nvdisasm: nothing to read
-        pytest.skip(f"no nvdisasm: {exc}")
     bits, ka, kg, va, vg, d, r, ps, partial = variant
     scheme = Scheme.make(bits, k=ka, k_group=kg, v=va, v_group=vg, head_dim=d, gqa_ratio=r)
     loop = artifacts(compile_decode(scheme, ps, partial, arch="sm_90a")).loop_mix(full_opcodes=True)

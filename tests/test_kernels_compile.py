@@ -24,6 +24,7 @@ def _no_local_memory(art):
     assert mix["LDL"] == 0 and mix["STL"] == 0
 
 
+@pytest.mark.sass
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg", DEQUANT_CONFIGS, ids=lambda c: f"{c.role}{c.bits}d{c.head_dim}{c.axis.value}{c.group}")
 def test_dequantize_compiles(cfg, arch):
@@ -40,6 +41,7 @@ def test_dequantize_compiles(cfg, arch):
     assert art.resources().registers <= 64
 
 
+@pytest.mark.sass
 @pytest.mark.parametrize("arch", ARCHS)
 def test_combine_compiles(arch):
     art = artifacts(compile_combine(128, arch))
@@ -48,5 +50,7 @@ def test_combine_compiles(arch):
     assert "st.global.v2.b32" in art.ptx  # 4 bf16 output channels per lane
     assert "ex2.approx" in art.ptx and "lg2.approx" in art.ptx
     _no_local_memory(art)
-    loop = art.loop_mix()  # the pass over splits: one weight, one vector load, 4 FMAs
+    # the pass over splits: one weight, one vector load, 4 FMAs (SASS of nvidia-cutlass-dsl 4.8.1,
+    # pinned in pyproject.toml: another DSL version may schedule it differently)
+    loop = art.loop_mix()
     assert loop["MUFU"] == 1 and loop["FFMA"] >= 4

@@ -112,10 +112,39 @@ def test_quantize_kv_rejects_bad_input():
         quantize_kv(good, good, "int2")
     with pytest.raises(ValueError, match="layout must be one of"):
         quantize_kv(good, good, s, layout="ampere")
-    bad = good.clone()
-    bad[0, 0, 0, 0] = float("inf")
-    with pytest.raises(ValueError, match="inf or nan"):
-        quantize_kv(bad, good, s)
+    with pytest.raises(ValueError, match="page_size must be one of"):
+        quantize_kv(good, good, s, page_size=128.0)
+    with pytest.raises(ValueError, match="page_size must be one of"):
+        quantize_kv(good, good, s, page_size=True)
+    with pytest.raises(ValueError, match="k must hold at least one sequence"):
+        quantize_kv(good[:0], good[:0], s)
+    with pytest.raises(ValueError, match="v must hold at least one sequence and one KV head"):
+        quantize_kv(good, good[:, :0], s)
+    with pytest.raises(ValueError, match="k is a meta tensor"):
+        quantize_kv(good.to("meta"), good, s)
+    for bad_value in (float("inf"), float("nan")):
+        bad = good.clone()
+        bad[0, 0, 0, 0] = bad_value
+        with pytest.raises(ValueError, match="^k holds inf or nan"):
+            quantize_kv(bad, good, s)
+        with pytest.raises(ValueError, match="^v holds inf or nan"):
+            quantize_kv(good, bad, s)
+    huge = torch.full_like(good, 3e38)
+    huge[..., ::2] = -3e38
+    with pytest.raises(ValueError, match="^v exceeds the float16 range"):
+        quantize_kv(good, huge, s)
+
+
+@pytest.mark.parametrize("k_axis, k_group, v_axis, v_group, page_size", [
+    ("token", 128, "token", 128, 64),
+    ("channel", 64, "token", 128, 64),
+    ("channel", 128, "token", 128, 128),  # the README's scheme: 64-token pages would split its K groups
+    ("token", 64, "channel", 128, 128),
+])
+def test_default_page_size_is_the_smallest_that_holds_the_groups(k_axis, k_group, v_axis, v_group, page_size):
+    s = Scheme.make(2, k_axis, k_group, v_axis, v_group)
+    x = torch.randn(1, 1, 256, 128, dtype=torch.bfloat16)
+    assert quantize_kv(x, x, s).page_size == page_size
 
 
 def test_group_functions_reject_bad_input():

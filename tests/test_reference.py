@@ -39,6 +39,7 @@ def _make(scheme, page_size, lengths, seed, kv_heads=2):
     return q, cache
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.sampled_from(["sm_90a", "sm_100a", "fp4", "fp8"]))
 def test_folded_reference_equals_dequantize_then_attend(problem, construction):

@@ -10,44 +10,42 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional integration)")
 
-from foscar.integrations.transformers import FoscarCache, use_foscar  # noqa: E402
+from foscar.integrations.transformers import FoscarCache, cache_kwargs, use_foscar  # noqa: E402
 
 
-def tiny_model(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=512, device="cpu"):
+def tiny_model(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=512, device="cpu", dtype=torch.bfloat16):
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                       head_dim=head_dim, max_position_embeddings=8192)
     torch.manual_seed(0)
-    return use_foscar(transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval())
+    return use_foscar(transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval())
 
 
 @torch.no_grad()
 def forced_logits(model, ids, cache, new_tokens):
     """Logits of each decode step when feeding ``new_tokens`` (teacher forcing): comparable even
     where greedy choices diverge."""
-    logits = [model(input_ids=ids, past_key_values=cache).logits[:, -1].float()]
+    logits = [model(input_ids=ids, **cache_kwargs(cache)).logits[:, -1].float()]
     for t in range(new_tokens.shape[1] - 1):
-        logits.append(model(input_ids=new_tokens[:, t:t + 1], past_key_values=cache).logits[:, -1].float())
+        logits.append(model(input_ids=new_tokens[:, t:t + 1], **cache_kwargs(cache)).logits[:, -1].float())
     return torch.stack(logits, 1)
 
 
-def compare(model, ids, steps, **cache_kwargs):
+def compare(model, ids, steps, **cache_options):
     """Greedy generate with the BF16 DynamicCache and with FOSCAR; token agreement and logit errors."""
-    config, device = model.config, ids.device
+    config = model.config
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                             past_key_values=transformers.DynamicCache(config=config))
+                             **cache_kwargs(transformers.DynamicCache(config=config)))
         new = ref[:, ids.shape[1]:]
-        cache = FoscarCache(config, max_batch_size=ids.shape[0], max_seq_len=ids.shape[1] + steps, device=device,
-                            **cache_kwargs)
+        cache = FoscarCache(model, max_batch_size=ids.shape[0], max_seq_len=ids.shape[1] + steps, **cache_options)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                             past_key_values=cache)
+                             **cache_kwargs(cache))
         ref_logits = forced_logits(model, ids, transformers.DynamicCache(config=config), new)
-        cache = FoscarCache(config, max_batch_size=ids.shape[0], max_seq_len=ids.shape[1] + steps, device=device,
-                            **cache_kwargs)
+        cache = FoscarCache(model, max_batch_size=ids.shape[0], max_seq_len=ids.shape[1] + steps, **cache_options)
         got_logits = forced_logits(model, ids, cache, new)
     same = (out[:, ids.shape[1]:] == new)
-    first_diff = (~same).float().argmax(1).where(~same.all(1), torch.tensor(steps, device=device))
+    first_diff = (~same).float().argmax(1).where(~same.all(1), torch.tensor(steps, device=ids.device))
     err = (got_logits - ref_logits).abs()
     return {"token_agreement": float(same.float().mean()), "prefix_agreement": float(first_diff.float().mean() / steps),
             "forced_top1": float((got_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
@@ -78,14 +76,34 @@ def test_unsupported_uses_raise():
     ids = torch.randint(0, 512, (1, 20))
     cache = FoscarCache(model.config, max_batch_size=1, max_seq_len=64, device="cpu")
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache)
+        model(input_ids=ids, **cache_kwargs(cache))
         with pytest.raises(NotImplementedError, match="chunked prefill"):
-            model(input_ids=ids[:, :5], past_key_values=cache)
+            model(input_ids=ids[:, :5], **cache_kwargs(cache))
     with pytest.raises(NotImplementedError, match="beam search"):
         cache.reorder_cache(torch.tensor([0]))
     with pytest.raises(ValueError, match="max_batch_size"):
         FoscarCache(model.config, max_batch_size=1, device="cpu").layers[0].update(
             torch.zeros(2, 2, 3, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 3, 64, dtype=torch.bfloat16))
+
+
+def test_generate_on_cpu_fp16_model_takes_the_models_dtype():
+    model = tiny_model(dtype=torch.float16)
+    ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(4))
+    assert FoscarCache(model).kv.scheme.q_dtype == torch.float16
+    m = compare(model, ids, 8, bits=4, sink=16, window=64)
+    assert m["forced_top1"] >= 0.6 and m["logit_mean_err"] < 0.25 * m["logit_scale"], m
+
+
+def test_dtype_and_device_defaults_and_errors():
+    model = tiny_model()
+    assert FoscarCache(model).kv.scheme.q_dtype == torch.bfloat16 and FoscarCache(model).kv.device == model.device
+    # a config: CUDA if there is a GPU, else the CPU (no torch.cuda call on a CPU machine)
+    assert FoscarCache(model.config).kv.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="dtype: FoscarCache holds float16 or bfloat16"):
+        FoscarCache(tiny_model(dtype=torch.float32))
+    cache = FoscarCache(model, dtype=torch.float16)
+    with pytest.raises(TypeError, match="model computes in torch.bfloat16"), torch.no_grad():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), **cache_kwargs(cache))
 
 
 @pytest.mark.gpu
@@ -96,6 +114,7 @@ def test_generate_on_h200():
         "int4": compare(model, ids, 48, bits=4, sink=64, window=256),
         "int2_sink_window": compare(model, ids, 48, bits=2, sink=64, window=256, rotate=True),
         "int2_kivi": compare(model, ids, 48, bits=2, k="channel", k_group=128, sink=64, window=256),
+        "int4_fp16_model": compare(model.half(), ids, 48, bits=4, sink=64, window=256),
     }
     if os.environ.get("FOSCAR_METRICS"):
         with open(os.environ["FOSCAR_METRICS"], "w") as f:
@@ -103,3 +122,4 @@ def test_generate_on_h200():
     print(json.dumps(metrics, indent=1))
     assert metrics["int4"]["forced_top1"] >= 0.9, metrics
     assert metrics["int2_sink_window"]["forced_top1"] >= 0.5, metrics
+    assert metrics["int4_fp16_model"]["forced_top1"] >= 0.9, metrics

@@ -28,7 +28,7 @@ def main(argv=None):
 
     import transformers
 
-    from .transformers import FoscarCache, use_foscar
+    from .transformers import FoscarCache, cache_kwargs, use_foscar
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, local_files_only=True)
@@ -36,15 +36,15 @@ def main(argv=None):
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids.cuda()
     max_len = ids.shape[1] + args.max_new_tokens + 1
     caches = {"bf16": transformers.DynamicCache(config=model.config),
-              f"foscar-int{args.bits}": FoscarCache(model.config, bits=args.bits, k=args.k, max_batch_size=1,
-                                                    max_seq_len=max_len, sink=args.sink, window=args.window,
-                                                    rotate=args.rotate)}
+              f"foscar-int{args.bits}": FoscarCache(model, bits=args.bits, k=args.k, max_batch_size=1,
+                                              max_seq_len=max_len, sink=args.sink, window=args.window,
+                                              rotate=args.rotate)}
     outputs = {}
     for name, cache in caches.items():
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), do_sample=False,
                                  max_new_tokens=args.max_new_tokens)
         torch.cuda.synchronize()
         outputs[name] = out[0, ids.shape[1]:]

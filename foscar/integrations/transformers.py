@@ -2,8 +2,11 @@
 
     from foscar.integrations.transformers import FoscarCache, use_foscar
     use_foscar(model)                                   # registers "foscar" and selects it
-    cache = FoscarCache(model.config, bits=2, max_batch_size=8, max_seq_len=32768)
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256, do_sample=False)
+    cache = FoscarCache(model, bits=2, max_batch_size=8, max_seq_len=32768)   # the model's dtype and device
+    out = model.generate(input_ids, cache=cache, max_new_tokens=256, do_sample=False)
+
+(transformers before the ``cache=`` rename, e.g. 5.17, takes ``past_key_values=cache``;
+:func:`cache_kwargs` gives whichever the installed version takes.)
 
 How the two halves meet. A Llama/Qwen-style attention layer calls ``cache.update(k, v, layer_idx)``
 and hands what it returns to the attention function. ``FoscarCache.update`` appends the new
@@ -24,12 +27,15 @@ transformers is imported lazily; it is not a dependency of foscar.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from ..cache import PagedKVCache
 from ..scheme import Scheme
 
-__all__ = ["ATTENTION_NAME", "FoscarCache", "foscar_attention_forward", "register", "use_foscar"]
+__all__ = ["ATTENTION_NAME", "FoscarCache", "cache_kwargs", "foscar_attention_forward", "register", "use_foscar"]
 
 ATTENTION_NAME = "foscar"
 
@@ -66,6 +72,22 @@ def use_foscar(model, name: str = ATTENTION_NAME):
     return model
 
 
+@functools.cache
+def _cache_keyword() -> str:
+    from transformers import GenerationMixin
+
+    # newer transformers renamed generate()'s and forward()'s ``past_key_values`` to ``cache``
+    # (the old name still works there, with a FutureWarning); older ones know only the old name
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(cache) -> dict:
+    """``{"cache": cache}``, or ``{"past_key_values": cache}`` for a transformers version that
+    predates the rename: pass it as ``model.generate(ids, **cache_kwargs(cache))`` or to ``model(...)``."""
+    return {_cache_keyword(): cache}
+
+
 def _layer_base():
     from transformers.cache_utils import CacheLayerMixin
 
@@ -90,6 +112,11 @@ def _make_layer_class():
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
+            held = self.owner.kv.scheme.q_dtype
+            if key_states.dtype != held:
+                raise TypeError(f"FoscarCache holds {held} K/V but the model computes in {key_states.dtype}: "
+                                f"build the cache with FoscarCache(model, ...) (the model's dtype) or "
+                                f"dtype={key_states.dtype}")
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             tokens = key_states.shape[2]
@@ -141,15 +168,19 @@ def _make_layer_class():
     return FoscarLayer
 
 
-def FoscarCache(config, bits: int = 4, max_batch_size: int = 1, max_seq_len: int = 4096, sink: int = 64,
+def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq_len: int = 4096, sink: int = 64,
                 window: int = 256, rotate: bool = False, k: str = "token", k_group: int | None = None, v: str = "token",
                 v_group: int | None = None, page_size: int | None = None, num_pages: int | None = None,
-                dtype=torch.bfloat16, device="cuda", use_kernels: bool | None = None, *, k_bits: int | None = None,
+                dtype=None, device=None, use_kernels: bool | None = None, *, k_bits: int | None = None,
                 v_bits: int | None = None, arch: str | None = None):
-    """A transformers ``Cache`` backed by one :class:`PagedKVCache` for all layers of ``config``'s model.
+    """A transformers ``Cache`` backed by one :class:`PagedKVCache` for all layers of the model.
 
-    ``bits``, ``k``/``k_group``, ``v``/``v_group``: the :class:`~foscar.scheme.Scheme` (groups default
-    to head_dim; OSCAR: token-wise K and V; KIVI: ``k="channel"``). ``k_bits`` / ``v_bits`` override
+    ``model_or_config``: the model (preferred: the cache then takes its dtype and device) or its
+    config. ``dtype``: the K/V/Q dtype, bfloat16 or float16; default the model's dtype (given a
+    config: its ``dtype`` if that is float16 or bfloat16, else bfloat16). ``device``: default the
+    model's device (given a config: CUDA if torch has a GPU, else the CPU). ``bits``,
+    ``k``/``k_group``, ``v``/``v_group``: the :class:`~foscar.scheme.Scheme` (groups default to
+    head_dim; OSCAR: token-wise K and V; KIVI: ``k="channel"``). ``k_bits`` / ``v_bits`` override
     ``bits`` for one tensor (``k_bits=4, v_bits=2``: keys are the more sensitive tensor). ``arch``:
     see :class:`PagedKVCache`. ``sink``/``window``: BF16 parts.
     ``num_pages`` defaults to enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens.
@@ -192,6 +223,19 @@ def FoscarCache(config, bits: int = 4, max_batch_size: int = 1, max_seq_len: int
 
         _FoscarCacheClass = _FoscarCache
 
+    config = getattr(model_or_config, "config", model_or_config)
+    is_model = config is not model_or_config
+    if dtype is None:
+        dtype = model_or_config.dtype if is_model else getattr(config, "dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        if not is_model and dtype not in (torch.float16, torch.bfloat16):
+            dtype = torch.bfloat16
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype: FoscarCache holds float16 or bfloat16 K/V, got {dtype} (the model's dtype: cast the "
+                         "model with model.to(torch.bfloat16), or pass dtype=)")
+    if device is None and is_model:
+        device = model_or_config.device
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads

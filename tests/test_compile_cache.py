@@ -1,0 +1,144 @@
+"""The on-disk compile cache (foscar.compile_cache): hits across processes, concurrent writers,
+FOSCAR_CACHE=0, list/clear, no PTX/cubin files left behind, a damaged entry is recompiled.
+
+Each scenario runs in fresh processes, since the in-memory cache would hide the disk cache (marked
+slow: ~10 s each, mostly process start-up and imports).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Compiles (or loads) the combine kernel, the smallest FOSCAR kernel, and prints what happened.
+COMPILE_COMBINE = """
+import cutlass
+from foscar.inspect import artifacts
+from foscar.jit import cached_compile, compile_count
+from foscar.kernels.combine import compile_combine
+compiled = cached_compile(("combine", 128, cutlass.BFloat16, "sm_90a"),
+                          lambda: compile_combine(128, "sm_90a", cutlass.BFloat16))
+art = artifacts(compiled)
+print(type(compiled).__name__, compile_count(), art.resources().registers, len(art.cubin), len(art.sass))
+"""
+
+
+def run_python(code, cache_dir, cwd, **env):
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), FOSCAR_CACHE_DIR=str(cache_dir), **env)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(process):
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err
+    return out.split("\n")[-2].split(), err
+
+
+def cache_tool(cache_dir, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FOSCAR_CACHE_DIR=str(cache_dir))
+    result = subprocess.run([sys.executable, "-m", "foscar.compile_cache", *args], env=env, capture_output=True,
+                            text=True, check=True)
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_second_process_loads_instead_of_compiling(tmp_path):
+    cache = tmp_path / "cache"
+    first, _ = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
+    second, _ = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
+    assert first[:2] == ["CudaDialectJitCompiledFunction", "1"]
+    assert second[:2] == ["LoadedKernel", "0"]
+    assert first[2:] == second[2:]  # same registers, cubin and SASS sizes
+    assert len(list((cache / "kernels").iterdir())) == 1
+    assert len(list((cache / "sass").glob("*.sass"))) == 1
+    # the DSL's --keep-ptx/--keep-cubin files went to a dump directory that was removed
+    assert not list(tmp_path.glob("cutlass___call___*"))
+    assert not list(cache.glob("dump-*"))
+
+
+@pytest.mark.slow
+def test_two_processes_compiling_at_once_both_succeed(tmp_path):
+    cache = tmp_path / "cache"
+    racers = [run_python(COMPILE_COMBINE, cache, tmp_path) for _ in range(2)]
+    results = [finish(p)[0] for p in racers]
+    assert results[0][2:] == results[1][2:]
+    assert len(list((cache / "kernels").iterdir())) == 1  # one entry, no staging directory left behind
+    third, _ = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
+    assert third[:2] == ["LoadedKernel", "0"]
+
+
+@pytest.mark.slow
+def test_cache_off_writes_nothing(tmp_path):
+    cache = tmp_path / "cache"
+    for _ in range(2):
+        out, _ = finish(run_python(COMPILE_COMBINE, cache, tmp_path, FOSCAR_CACHE="0"))
+        assert out[:2] == ["CudaDialectJitCompiledFunction", "1"]
+    assert not (cache / "kernels").exists() and not (cache / "sass").exists()
+
+
+@pytest.mark.slow
+def test_list_and_clear(tmp_path):
+    cache = tmp_path / "cache"
+    assert "0 kernels" in cache_tool(cache, "list")
+    finish(run_python(COMPILE_COMBINE, cache, tmp_path))
+    listing = cache_tool(cache, "list")
+    assert "'combine', 128" in listing and "1 kernels, 1 SASS" in listing
+    assert cache_tool(cache, "path").strip() == str(cache)
+    assert "removed" in cache_tool(cache, "clear")
+    assert not cache.exists()
+
+
+@pytest.mark.slow
+def test_damaged_entry_warns_and_recompiles(tmp_path):
+    cache = tmp_path / "cache"
+    finish(run_python(COMPILE_COMBINE, cache, tmp_path))
+    (obj,) = (cache / "kernels").glob("*/kernel.o")
+    obj.write_bytes(b"not an object file")
+    out, err = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
+    assert out[:2] == ["CudaDialectJitCompiledFunction", "1"]
+    assert "cannot load" in err
+
+
+def test_key_must_name_the_arch():
+    from foscar.jit import cached_compile
+
+    with pytest.raises(ValueError, match="must name the arch"):
+        cached_compile(("combine", 128), lambda: None)
+
+
+def test_entry_key_covers_key_and_sources(monkeypatch):
+    from foscar import compile_cache
+
+    base = compile_cache.entry_key(("combine", 128, "sm_90a"))
+    assert base != compile_cache.entry_key(("combine", 128, "sm_100a"))
+    monkeypatch.setattr(compile_cache, "source_hash", lambda: "edited")
+    assert base != compile_cache.entry_key(("combine", 128, "sm_90a"))
+
+
+# Runs the Hopper/Blackwell decode kernel of this GPU and checks it against the float64 reference.
+RUN_DECODE = """
+import torch
+from foscar import Scheme
+from foscar.decode import decode
+from foscar.jit import compile_count
+from foscar.testing import check_output, random_problem
+scheme = Scheme.make(2, "channel", 128, "token", 128, 128, 4)
+q, cache = random_problem(scheme, [1, 300, 4097], kv_heads=2, page_size=128)
+out, lse = decode(q, cache, return_lse=True)
+acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
+print(acc.ok, compile_count())
+"""
+
+
+@pytest.mark.gpu
+def test_kernel_loaded_from_disk_runs_correctly(tmp_path):
+    cache = tmp_path / "cache"
+    first, _ = finish(run_python(RUN_DECODE, cache, tmp_path))
+    second, _ = finish(run_python(RUN_DECODE, cache, tmp_path))
+    assert first[0] == "True" and int(first[1]) >= 1
+    assert second == ["True", "0"]  # nothing compiled: every kernel came from the disk cache
