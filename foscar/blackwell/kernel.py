@@ -82,9 +82,10 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
-from ..device import LN2, LOG2E, NEG_INF, fsel, output_offsets
+from ..device import LOG2E, NEG_INF, fsel, output_offsets
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import bulk_copy_g2s, split_range
+from ..softmax import finite_reference, normalize
 from ..quantize import check_page_size
 from ..scheme import Scheme
 from . import pipeline as pl
@@ -711,7 +712,7 @@ class BlackwellDecodeKernel:
                 sm.sAlpha[sm_.p_unscale(sp, j)] = cfg.v_a_inv / pscale[j]  # exact: powers of two
         for r in cutlass.range_constexpr(N):
             m_new = cute.arch.fmax(m_run[r], max4(sm.sRed, sm_.red_row(red, r)))
-            m_use = fsel(m_new == Float32(NEG_INF), Float32(0.0), m_new)
+            m_use = finite_reference(m_new)
             alpha = cute.math.exp2(m_run[r] - m_use, fastmath=True)
             m_run[r] = m_new
             p = cute.math.exp2(sc[r] - m_use, fastmath=True)
@@ -786,12 +787,9 @@ class BlackwellDecodeKernel:
         Hq = kv_heads * R
         for r in cutlass.range_constexpr(N):
             if r < R:
-                lt = sm.sFinal[sm_.final_l(r)]
-                has = lt > Float32(0.0)
-                inv_l = fsel(has, cute.arch.rcp_approx(lt), Float32(0.0))
+                inv_l, lse = normalize(sm.sFinal[sm_.final_l(r)], sm.sFinal[sm_.final_m(r)])
                 obase, lidx = output_offsets(cfg.split, (b * Hq + h * R + r).to(Int64), split, num_splits, D)
                 if t == 0:
-                    lse = fsel(has, (sm.sFinal[sm_.final_m(r)] + cute.math.log2(lt, fastmath=True)) * LN2, Float32(NEG_INF))
                     scalar(lse_ptr, lidx)[0] = lse
                 if t < cfg.DM:
                     for mt in cutlass.range_constexpr(cfg.MT):
