@@ -29,7 +29,8 @@ B lives in registers too: Q^T (or the scaled Q^T of channel-wise K) is built onc
 group); P^T comes from the S^T accumulator by ``movmatrix`` (an 8x8 transpose of the f16x2
 registers), scaled per token for token-wise V.
 
-The four folding cases (design.md), per query column r, token l, channel d:
+The four folding cases (foscar/folds.py; their device hooks here: foscar/hopper/folds.py), per query
+column r, token l, channel d:
   * K token-wise:  S = sum_j s'[l,j]*acc_j + z[l,j]*Qsum[r,j]   (one accumulator per block j)
   * K channel-wise: B = Q^T scaled by s'[d,t] per token group t (G=32: two per tile, one per
     pair of token blocks), plus sum_d z[d,t] q[r,d] per group.
@@ -40,9 +41,10 @@ All corrections in FP32; softmax in the log2 domain with sm_scale*log2(e) folded
 The MMAs run in FP16 (not BF16): the scaled other operand (Q*s' or P*s') is rounded to the MMA
 type, and FP16's 3 extra mantissa bits keep that rounding 4x below BF16's (foscar.operands).
 
-Structure: warp-specialized. Warpgroup 0 is the producer: one thread walks the CTA's tiles and
-issues 1-D bulk copies (``cp.async.bulk``, TMA engine) of each tile's K codes, V codes, K params
-and V params into a ``STAGES``-deep shared-memory ring guarded by mbarriers (foscar/pipeline.py);
+Structure: warp-specialized. Warpgroup 0 is the producer: lane 0 of each of its 4 warps walks every
+4th tile of the CTA and issues 1-D bulk copies (``cp.async.bulk``, TMA engine) of the tile's K
+codes, V codes, K params and V params into a ``STAGES``-deep shared-memory ring guarded by
+mbarriers (foscar/pipeline.py);
 the page-table entries come in 32 at a time, one per lane of the producer warp.
 Warpgroups 1..NC hold NW = 4*NC consumer warps: warp w takes runs w, w+NW, ... of TPG
 consecutive tiles (TPG = G/64 for channel-wise K groups of G >= 128 tokens, so the scaled Q^T is
