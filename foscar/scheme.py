@@ -60,7 +60,7 @@ def _check_int(field: str, value, allowed) -> int:
     """``value`` as an int from ``allowed``, or a ValueError naming ``field`` (2.0 and True are refused:
     they would pass ``in`` and fail later, far from their cause)."""
     if type(value) is not int or value not in allowed:
-        raise ValueError(f"{field} must be an int, one of {sorted(allowed)}, got {value!r}")
+        raise ValueError(f"{field} must be one of {sorted(allowed)} (an int), got {value!r}")
     return value
 
 
