@@ -461,7 +461,7 @@ class HopperDecodeKernel:
                 mx = cute.arch.fmax(mx, sc[((t // 2) * mma.NB + nb) * 4 + e + 2 * (t % 2)])
             mx = reduce_over_rows(mx, cute.arch.fmax)
             m_new = cute.arch.fmax(m_run[cs], mx)
-            alpha[cs] = cute.math.exp2(m_run[cs] - m_new, fastmath=True)
+            alpha[cs] = cute.arch.exp2(m_run[cs] - m_new)
             m_run[cs] = m_new
             l_run[cs] = l_run[cs] * alpha[cs]
         moved = alpha[0] != Float32(1.0)
@@ -477,7 +477,7 @@ class HopperDecodeKernel:
         acc_p = vf.begin_p(mma, vst)
         for tb in range(TOKEN_BLOCKS):
             for nb in range(mma.NB):
-                p = [cute.math.exp2(sc[(tb * mma.NB + nb) * 4 + i] - m_run[i % 2 + 2 * nb], fastmath=True) for i in range(4)]
+                p = [cute.arch.exp2(sc[(tb * mma.NB + nb) * 4 + i] - m_run[i % 2 + 2 * nb]) for i in range(4)]
                 for i in range(4):
                     l_run[i % 2 + 2 * nb] = l_run[i % 2 + 2 * nb] + p[i]
                 for ps in range(vf.psets):
@@ -508,7 +508,7 @@ class HopperDecodeKernel:
                 lt = Float32(0.0)
                 ot = Float32(0.0)
                 for w in cutlass.range_constexpr(NW):
-                    wt = cute.math.exp2(merge[w * cfg.MERGE_WARP + ml + col] - m_ref, fastmath=True)
+                    wt = cute.arch.exp2(merge[w * cfg.MERGE_WARP + ml + col] - m_ref)
                     lt = lt + merge[w * cfg.MERGE_WARP + ml + N + col] * wt
                     ot = ot + merge[w * cfg.MERGE_WARP + col * cfg.MERGE_ROW + d] * wt
                 inv_l, lse = normalize(lt, m_all, fastmath=False)
