@@ -27,8 +27,13 @@ print(type(compiled).__name__, compile_count(), art.resources().registers, len(a
 """
 
 
+def _pythonpath():
+    """The checkout first, then what the parent had (the GPU machine finds the DSL through PYTHONPATH)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
 def run_python(code, cache_dir, cwd, **env):
-    environ = dict(os.environ, PYTHONPATH=str(ROOT), FOSCAR_CACHE_DIR=str(cache_dir), **env)
+    environ = dict(os.environ, PYTHONPATH=_pythonpath(), FOSCAR_CACHE_DIR=str(cache_dir), **env)
     return subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=environ, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -40,7 +45,7 @@ def finish(process):
 
 
 def cache_tool(cache_dir, *args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), FOSCAR_CACHE_DIR=str(cache_dir))
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), FOSCAR_CACHE_DIR=str(cache_dir))
     result = subprocess.run([sys.executable, "-m", "foscar.compile_cache", *args], env=env, capture_output=True,
                             text=True, check=True)
     return result.stdout

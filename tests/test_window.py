@@ -109,8 +109,8 @@ def test_window_merge_kernel_matches_reference(case):
     batch, kvh, max_seqs, splits = 6, 2, 9, 3
     dev = "cuda"
     q = torch.randn(batch, kvh * r, d, generator=gen).to(dtype)
-    k_win = torch.randn(max_seqs, kvh, sink + ring, d, generator=gen).to(torch.bfloat16)
-    v_win = torch.randn(max_seqs, kvh, sink + ring, d, generator=gen).to(torch.bfloat16)
+    k_win = torch.randn(max_seqs, kvh, sink + ring, d, generator=gen).to(dtype)  # the window holds the model's dtype
+    v_win = torch.randn(max_seqs, kvh, sink + ring, d, generator=gen).to(dtype)
     rows = torch.randperm(max_seqs, generator=gen)[:batch]
     # n: a partial sink, a full sink with a partial ring, wrapped rings, no quantized tokens at all
     n_quant = torch.tensor([0, 0, 16, 48, 128, 8])

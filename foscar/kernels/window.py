@@ -1,7 +1,7 @@
-"""BF16 sink + recent-window attention fused with the split-KV merge (CuTe DSL, SIMT).
+"""16-bit sink + recent-window attention fused with the split-KV merge (CuTe DSL, SIMT).
 
 ``foscar.cache.PagedKVCache`` keeps the first ``S`` tokens of a sequence and its most recent ones
-in BF16 slots (``[max_seqs, kv_heads, L, D]``, ``L = S + ring``) and the rest quantized. ``attend``
+in unquantized slots of the model's dtype (BF16 or FP16, the query's) (``[max_seqs, kv_heads, L, D]``, ``L = S + ring``) and the rest quantized. ``attend``
 runs the quantized kernel with partial outputs (``o_s``, ``lse_s`` per split); this kernel attends
 each query row over its sequence's valid BF16 slots and merges that with the quantized splits by
 log-sum-exp, in one launch (instead of ~25 small torch launches)::
@@ -135,7 +135,7 @@ class WindowMerge:
             rel = (slot - sink - q_b) % ring
             rel = rel + select_i32(rel < 0, ring, 0)  # floor mod
             valid = (slot < L) & select_pred(slot < sink, slot < n_b, rel < recent)
-            kvec = load_channels(k_win, (kv_row + cutlass.min(slot, L - 1)) * D + c * DC, DC)
+            kvec = load_channels(k_win, (kv_row + cutlass.min(slot, L - 1)) * D + c * DC, DC, self.q_dtype)
             dot = Float32(0.0)
             for j in cutlass.range_constexpr(DC):
                 dot = dot + qv[j] * kvec[j]
@@ -159,7 +159,7 @@ class WindowMerge:
             slot = SLOTS_PER_STEP * i + 8 * warp + t
             p = cute.math.exp2(s[i] - m_ref, fastmath=True)
             l_sum = l_sum + p
-            vvec = load_channels(v_win, (kv_row + cutlass.min(slot, L - 1)) * D + c * DC, DC)
+            vvec = load_channels(v_win, (kv_row + cutlass.min(slot, L - 1)) * D + c * DC, DC, self.q_dtype)
             for j in cutlass.range_constexpr(DC):
                 acc[j] = acc[j] + p * vvec[j]
         for offset in (4, 8, 16):  # over t: the lanes of one channel block
@@ -223,10 +223,11 @@ def select_pred(cond, a, b):
     return cutlass.select_(cond, a, b)
 
 
-def load_channels(ptr, offset, count: int):
-    """``count`` consecutive bf16 channels at element ``offset`` -> fp32 register tensor (vector loads)."""
+def load_channels(ptr, offset, count: int, dtype):
+    """``count`` consecutive ``dtype`` (16-bit) channels at element ``offset`` -> fp32 register tensor
+    (vector loads)."""
     src = cute.make_tensor(ptr + offset, cute.make_layout((count,)))
-    raw = cute.make_rmem_tensor((count,), cutlass.BFloat16)
+    raw = cute.make_rmem_tensor((count,), dtype)
     cute.autovec_copy(src, raw)
     vals = cute.make_rmem_tensor((count,), Float32)
     vals.store(raw.load().to(Float32))
@@ -242,8 +243,8 @@ def compile_window_merge(head_dim: int, slots: int, gqa_ratio: int, arch: str = 
         arch,
         WindowMerge(head_dim, slots, gqa_ratio, q_dtype),
         fake_ptr(q_dtype),
-        fake_ptr(cutlass.BFloat16),
-        fake_ptr(cutlass.BFloat16),
+        fake_ptr(q_dtype),  # the window's K and V are in the query's dtype (the model's)
+        fake_ptr(q_dtype),
         fake_ptr(Int64),
         fake_ptr(Int64),
         fake_ptr(Int64),
@@ -270,8 +271,8 @@ def window_merge(q, k_win, v_win, rows, n_tokens, n_quant, sink: int, o_part, ls
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device) if lse is None else lse
     checks = (("q", q, (torch.bfloat16, torch.float16), (batch, q_heads, d)),
-              ("k_win", k_win, (torch.bfloat16,), (max_seqs, kv_heads, slots, d)),
-              ("v_win", v_win, (torch.bfloat16,), (max_seqs, kv_heads, slots, d)),
+              ("k_win", k_win, (q.dtype,), (max_seqs, kv_heads, slots, d)),
+              ("v_win", v_win, (q.dtype,), (max_seqs, kv_heads, slots, d)),
               ("rows", rows, (torch.int64,), (batch,)),
               ("n_tokens", n_tokens, (torch.int64,), (batch,)),
               ("n_quant", n_quant, (torch.int64,), (batch,)),
@@ -297,7 +298,7 @@ def window_merge(q, k_win, v_win, rows, n_tokens, n_quant, sink: int, o_part, ls
     arch = device_arch(q.device)
     compiled = cached_compile(("window_merge", d, slots, gqa, q_type, arch),
                               lambda: compile_window_merge(d, slots, gqa, arch, q_type))
-    compiled(gmem_ptr(q, q_type), gmem_ptr(k_win, cutlass.BFloat16), gmem_ptr(v_win, cutlass.BFloat16),
+    compiled(gmem_ptr(q, q_type), gmem_ptr(k_win, q_type), gmem_ptr(v_win, q_type),
              gmem_ptr(rows, Int64), gmem_ptr(n_tokens, Int64), gmem_ptr(n_quant, Int64), gmem_ptr(o_part, Float32),
              gmem_ptr(lse_part, Float32), gmem_ptr(out, q_type), gmem_ptr(lse, Float32), Int32(batch),
              Int32(q_heads), Int32(splits), Int32(sink), Int32(slots - sink), Float32(float(sm_scale)),
