@@ -49,6 +49,7 @@ __all__ = [
     "VChannelWise",
     "fold_case",
     "FOLD_CASES",
+    "HookRegistry",
 ]
 
 
@@ -80,6 +81,29 @@ def register(cls):
 def fold_case(tensor: str, quant, head_dim: int, construction) -> "FoldCase":
     """The registered case of ``tensor`` ("k" or "v") quantized as ``quant`` (a TensorQuant)."""
     return FOLD_CASES[(tensor, quant.axis.value)](quant.group, quant.bits, head_dim, construction)
+
+
+class HookRegistry:
+    """One arch's device hooks of the fold cases: one hook class per case class, registered with
+    ``@registry.register(KTokenWise)``; ``registry.hooks_for(plan.k, cfg)`` builds the hooks a kernel
+    calls (a subclass of a registered case inherits its hooks)."""
+
+    def __init__(self, arch: str):
+        self.arch = arch
+        self.classes: dict[type, type] = {}
+
+    def register(self, case: type):
+        def add(cls):
+            self.classes[case] = cls
+            return cls
+
+        return add
+
+    def hooks_for(self, fold: "FoldCase", cfg):
+        for case in type(fold).__mro__:
+            if case in self.classes:
+                return self.classes[case](fold, cfg)
+        raise NotImplementedError(f"the {self.arch} kernel has no hooks for the fold case {type(fold).__name__}")
 
 
 @dataclass(frozen=True)

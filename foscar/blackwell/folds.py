@@ -28,32 +28,15 @@ import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32
 
 from ..device import fsel
-from ..folds import KChannelWise, KTokenWise, VChannelWise, VTokenWise
+from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VTokenWise
 from ..layouts.fragment import TILE_TOKENS
 from . import pipeline as pl
 from . import storage as sm_
 from .primitives import BAR_PREP, FP8_TARGET_EXP, STEP, WG, exp_floor, fabs, hilo, load_acc, max4, pow2_scale, scalar
 
-HOOKS: dict[type, type] = {}
-
-
-def register(case):
-    """Class decorator: the Blackwell hooks of fold case class ``case``."""
-
-    def deco(cls):
-        HOOKS[case] = cls
-        return cls
-
-    return deco
-
-
-def hooks_for(fold, cfg):
-    """The hooks object of a plan's fold case (``plan.k`` / ``plan.v``) for kernel config ``cfg`` (a
-    subclass of a registered case inherits its hooks)."""
-    for case in type(fold).__mro__:
-        if case in HOOKS:
-            return HOOKS[case](fold, cfg)
-    raise NotImplementedError(f"the Blackwell kernel has no hooks for the fold case {type(fold).__name__}")
+HOOKS = HookRegistry("sm_100a")
+register = HOOKS.register
+hooks_for = HOOKS.hooks_for  # the Blackwell hooks of a plan's fold case for a kernel of config ``cfg``
 
 
 class BlackwellFold:

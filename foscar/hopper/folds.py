@@ -28,25 +28,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..device import fsel, pack_f16x2, reduce_over_rows
-from ..folds import KChannelWise, KTokenWise, VChannelWise, VTokenWise
+from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VTokenWise
 from .mma import TOKEN_BLOCKS, WarpMma
 
 __all__ = ["hooks_for", "q_index", "load_param"]
 
-HOOKS: dict[type, type] = {}
-
-
-def register(case):
-    def wrap(cls):
-        HOOKS[case] = cls
-        return cls
-
-    return wrap
-
-
-def hooks_for(fold, cfg):
-    """The Hopper hooks of ``fold`` (a ``foscar.folds`` case) for a kernel of config ``cfg``."""
-    return HOOKS[type(fold)](fold, cfg)
+HOOKS = HookRegistry("sm_90a")
+register = HOOKS.register
+hooks_for = HOOKS.hooks_for  # the Hopper hooks of a plan's fold case for a kernel of config ``cfg``
 
 
 def q_index(cfg, nb: int, kb: int, hh: int, e: int) -> int:
