@@ -34,8 +34,14 @@ WORKING_SET = 4 * L2_BYTES
 # (batch, context) of the standard sweep; Qwen3-8B attention: 32 q heads, 8 KV heads, head_dim 128
 STANDARD = [(1, 32768), (1, 131072), (8, 32768), (32, 8192), (32, 32768), (64, 16384), (128, 8192)]
 QUICK = [(1, 32768), (8, 32768), (128, 8192)]
-MODELS = {"qwen3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "mha-32": (32, 32, 128)}
+MODELS = {"qwen3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "mha-32": (32, 32, 128),
+          # tensor-parallel shards of a 70B-class model (8 query heads per KV head), and head_dim 256
+          "tp8-70b": (8, 1, 128), "tp4-70b": (16, 2, 128), "d256": (16, 4, 256)}
 EXTRA = [("llama3-70b", 8, 32768), ("llama3-70b", 32, 8192), ("mha-32", 8, 8192), ("mha-32", 1, 32768)]
+# where serving spends its time (issue 12): few KV heads at batch 1 and at large batch, head_dim 256,
+# many short sequences
+SERVING = [("tp8-70b", 1, 131072), ("tp8-70b", 64, 8192), ("tp4-70b", 1, 131072), ("tp4-70b", 32, 16384),
+           ("d256", 8, 32768), ("qwen3-8b", 256, 2048)]
 
 
 @dataclass
@@ -331,6 +337,9 @@ def plot(rows, ceiling_tbps, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three configs, fewer replays (about a minute)")
+    parser.add_argument("--shapes", choices=("standard", "serving", "all"), default="standard",
+                        help="standard: the Qwen3-8B sweep + extra models; serving: few KV heads, head_dim 256, "
+                             "256 short sequences; all: both")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--methods", default="flashinfer-bf16,flashinfer-fp8,sdpa-bf16,int2-kt128,int2-kc128,int4-kt128,"
                         "int4-kc128,int2-kc128+sw,int4-kt128+sw")
@@ -340,6 +349,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("benchmarks.decode needs a CUDA GPU")
     shapes = [("qwen3-8b", b, l) for b, l in (QUICK if args.quick else STANDARD)] + ([] if args.quick else EXTRA)
+    if args.shapes != "standard":
+        shapes = (shapes if args.shapes == "all" else []) + SERVING
     reps = args.reps or (10 if args.quick else 30)
     ceiling_us, ceiling_bytes = read_ceiling_us()
     ceiling = ceiling_bytes / ceiling_us / 1e6
