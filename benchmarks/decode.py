@@ -16,6 +16,7 @@ Q) and write (O).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -202,6 +203,10 @@ def variants():
         "int2-kc128": Scheme.make(2, "channel", 128, "token", 128, 128, 4),
         "int4-kt128": Scheme.make(4, "token", 128, "token", 128, 128, 4),
         "int4-kc128": Scheme.make(4, "channel", 128, "token", 128, 128, 4),
+        # K and V bits chosen independently (keys are the more sensitive tensor)
+        "k4v2-kt128": Scheme.make(k_bits=4, v_bits=2, k="token", k_group=128, v="token", v_group=128, gqa_ratio=4),
+        "k4v2-kc128": Scheme.make(k_bits=4, v_bits=2, k="channel", k_group=128, v="token", v_group=128, gqa_ratio=4),
+        "k2v4-kt128": Scheme.make(k_bits=2, v_bits=4, k="token", k_group=128, v="token", v_group=128, gqa_ratio=4),
     }
 
 
@@ -243,13 +248,13 @@ def run_sweep(shapes, methods, reps, after_config=None):
                     row.us = time_layers([fn for fn, _ in layers], reps)
                 elif method.endswith("+sw"):
                     scheme = variants()[method.removesuffix("+sw")]
-                    scheme = type(scheme)(scheme.bits, scheme.k, scheme.v, head_dim, q_heads // kv_heads, scheme.q_dtype)
+                    scheme = dataclasses.replace(scheme, head_dim=head_dim, gqa_ratio=q_heads // kv_heads)
                     fns, row.bytes, row.copies = foscar_window_layers(scheme, batch, context, kv_heads)
                     row.note = "BF16 sink 64 + window 256"
                     row.us = time_layers(fns, reps)
                 else:
                     scheme = variants()[method]
-                    scheme = type(scheme)(scheme.bits, scheme.k, scheme.v, head_dim, q_heads // kv_heads, scheme.q_dtype)
+                    scheme = dataclasses.replace(scheme, head_dim=head_dim, gqa_ratio=q_heads // kv_heads)
                     fns, row.bytes, row.copies, splits = foscar_layers(scheme, batch, context, kv_heads)
                     row.extra["splits"] = splits
                     row.us = time_layers(fns, reps)

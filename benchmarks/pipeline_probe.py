@@ -61,6 +61,8 @@ class PipelineOnly(HopperDecodeKernel):
         super().__init__(cfg)
         if copies not in COPIES:
             raise ValueError(f"copies must be one of {sorted(COPIES)}, got {copies!r}")
+        if cfg.K_TW != cfg.V_TW:
+            raise ValueError(f"the probe copies K and V tiles of one size: {cfg.scheme.name} mixes bit widths")
         self.copies = copies
         self.unit = cfg.SUB if copies == "page" else 1  # tiles per stage
         self.stages = cfg.STAGES // self.unit  # same ring bytes
@@ -68,7 +70,7 @@ class PipelineOnly(HopperDecodeKernel):
             raise ValueError(f"{copies}: {self.stages} stages are not a multiple of {cfg.NW} consumer warps")
         self.unit_words = self.unit * cfg.STAGE_WORDS
         params = 0 if copies == "codes" else 4 * (cfg.KPW + cfg.VPW)
-        self.unit_bytes = self.unit * (8 * cfg.TW + params)
+        self.unit_bytes = self.unit * (8 * cfg.K_TW + params)
 
     @cute.jit
     def produce(self, ring, full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, b, h, kv_heads, max_pages,
@@ -97,11 +99,11 @@ class PipelineOnly(HopperDecodeKernel):
                     head = page.to(Int64) * kv_heads + h
                     slot0 = (tile % SUB) * TILE_TOKENS
                     dst = ring + cute.assume(s * self.unit_words, divby=4)
-                    codes = (head * SUB + tile % SUB) * cfg.TW
-                    bulk_copy_g2s(dst, kc_ptr + codes, 4 * cfg.TW * U, full + s)
-                    bulk_copy_g2s(dst + U * cfg.TW, vc_ptr + codes, 4 * cfg.TW * U, full + s)
+                    codes = (head * SUB + tile % SUB) * cfg.K_TW
+                    bulk_copy_g2s(dst, kc_ptr + codes, 4 * cfg.K_TW * U, full + s)
+                    bulk_copy_g2s(dst + U * cfg.K_TW, vc_ptr + codes, 4 * cfg.K_TW * U, full + s)
                     if cutlass.const_expr(self.copies != "codes"):
-                        kp = dst + 2 * U * cfg.TW
+                        kp = dst + 2 * U * cfg.K_TW
                         bulk_copy_g2s(kp, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW * U, full + s)
                         bulk_copy_g2s(kp + U * cfg.KPW, vp_ptr + 2 * self.params_row(head, slot0, "v"),
                                       4 * cfg.VPW * U, full + s)
@@ -117,21 +119,21 @@ class PipelineOnly(HopperDecodeKernel):
         head = page.to(Int64) * kv_heads + h
         slot0 = (tile % cfg.SUB) * TILE_TOKENS
         dst = ring + cute.assume(s * self.unit_words, divby=4)
-        codes = (head * cfg.SUB + tile % cfg.SUB) * cfg.TW
-        for x in cutlass.range_constexpr(cfg.TW // 4 // 32):  # 16-byte pieces of V codes per lane
+        codes = (head * cfg.SUB + tile % cfg.SUB) * cfg.K_TW
+        for x in cutlass.range_constexpr(cfg.K_TW // 4 // 32):  # 16-byte pieces of V codes per lane
             piece = 4 * (32 * x + lane)
-            cp_async_16(dst + cfg.TW + piece, vc_ptr + codes + piece)
+            cp_async_16(dst + cfg.K_TW + piece, vc_ptr + codes + piece)
         vrow = 2 * self.params_row(head, slot0, "v")
         for x in cutlass.range_constexpr((cfg.VPW // 4 + 31) // 32):
             piece = 4 * (32 * x + lane)
             if piece < cfg.VPW:
-                cp_async_16(dst + 2 * cfg.TW + cfg.KPW + piece, vp_ptr + vrow + 2 * piece)
+                cp_async_16(dst + 2 * cfg.K_TW + cfg.KPW + piece, vp_ptr + vrow + 2 * piece)
         cp_async_arrive(full + s)
         cute.arch.sync_warp()
         if lane == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(full + s, 4 * (cfg.TW + cfg.KPW))
-            bulk_copy_g2s(dst, kc_ptr + codes, 4 * cfg.TW, full + s)
-            bulk_copy_g2s(dst + 2 * cfg.TW, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW, full + s)
+            cute.arch.mbarrier_arrive_and_expect_tx(full + s, 4 * (cfg.K_TW + cfg.KPW))
+            bulk_copy_g2s(dst, kc_ptr + codes, 4 * cfg.K_TW, full + s)
+            bulk_copy_g2s(dst + 2 * cfg.K_TW, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW, full + s)
 
     @cute.jit
     def consume(self, tiled_mma, ring, full, empty, q_ptr, o_ptr, lse_ptr, length, b, h, split, kv_heads,
@@ -194,7 +196,7 @@ def copied_fraction(scheme, copies: str) -> float:
     if copies != "codes":
         return 1.0
     cfg = DecodeConfig(scheme, 128, True, default_consumers(scheme))
-    return 2 * cfg.TW / (2 * cfg.TW + cfg.KPW + cfg.VPW)
+    return (cfg.K_TW + cfg.V_TW) / (cfg.K_TW + cfg.V_TW + cfg.KPW + cfg.VPW)
 
 
 def main(argv=None):

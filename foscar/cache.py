@@ -23,9 +23,10 @@ entries point at, so every page index a kernel may read is valid. BF16 parts
 ``k_bf16 [layers, max_seqs, kv_heads, S + W + T, D]``. Pages are shared by all layers: a sequence
 owns a list of page indices, used at the same index in every layer's pool.
 
-Decode (:meth:`PagedKVCache.attend`) runs the FOSCAR kernel over the quantized pages (Hopper; the
-pages are packed in the Hopper bit order, so a Blackwell device refuses them with a clear error)
-with partial outputs per split, then one launch (``foscar.kernels.window``) attends the small BF16
+Decode (:meth:`PagedKVCache.attend`) runs the FOSCAR kernel over the quantized pages with partial
+outputs per split (the pages are packed in the bit order of the cache's arch, ``foscar.archs``; the
+GPU path -- append kernel and split partials -- is Hopper's, and a cache whose arch lacks it says so
+when built), then one launch (``foscar.kernels.window``) attends the small BF16
 part and merges it with the splits by log-sum-exp. Append (:meth:`append`) of one
 token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush
 runs every step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no
@@ -49,8 +50,10 @@ import numbers
 
 import torch
 
+from .archs import HOPPER, arch_of_device, get_arch
+from .kernels.quantize import LAYOUT as APPEND_KERNEL_LAYOUT
 from .kernels.quantize import granule_of
-from .layouts import TILE_TOKENS, TileGeometry, pack_tiles
+from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, quantize_groups
 from .scheme import Axis, Scheme
 
@@ -83,11 +86,14 @@ class PagedKVCache:
     of every layer. ``max_seq_len``: the longest sequence (sizes the page table). ``sink``,
     ``window``: BF16 parts (OSCAR: 64 and 256). ``rotate``: Hadamard-rotate K and Q.
     ``use_kernels``: quantize and attend with the CuTe DSL kernels (default: on CUDA devices).
+    ``arch``: the arch whose decode kernel reads the pages ("sm_90a", "sm_100a"; ``foscar.archs``): it
+    sets their bit order and, with ``use_kernels``, the limits the scheme is checked against at
+    construction. Default: the CUDA device's, "sm_90a" on other devices.
     """
 
     def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, num_pages: int, max_seqs: int, max_seq_len: int,
                  page_size: int | None = None, sink: int = 64, window: int = 256, rotate: bool = False,
-                 device="cuda", use_kernels: bool | None = None):
+                 device="cuda", use_kernels: bool | None = None, arch: str | None = None):
         if not isinstance(scheme, Scheme):
             raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
         self.scheme = scheme
@@ -108,6 +114,16 @@ class PagedKVCache:
         self.use_kernels = self.device.type == "cuda" if use_kernels is None else bool(use_kernels)
         if self.use_kernels and self.device.type != "cuda":
             raise ValueError("use_kernels=True needs a CUDA device")
+        if arch is not None:
+            self.arch = get_arch(arch)
+        else:
+            self.arch = arch_of_device(self.device) if self.device.type == "cuda" else HOPPER
+        if self.use_kernels:
+            if self.arch.layout != APPEND_KERNEL_LAYOUT or not self.arch.split_partials:
+                raise ValueError(f"use_kernels: the cache's GPU path (append kernel writing the {APPEND_KERNEL_LAYOUT!r} "
+                                 f"bit order, split partials merged with the BF16 window) is not built for "
+                                 f"{self.arch.name}; use use_kernels=False")
+            self.arch.can_implement(scheme, page_size)  # fail now, naming the field, not at the first attend
         self.num_layers, self.kv_heads, self.num_pages, self.max_seqs = num_layers, kv_heads, num_pages, max_seqs
         self.page_size, self.sink, self.window, self.max_seq_len = page_size, sink, window, max_seq_len
         self.ring = window + granule  # recent-part slots
@@ -135,7 +151,7 @@ class PagedKVCache:
 
     def _pool(self, role, quant, pool):
         d, ps = self.scheme.head_dim, self.page_size
-        words = TileGeometry(role, self.scheme.bits, d).words
+        words = TileGeometry(role, quant.bits, d).words
         codes = torch.zeros(self.num_layers, pool, self.kv_heads, ps // TILE_TOKENS, words, dtype=torch.int32,
                             device=self.device)
         rows, cols = (ps, d // quant.group) if quant.axis is Axis.TOKEN else (ps // quant.group, d)
@@ -208,6 +224,17 @@ class PagedKVCache:
                                f"{self.num_pages} are free")
         self._pages[seq_id] = []
         self._grow(seq_id, need)
+        return seq_id
+
+    def allocate_prefilled(self, num_tokens: int) -> int:
+        """Claim a sequence that already holds ``num_tokens`` tokens: whatever its pages and BF16
+        slots contain is taken as their contents (every layer). For benchmarks: write random codes
+        and params straight into the pools (the real layout and byte counts, without quantizing a
+        long prefix first); attention time does not depend on the values. Returns its id."""
+        seq_id = self.allocate(num_tokens)
+        self._sync_mirror()
+        self.lengths[:, seq_id] = num_tokens
+        self._host_len[:, seq_id] = num_tokens
         return seq_id
 
     def free(self, seq_id: int) -> None:
@@ -432,9 +459,10 @@ class PagedKVCache:
             return
         quant = self.scheme.k if role == "k" else self.scheme.v
         page = torch.where(page < 0, self.trash_page, page).long()
-        c, scale, offset = quantize_groups(src, self.scheme.bits, quant)
+        c, scale, offset = quantize_groups(src, quant)
         n, kvh, t, d = src.shape
-        words = pack_tiles(c.reshape(n, kvh, t // TILE_TOKENS, TILE_TOKENS, d), TileGeometry(role, self.scheme.bits, d))
+        pack = PACKERS[self.arch.layout][0]
+        words = pack(c.reshape(n, kvh, t // TILE_TOKENS, TILE_TOKENS, d), TileGeometry(role, quant.bits, d))
         tiles = (slot.long() // TILE_TOKENS)[:, None] + torch.arange(t // TILE_TOKENS, device=src.device)[None, :]
         codes[page[:, None], :, tiles] = words.transpose(1, 2)
         rows_per_granule = t if quant.axis is Axis.TOKEN else t // quant.group
@@ -497,10 +525,10 @@ class PagedKVCache:
 
             return decode_paged(q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
                                 table.contiguous(), lengths, self.scheme, self.page_size, sm_scale, return_lse=True,
-                                num_splits=self.num_splits(q.shape[0]), check_pages=False, layout="hopper",
+                                num_splits=self.num_splits(q.shape[0]), check_pages=False, layout=self.arch.layout,
                                 partials=partials)
         cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
-                            self.v_params[layer], table, lengths)
+                            self.v_params[layer], table, lengths, self.arch.layout)
         k, v = cache.dequantize(torch.float32)  # [B, kvh, max_tokens, D], zero past the lengths
         valid = torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None]
         return self._softmax_attend(q, k, v, valid[:, None, :].expand(-1, self.kv_heads, -1), sm_scale)
@@ -541,7 +569,7 @@ class PagedKVCache:
             if qn:
                 cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer],
                                     self.v_codes[layer], self.v_params[layer], self.page_table[seq_id:seq_id + 1],
-                                    torch.tensor([qn], dtype=torch.int32, device=self.device))
+                                    torch.tensor([qn], dtype=torch.int32, device=self.device), self.arch.layout)
                 parts.append(cache.dequantize(torch.float32)[0 if role == "k" else 1][0, :, :qn])
             recent = [self._ring_slot(p) for p in range(self.sink + qn, n)]
             parts.append(bf16[layer, seq_id][:, torch.tensor(recent, dtype=torch.int64, device=self.device)].float())

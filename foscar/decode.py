@@ -1,4 +1,4 @@
-"""Public decode API: validation, split-KV planning, arch dispatch.
+"""Public decode API: validation, split-KV planning, arch dispatch (through ``foscar.archs``).
 
 ``decode(q, cache)`` attends each query head over its sequence in a :class:`QuantizedKV` cache;
 ``decode_paged(...)`` takes the raw cache tensors (what a serving engine holds). Every argument is
@@ -11,8 +11,7 @@ import math
 
 import torch
 
-from .jit import device_arch
-from .layouts import ARCH_LAYOUT
+from .archs import arch_of_device, get_arch, packed_layouts
 from .quantize import QuantizedKV, check_page_size
 from .scheme import Axis, Scheme
 
@@ -89,10 +88,9 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
     num_pages, kv_heads = k_codes.shape[:2]
     if q_heads != kv_heads * scheme.gqa_ratio:
         raise ValueError(f"q has {q_heads} heads; must be kv_heads ({kv_heads}) * Scheme.gqa_ratio ({scheme.gqa_ratio})")
-    tile_words = 64 * dim * scheme.bits // 32
-    codes_shape = (num_pages, kv_heads, page_size // 64, tile_words)
-    for name, t in (("k_codes", k_codes), ("v_codes", v_codes)):
-        _tensor(name, t, torch.int32, codes_shape, device)
+    for name, t, quant in (("k_codes", k_codes, scheme.k), ("v_codes", v_codes, scheme.v)):
+        tile_words = 64 * dim * quant.bits // 32  # K and V may differ in width
+        _tensor(name, t, torch.int32, (num_pages, kv_heads, page_size // 64, tile_words), device)
     for name, t, quant in (("k_params", k_params, scheme.k), ("v_params", v_params, scheme.v)):
         rows, cols = (page_size, dim // quant.group) if quant.axis is Axis.TOKEN else (page_size // quant.group, dim)
         _tensor(name, t, torch.float16, (num_pages, kv_heads, rows, cols, 2), device)
@@ -117,45 +115,38 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
     ``out`` ([batch, q_heads, head_dim], q's dtype) and ``lse`` ([batch, q_heads], fp32) may be
     given to write in place. ``check_pages=False`` skips the host read-back of the page table
     (it is skipped anyway under CUDA-graph capture). ``layout`` (optional) names the bit order the
-    codes were packed in; it must be the device's (``foscar.layouts.ARCH_LAYOUT``).
+    codes were packed in; it must be the device's (``foscar.archs.Arch.layout``).
     ``partials=True`` (Hopper) returns the unmerged split partials instead, ``(o [batch, q_heads,
     splits, head_dim], lse [batch, q_heads, splits])`` fp32, for ``foscar.kernels.window``.
     """
     validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme, page_size, sm_scale, check_pages)
     sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
-    if layout is not None and layout not in ARCH_LAYOUT.values():
-        raise ValueError(f"layout must be None or one of {sorted(ARCH_LAYOUT.values())}, got {layout!r}")
+    if layout is not None and layout not in packed_layouts():
+        raise ValueError(f"layout must be None or one of {packed_layouts()}, got {layout!r}")
     if q.device.type != "cuda":
         raise ValueError(f"q must be a CUDA tensor to run the kernel, got device {q.device}")
-    arch = device_arch(q.device)
-    expected = ARCH_LAYOUT[arch]
-    if layout is not None and layout != expected:
-        raise ValueError(f"layout: the cache is packed for {layout!r} but this {arch} device reads {expected!r} "
-                         f"(quantize with layout={expected!r})")
-    if num_splits is None:
-        props = torch.cuda.get_device_properties(q.device)
-        num_splits = plan_splits(q.shape[0], k_codes.shape[1], page_table.shape[1] * page_size, props.multi_processor_count)
-    if arch == "sm_90a":
-        from .hopper.decode import run_decode
-    else:
-        from .blackwell.decode import run_decode
-
+    arch = arch_of_device(q.device)
+    if layout is not None and layout != arch.layout:
+        raise ValueError(f"layout: the cache is packed for {layout!r} but this {arch.name} device reads {arch.layout!r} "
+                         f"(quantize with layout={arch.layout!r})")
+    arch.can_implement(scheme, page_size)  # a variant the kernel cannot build fails here, before compiling
     batch, q_heads, dim = q.shape
     if out is not None:
         _tensor("out", out, q.dtype, (batch, q_heads, dim), q.device)
     if lse is not None:
         _tensor("lse", lse, torch.float32, (batch, q_heads), q.device)
+    if num_splits is None:
+        props = torch.cuda.get_device_properties(q.device)
+        num_splits = plan_splits(batch, k_codes.shape[1], page_table.shape[1] * page_size, props.multi_processor_count)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
     if partials:
         if out is not None or lse is not None:
             raise ValueError("out/lse: partials=True returns fresh split partials; do not pass out or lse with it")
-        if arch != "sm_90a":
-            raise NotImplementedError(f"partials: the {arch} decode kernel merges its splits itself")
-        return run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme, num_splits,
-                          partials=True)
-    out, lse = run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme, num_splits,
-                          out, lse)
+        return arch.run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
+                               num_splits, partials=True)
+    out, lse = arch.run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
+                               num_splits, out, lse)
     return (out, lse) if return_lse else out
 
 
@@ -173,17 +164,13 @@ def compile_decode(scheme: Scheme, arch: str, page_size: int = 128, split: bool 
     """Compile the decode kernel of ``scheme`` for ``arch`` ("sm_90a" or "sm_100a") without a GPU.
 
     Returns ``foscar.inspect.Artifacts``: PTX, cubin, SASS (via nvdisasm), registers, spills and
-    the instruction mix. ``split`` selects the kernel that writes split-KV partials.
+    the instruction mix. ``split`` selects the kernel that writes split-KV partials. A variant the
+    arch's kernel cannot build raises a ValueError naming the field (``Arch.can_implement``).
     """
     from .inspect import artifacts
 
+    target = get_arch(arch)
     if not isinstance(scheme, Scheme):
         raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
-    if arch not in ARCH_LAYOUT:
-        raise ValueError(f"arch must be one of {sorted(ARCH_LAYOUT)}, got {arch!r}")
     check_page_size(scheme, page_size)
-    if arch == "sm_90a":
-        from .hopper.decode import compile_decode as build
-    else:
-        from .blackwell.decode import compile_decode as build
-    return artifacts(build(scheme, page_size, split, arch=arch))
+    return artifacts(target.compile_decode(scheme, page_size, split))

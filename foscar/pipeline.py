@@ -28,6 +28,7 @@ from cutlass import Int32
 from cutlass.cutlass_dsl import dsl_user_op
 
 from .device import inline_ptx
+from .layouts.fragment import TILE_TOKENS
 
 
 @dsl_user_op
@@ -42,3 +43,18 @@ def bulk_copy_g2s(dst: cute.Pointer, src: cute.Pointer, nbytes: int, mbar: cute.
 def stage_and_phase(i, stages: int):
     """(stage, phase parity) of local tile ``i`` in a ring of ``stages``."""
     return i % stages, (i // stages) % 2
+
+
+def split_range(length, split, num_splits, align: int):
+    """(n_tiles, t_begin, t_end) of split ``split``: the sequence's ``n_tiles`` 64-token tiles cut into
+    ``num_splits`` ranges of whole runs of ``align`` tiles (a channel-wise K group, a Blackwell
+    128-token step), so no run straddles two CTAs. The last splits may be empty (t_begin >= t_end).
+    ``align`` is a power of two: rounding up is then one add and one AND."""
+    import cutlass
+
+    if align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
+    n_tiles = (length + TILE_TOKENS - 1) // TILE_TOKENS
+    per_split = ((n_tiles + num_splits - 1) // num_splits + align - 1) & -align
+    t_begin = split * per_split
+    return n_tiles, t_begin, cutlass.min(t_begin + per_split, n_tiles)

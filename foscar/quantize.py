@@ -53,8 +53,8 @@ def _params_shape(quant: TensorQuant, length: int, dim: int):
     return (length, dim // quant.group) if quant.axis is Axis.TOKEN else (length // quant.group, dim)
 
 
-def quantize_groups(x: torch.Tensor, bits: int, quant: TensorQuant, valid: torch.Tensor | None = None):
-    """Quantize ``x [..., L, D]`` into codes (uint8, same shape) and fp16 scale, offset.
+def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | None = None):
+    """Quantize ``x [..., L, D]`` to ``quant.bits`` into codes (uint8, same shape) and fp16 scale, offset.
 
     ``scale``/``offset`` have shape ``[..., L, D // G]`` (token-wise) or ``[..., L // G, D]``
     (channel-wise; L must be a multiple of G). ``valid [..., L]`` (bool) excludes tokens.
@@ -62,15 +62,15 @@ def quantize_groups(x: torch.Tensor, bits: int, quant: TensorQuant, valid: torch
     if x.dim() < 2:
         raise ValueError(f"x must have shape [..., tokens, channels], got {tuple(x.shape)}")
     length, dim = x.shape[-2:]
-    if bits not in (2, 4):
-        raise ValueError(f"bits must be 2 or 4, got {bits!r}")
+    if quant.bits not in (2, 4):
+        raise ValueError(f"quant.bits must be 2 or 4, got {quant.bits!r}")
     if valid is not None and tuple(valid.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"valid must have shape {list(x.shape[:-1])}, got {list(valid.shape)}")
     if quant.axis is Axis.TOKEN and dim % quant.group:
         raise ValueError(f"token-wise group {quant.group} must divide the channel count {dim}")
     if quant.axis is Axis.CHANNEL and length % quant.group:
         raise ValueError(f"channel-wise group {quant.group} must divide the token count {length}")
-    levels = 2**bits - 1
+    levels = quant.levels - 1
     xf = x.to(torch.float32)
     if not torch.isfinite(xf).all():
         raise ValueError("x holds inf or nan")
@@ -141,7 +141,7 @@ class QuantizedKV:
             raise ValueError(f"role must be 'k' or 'v', got {role!r}")
         codes, params = (self.k_codes, self.k_params) if role == "k" else (self.v_codes, self.v_params)
         quant = self.scheme.k if role == "k" else self.scheme.v
-        geom = TileGeometry(role, self.scheme.bits, self.scheme.head_dim)
+        geom = TileGeometry(role, quant.bits, self.scheme.head_dim)
         table = self.page_table.long()
         batch, max_pages = table.shape
         d = self.scheme.head_dim
@@ -225,8 +225,8 @@ def quantize_kv(k, v, scheme: Scheme, page_size: int = 64, lengths=None, layout:
     fields = {}
     for role, x, quant in (("k", k, scheme.k), ("v", v, scheme.v)):
         x = torch.nn.functional.pad(x, (0, 0, 0, padded - tokens))
-        codes, scale, offset = quantize_groups(x, scheme.bits, quant, valid)
-        geom = TileGeometry(role, scheme.bits, dim)
+        codes, scale, offset = quantize_groups(x, quant, valid)
+        geom = TileGeometry(role, quant.bits, dim)
         tiles = codes.reshape(batch, kv_heads, max_pages, page_size // TILE_TOKENS, TILE_TOKENS, dim)
         words = PACKERS[layout][0](tiles, geom).permute(0, 2, 1, 3, 4)  # [batch, max_pages, kvh, tiles, words]
         params = torch.stack([scale, offset], dim=-1)  # [batch, kvh, rows, cols, 2]

@@ -1,7 +1,7 @@
 """The algorithm description: one frozen, hashable object per quantization variant.
 
-A :class:`Scheme` says how K and V are quantized (bits, group axis, group size), the head
-geometry and the query dtype. :meth:`Scheme.plan` turns it into a :class:`FoldingPlan`: where each
+A :class:`Scheme` says how K and V are quantized, each on its own (bits, group axis, group size),
+the head geometry and the query dtype. :meth:`Scheme.plan` turns it into a :class:`FoldingPlan`: where each
 group scale goes (onto the other MMA operand, or onto the MMA's partial sum) and which offset
 correction is added, for one operand construction (how codes become Tensor Core operands, see
 ``foscar.operands``). Every consumer -- the float64 references, the Hopper and the Blackwell
@@ -18,6 +18,8 @@ from fractions import Fraction
 
 import torch
 
+from .folds import Correction, FoldCase, Site, fold_case
+
 __all__ = [
     "Axis",
     "TensorQuant",
@@ -25,7 +27,6 @@ __all__ = [
     "Construction",
     "Site",
     "Correction",
-    "OperandFold",
     "FoldingPlan",
     "HOPPER_FP16",
     "BLACKWELL_FP4",
@@ -55,31 +56,28 @@ class Axis(str, enum.Enum):
     CHANNEL = "channel"
 
 
+def _check_int(field: str, value, allowed) -> int:
+    """``value`` as an int from ``allowed``, or a ValueError naming ``field`` (2.0 and True are refused:
+    they would pass ``in`` and fail later, far from their cause)."""
+    if type(value) is not int or value not in allowed:
+        raise ValueError(f"{field} must be an int, one of {sorted(allowed)}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class TensorQuant:
-    """Grouping of one of K or V."""
+    """Quantization of one of K or V: group axis, group size and code bit width."""
 
     axis: Axis
     group: int
+    bits: int
 
     def __post_init__(self):
         object.__setattr__(self, "axis", Axis(self.axis))
 
-
-class Site(str, enum.Enum):
-    """Where a group scale is applied."""
-
-    OTHER_OPERAND = "other_operand"  # scales Q (for K) or P (for V) before the MMA
-    PARTIAL_SUM = "partial_sum"  # scales the MMA partial sum of one group after the MMA
-
-
-class Correction(str, enum.Enum):
-    """The offset correction each case adds (design.md, the four folding cases)."""
-
-    OFFSET_TIMES_QSUM = "offset_times_qsum"  # K token-wise: sum_j z[l,j] * Qsum[j]
-    Q_DOT_OFFSET = "q_dot_offset"  # K channel-wise: sum_d z[d,t] q[d], one per token block
-    P_DOT_OFFSET = "p_dot_offset"  # V token-wise: sum_l z[l,j] P[l], one per channel block
-    OFFSET_TIMES_PSUM = "offset_times_psum"  # V channel-wise: z[d,t] * Psum[t]
+    @property
+    def levels(self) -> int:
+        return 2**self.bits
 
 
 @dataclass(frozen=True)
@@ -116,46 +114,52 @@ BLACKWELL_FP4 = Construction("fp4e2m1-c/2", "float4_e2m1fn", Fraction(1, 2), Fra
 BLACKWELL_FP8 = Construction("fp8e4m3-c/512", "float8_e4m3fn", Fraction(1, 512), Fraction(0))
 
 
+# the construction each arch's kernel uses per code width (foscar.archs.Arch.construction reads it)
+CONSTRUCTIONS = {
+    ("sm_90a", 2): HOPPER_FP16[2],
+    ("sm_90a", 4): HOPPER_FP16[4],
+    ("sm_100a", 2): BLACKWELL_FP4,
+    ("sm_100a", 4): BLACKWELL_FP8,
+}
+
+
 def construction_for(arch: str, bits: int) -> Construction:
-    """The operand construction each arch's kernel uses."""
-    if arch == "sm_90a":
-        return HOPPER_FP16[bits]
-    if arch == "sm_100a":
-        return BLACKWELL_FP4 if bits == 2 else BLACKWELL_FP8
-    raise ValueError(f"arch must be 'sm_90a' or 'sm_100a', got {arch!r}")
-
-
-@dataclass(frozen=True)
-class OperandFold:
-    """The plan for one of K or V."""
-
-    axis: Axis
-    group: int
-    scale_site: Site
-    correction: Correction
-    # Length of the MMA reduction block whose partial sum needs its own accumulator (PARTIAL_SUM),
-    # or of the block sharing one scaled copy of the other operand (OTHER_OPERAND).
-    block: int
+    """The operand construction ``arch``'s kernel uses for ``bits``-bit codes."""
+    if (arch, bits) not in CONSTRUCTIONS:
+        raise ValueError(f"arch must be one of {sorted({a for a, _ in CONSTRUCTIONS})} and bits one of {BITS}, "
+                         f"got arch={arch!r}, bits={bits!r}")
+    return CONSTRUCTIONS[(arch, bits)]
 
 
 @dataclass(frozen=True)
 class FoldingPlan:
+    """What every consumer of a variant reads: per tensor its fold case (``foscar.folds``: where the
+    scale goes, which correction, the params geometry) with the arch's operand construction."""
+
     scheme: "Scheme"
-    construction: Construction
-    k: OperandFold
-    v: OperandFold
+    arch: str
+    k: FoldCase
+    v: FoldCase
+
+    @property
+    def construction(self) -> Construction:
+        """The construction K and V share (an INT4/INT2 mix has one per tensor: ``k.construction``)."""
+        if self.k.construction != self.v.construction:
+            raise ValueError(f"K and V use different constructions in {self.scheme.name}: read plan.k / plan.v")
+        return self.k.construction
 
 
 @dataclass(frozen=True)
 class Scheme:
     """A quantization variant of the KV cache.
 
-    ``bits``: 2 or 4. ``k``/``v``: group axis and size (32, 64, 128 or head_dim; token-wise groups
-    must divide head_dim). ``head_dim``: 64, 128 or 256. ``gqa_ratio``: query heads per KV head.
-    ``q_dtype``: bfloat16 or float16 (the cache quantizes K/V of the same dtype).
+    ``k``/``v``: group axis, group size (32, 64, 128 or head_dim; token-wise groups must divide
+    head_dim) and bits (2 or 4), each tensor on its own. ``head_dim``: 64, 128 or 256.
+    ``gqa_ratio``: query heads per KV head (which ratios a kernel builds is the arch's
+    ``can_implement``, ``foscar.archs``). ``q_dtype``: bfloat16 or float16 (the cache quantizes
+    K/V of the same dtype).
     """
 
-    bits: int
     k: TensorQuant
     v: TensorQuant
     head_dim: int = 128
@@ -163,11 +167,8 @@ class Scheme:
     q_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
-        if isinstance(self.bits, bool) or self.bits not in BITS:
-            raise ValueError(f"Scheme.bits must be one of {BITS}, got {self.bits!r}")
-        if isinstance(self.head_dim, bool) or self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"Scheme.head_dim must be one of {HEAD_DIMS}, got {self.head_dim!r}")
-        if not isinstance(self.gqa_ratio, int) or isinstance(self.gqa_ratio, bool) or not 1 <= self.gqa_ratio <= MAX_GQA_RATIO:
+        _check_int("Scheme.head_dim", self.head_dim, HEAD_DIMS)
+        if type(self.gqa_ratio) is not int or not 1 <= self.gqa_ratio <= MAX_GQA_RATIO:
             raise ValueError(f"Scheme.gqa_ratio must be an int in 1..{MAX_GQA_RATIO}, got {self.gqa_ratio!r}")
         if self.q_dtype not in Q_DTYPES:
             raise ValueError(f"Scheme.q_dtype must be torch.bfloat16 or torch.float16, got {self.q_dtype!r}")
@@ -177,56 +178,65 @@ class Scheme:
                 quant = TensorQuant(*quant)
                 object.__setattr__(self, name, quant)
             if not isinstance(quant, TensorQuant):
-                raise ValueError(f"Scheme.{name} must be a TensorQuant(axis, group), got {quant!r}")
-            allowed = sorted(set(GROUP_SIZES) | {self.head_dim})
-            if isinstance(quant.group, bool) or quant.group not in allowed:
-                raise ValueError(f"Scheme.{name}.group must be one of {allowed} for head_dim {self.head_dim}, got {quant.group!r}")
+                raise ValueError(f"Scheme.{name} must be a TensorQuant(axis, group, bits), got {quant!r}")
+            _check_int(f"Scheme.{name}.bits", quant.bits, BITS)
+            _check_int(f"Scheme.{name}.group", quant.group, set(GROUP_SIZES) | {self.head_dim})
             if quant.axis is Axis.TOKEN and self.head_dim % quant.group:
                 raise ValueError(
                     f"Scheme.{name}.group={quant.group} must divide head_dim={self.head_dim} for token-wise groups"
                 )
 
     @classmethod
-    def make(cls, bits, k="token", k_group=None, v="token", v_group=None, head_dim=128, gqa_ratio=1, q_dtype=torch.bfloat16):
-        """Shorthand: ``Scheme.make(2, k="channel", k_group=128)``; groups default to head_dim."""
-        if isinstance(head_dim, bool) or head_dim not in HEAD_DIMS:
-            raise ValueError(f"Scheme.head_dim must be one of {HEAD_DIMS}, got {head_dim!r}")
+    def make(cls, bits=None, k="token", k_group=None, v="token", v_group=None, head_dim=128, gqa_ratio=1,
+             q_dtype=torch.bfloat16, *, k_bits=None, v_bits=None):
+        """Shorthand: ``Scheme.make(2, k="channel", k_group=128)``; groups default to head_dim.
+
+        ``bits`` sets both tensors; ``k_bits`` / ``v_bits`` set one each (keys are the more
+        sensitive tensor: ``Scheme.make(k_bits=4, v_bits=2)``)."""
+        _check_int("Scheme.head_dim", head_dim, HEAD_DIMS)
         for name, axis in (("k", k), ("v", v)):
             if axis not in ("token", "channel", Axis.TOKEN, Axis.CHANNEL):
                 raise ValueError(f"Scheme.{name} axis must be 'token' or 'channel', got {axis!r}")
+        if bits is None and (k_bits is None or v_bits is None):
+            raise ValueError("Scheme.bits: give bits (both tensors) or both k_bits and v_bits")
+        for name, value in (("bits", bits), ("k.bits", k_bits), ("v.bits", v_bits)):
+            if value is not None:
+                _check_int(f"Scheme.{name}", value, BITS)
+        k_bits = bits if k_bits is None else k_bits
+        v_bits = bits if v_bits is None else v_bits
         return cls(
-            bits,
-            TensorQuant(Axis(k), head_dim if k_group is None else k_group),
-            TensorQuant(Axis(v), head_dim if v_group is None else v_group),
+            TensorQuant(Axis(k), head_dim if k_group is None else k_group, k_bits),
+            TensorQuant(Axis(v), head_dim if v_group is None else v_group, v_bits),
             head_dim,
             gqa_ratio,
             q_dtype,
         )
 
     @property
-    def levels(self) -> int:
-        return 2**self.bits
+    def bits(self) -> int:
+        """The common bit width of K and V; a mixed scheme has none (read ``k.bits`` / ``v.bits``)."""
+        if self.k.bits != self.v.bits:
+            raise ValueError(f"Scheme {self.name} has {self.k.bits}-bit K and {self.v.bits}-bit V codes: "
+                             "read scheme.k.bits / scheme.v.bits")
+        return self.k.bits
 
     @property
     def name(self) -> str:
+        bits = f"int{self.k.bits}" if self.k.bits == self.v.bits else f"k{self.k.bits}v{self.v.bits}"
         return (
-            f"int{self.bits}-k{self.k.axis.value[0]}{self.k.group}-v{self.v.axis.value[0]}{self.v.group}"
+            f"{bits}-k{self.k.axis.value[0]}{self.k.group}-v{self.v.axis.value[0]}{self.v.group}"
             f"-d{self.head_dim}-gqa{self.gqa_ratio}-{str(self.q_dtype).removeprefix('torch.')}"
         )
 
-    def plan(self, construction: Construction | None = None) -> FoldingPlan:
-        """Where every scale and offset goes, for ``construction`` (default: Hopper FP16)."""
-        construction = construction or HOPPER_FP16[self.bits]
-        if self.k.axis is Axis.TOKEN:
-            k = OperandFold(Axis.TOKEN, self.k.group, Site.PARTIAL_SUM, Correction.OFFSET_TIMES_QSUM, self.k.group)
-        else:
-            k = OperandFold(Axis.CHANNEL, self.k.group, Site.OTHER_OPERAND, Correction.Q_DOT_OFFSET, self.k.group)
-        if self.v.axis is Axis.TOKEN:
-            v = OperandFold(Axis.TOKEN, self.v.group, Site.OTHER_OPERAND, Correction.P_DOT_OFFSET, self.v.group)
-        else:
-            v = OperandFold(Axis.CHANNEL, self.v.group, Site.PARTIAL_SUM, Correction.OFFSET_TIMES_PSUM, self.v.group)
-        return FoldingPlan(self, construction, k, v)
+    def plan(self, arch: str = "sm_90a", *, construction: Construction | None = None) -> FoldingPlan:
+        """Where every scale and offset goes, with the operand construction of ``arch`` per tensor
+        (``construction`` overrides it for both, e.g. to test the algebra with a biased one)."""
+        cases = [
+            fold_case(name, quant, self.head_dim, construction or construction_for(arch, quant.bits))
+            for name, quant in (("k", self.k), ("v", self.v))
+        ]
+        return FoldingPlan(self, arch, *cases)
 
     def bytes_per_element(self) -> float:
         """Bytes read per cached K or V element: codes plus the fp16 (scale, offset) share."""
-        return self.bits / 8 + (4 / self.k.group + 4 / self.v.group) / 2
+        return (self.k.bits + self.v.bits) / 16 + (4 / self.k.group + 4 / self.v.group) / 2

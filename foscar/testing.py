@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .jit import device_arch
-from .layouts import ARCH_LAYOUT
+from .archs import HOPPER, arch_of_device
 from .quantize import QuantizedKV, quantize_kv
 from .reference import attend_dequantized, attend_dequantized_torch
 from .scheme import Axis, Scheme
@@ -30,7 +29,7 @@ def random_problem(scheme: Scheme, lengths, kv_heads=2, page_size=64, device="cu
     ``layout``: the cache's bit order; default: what the CUDA device's kernel reads ("hopper" on CPU).
     """
     if layout is None:
-        layout = ARCH_LAYOUT[device_arch(device)] if torch.device(device).type == "cuda" else "hopper"
+        layout = (arch_of_device(device) if torch.device(device).type == "cuda" else HOPPER).layout
     lengths = list(lengths)
     if generator is None:  # a fresh seed every call, drawn on the host, generated on the device
         generator = torch.Generator(device).manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -89,6 +88,10 @@ def coverage_matrix():
             cases.append((Scheme.make(bits, "channel", 64, "channel", 64, head_dim, 2), 128, [129, 255, 2]))
     for ratio in (1, 2, 3, 5, 6, 7, 8, 16):
         cases.append((Scheme.make(2, "channel", 128, "token", 128, 128, ratio), 128, [300, 1]))
+    # K and V of different widths, over the four fold cases (short sequences: the widths are what is new)
+    for (k_bits, v_bits), (k_axis, v_axis) in zip([(4, 2), (2, 4), (4, 2), (2, 4)], [(a, b) for a in Axis for b in Axis]):
+        scheme = Scheme.make(None, k_axis.value, 64, v_axis.value, 128, 128, 4, k_bits=k_bits, v_bits=v_bits)
+        cases.append((scheme, 128, [1, 65, 300]))
     cases.append((Scheme.make(2, "token", 128, "token", 128, 128, 4), 256, [100_003]))
     cases.append((Scheme.make(4, "channel", 128, "token", 128, 128, 8), 128, [1 + (i * 37) % 300 for i in range(256)]))
     return cases

@@ -81,11 +81,11 @@ def emulate_kernel(q, cache, sm_scale, hilo=True, step=128):
     and channel-wise K group; P*s per step and token-wise V block; P*2^7 for channel-wise V)."""
     scheme = cache.scheme
     d, r = scheme.head_dim, scheme.gqa_ratio
-    a = float(construction_for(scheme.bits).a)
-    con = construction_for(scheme.bits)
+    plan = scheme.plan("sm_100a")  # K and V each with the construction of its own bits
+    ka, va = float(plan.k.construction.a), float(plan.v.construction.a)
     kc, ks, kz, _ = cache.codes_and_params("k")
     vc, vs, vz, _ = cache.codes_and_params("v")
-    kop, vop = con.operand(kc), con.operand(vc)  # [b, h, L, D]
+    kop, vop = plan.k.construction.operand(kc), plan.v.construction.operand(vc)  # [b, h, L, D]
     b, hkv, L = kc.shape[:3]
     qg = q.double().reshape(b, hkv, r, d)
     sq = _pow2_norm(qg.abs().amax(-1, keepdim=True))  # [b, h, r, 1]
@@ -93,14 +93,14 @@ def emulate_kernel(q, cache, sm_scale, hilo=True, step=128):
         gk = scheme.k.group
         qr = _fp8(qg * sq, hilo) / sq
         blocks = torch.einsum("bhrjd,bhljd->bhrlj", qr.reshape(b, hkv, r, d // gk, gk), kop.reshape(b, hkv, L, d // gk, gk))
-        s = torch.einsum("bhrlj,bhlj->bhrl", blocks, ks.double() / a)
+        s = torch.einsum("bhrlj,bhlj->bhrl", blocks, ks.double() / ka)
         s = s + torch.einsum("bhlj,bhrj->bhrl", kz.double(), qg.reshape(b, hkv, r, d // gk, gk).sum(-1))
     else:
         ksl, kzl = _per_token(ks, scheme.k.group, L), _per_token(kz, scheme.k.group, L)
         norm = torch.exp2(-(torch.floor(torch.log2(ksl.abs().amax(-1, keepdim=True).clamp_min(1e-30))) + 1))  # [b,h,L,1]
         qs = (qg * sq)[:, :, :, None, :] * (ksl * norm)[:, :, None]  # [b, h, r, L, D], |.| < 256
         qr = _fp8(qs, hilo) / (sq[:, :, :, None] * norm[:, :, None])
-        s = torch.einsum("bhrld,bhld->bhrl", qr, kop) / a + torch.einsum("bhld,bhrd->bhrl", kzl, qg)
+        s = torch.einsum("bhrld,bhld->bhrl", qr, kop) / ka + torch.einsum("bhld,bhrd->bhrl", kzl, qg)
     s = s * sm_scale
     valid = torch.arange(L)[None, :] < cache.lengths.long()[:, None]
     s = s.masked_fill(~valid[:, None, None, :], -torch.inf)
@@ -116,27 +116,31 @@ def emulate_kernel(q, cache, sm_scale, hilo=True, step=128):
                 ps = _pow2_norm(vsj.abs().amax(-1))[:, :, None, None]  # per step and block j
                 psr = _fp8(p[..., sl] * vsj[:, :, None] * ps, hilo) / ps
                 cols = slice(j * gv, (j + 1) * gv)
-                out[..., cols] += torch.einsum("bhrl,bhld->bhrd", psr, vop[:, :, sl, cols]) / a
+                out[..., cols] += torch.einsum("bhrl,bhld->bhrd", psr, vop[:, :, sl, cols]) / va
                 out[..., cols] += torch.einsum("bhrl,bhl->bhr", p[..., sl], vz[:, :, sl, j].double())[..., None]
         else:
             vsl, vzl = _per_token(vs, scheme.v.group, L)[:, :, sl], _per_token(vz, scheme.v.group, L)[:, :, sl]
             pr = _fp8(p[..., sl] * 128, hilo) / 128
-            out += torch.einsum("bhrl,bhld->bhrd", pr, vop[:, :, sl] * vsl) / a + torch.einsum("bhrl,bhld->bhrd", p[..., sl], vzl)
+            out += torch.einsum("bhrl,bhld->bhrd", pr, vop[:, :, sl] * vsl) / va + torch.einsum("bhrl,bhld->bhrd", p[..., sl], vzl)
     l = p.sum(-1, keepdim=True)
     return (out / l).reshape(q.shape), (m.squeeze(-1) + torch.log(l.squeeze(-1))).reshape(q.shape[:2])
 
 
-EMULATED = [(bits, k, v) for bits in (2, 4) for k in ("token", "channel") for v in ("token", "channel")]
+# (K bits, V bits): uniform, and mixed (FP8 K operands with FP4 V operands, and the reverse)
+BIT_PAIRS = [(2, 2), (4, 4), (4, 2), (2, 4)]
+EMULATED = [(kb, vb, k, v) for kb, vb in BIT_PAIRS for k in ("token", "channel") for v in ("token", "channel")]
 
 
-@pytest.mark.parametrize("bits,k_axis,v_axis", EMULATED, ids=[f"int{b}-k{k[0]}-v{v[0]}" for b, k, v in EMULATED])
-def test_fp8_hilo_accuracy_emulation(bits, k_axis, v_axis, rng):
+@pytest.mark.parametrize("k_bits,v_bits,k_axis,v_axis", EMULATED, ids=[f"k{kb}v{vb}-k{k[0]}-v{v[0]}" for kb, vb, k, v in EMULATED])
+def test_fp8_hilo_accuracy_emulation(k_bits, v_bits, k_axis, v_axis, rng):
     """FP8 Q/P alone (3-bit mantissa) vs hi/lo split (two FP8 halves, one MMA with 2N columns):
-    the split brings the error to the BF16 PyTorch level in every folding case."""
+    the split brings the error to the BF16 PyTorch level in every folding case, with K and V bits
+    chosen independently."""
     from foscar.quantize import quantize_kv
     from foscar.reference import attend_dequantized, attend_dequantized_torch, attend_folded
 
-    scheme = Scheme.make(bits, k_axis, 64, v_axis, 128 if v_axis == "token" else 32, head_dim=128, gqa_ratio=4)
+    scheme = Scheme.make(k=k_axis, k_group=64, v=v_axis, v_group=128 if v_axis == "token" else 32, head_dim=128,
+                         gqa_ratio=4, k_bits=k_bits, v_bits=v_bits)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
     k = torch.randn(2, 2, 512, 128, dtype=torch.bfloat16) + 2 * torch.randn(128, dtype=torch.bfloat16)
     v = torch.randn(2, 2, 512, 128, dtype=torch.bfloat16)
@@ -144,7 +148,7 @@ def test_fp8_hilo_accuracy_emulation(bits, k_axis, v_axis, rng):
     q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
     sm = 128**-0.5
     ref, ref_lse = attend_dequantized(q, cache, sm)
-    folded, _ = attend_folded(q, cache, sm, construction_for(bits))
+    folded, _ = attend_folded(q, cache, sm, "sm_100a")
     assert (folded - ref).abs().max() < 1e-9  # the plan with the Blackwell construction is exact
     out, lse = emulate_kernel(q, cache, sm, True)
     err_hilo = (out - ref).abs().max().item()
@@ -157,7 +161,8 @@ def test_fp8_hilo_accuracy_emulation(bits, k_axis, v_axis, rng):
 
 
 # ------------------------------------------------------------------------------------ compile (CPU)
-# (bits, k axis, k group, v axis, v group, head_dim, gqa_ratio, page_size, partial_output)
+# (bits, k axis, k group, v axis, v group, head_dim, gqa_ratio, page_size, partial_output); bits is
+# one int for both tensors or (K bits, V bits)
 VARIANTS = [
     (2, "token", 128, "token", 128, 128, 4, 64, False),
     (4, "token", 128, "token", 128, 128, 4, 64, False),
@@ -171,27 +176,45 @@ VARIANTS = [
     (2, "token", 32, "token", 32, 256, 16, 128, False),  # spilled 8 B (was 544 B of hoisted MMA descriptors)
     (4, "channel", 32, "channel", 32, 128, 16, 64, True),  # spilled 16 B live across the role dispatch
     (2, "channel", 128, "token", 128, 128, 16, 128, True),  # spilled 8 B live across the role dispatch
+    # K and V bits chosen independently: every fold case pair, FP8 K with FP4 V and the reverse
+    ((4, 2), "token", 128, "token", 128, 128, 4, 128, False),
+    ((4, 2), "token", 64, "channel", 64, 128, 5, 256, True),
+    ((4, 2), "channel", 64, "token", 64, 128, 6, 128, True),
+    ((4, 2), "channel", 32, "channel", 32, 64, 2, 64, False),
+    ((2, 4), "token", 32, "token", 32, 128, 8, 64, True),
+    ((2, 4), "token", 128, "channel", 128, 128, 4, 128, False),
+    ((2, 4), "channel", 128, "token", 128, 128, 16, 128, True),
+    ((2, 4), "channel", 64, "channel", 64, 256, 2, 128, False),
 ]
 
 
+def _scheme(variant) -> Scheme:
+    bits, ka, kg, va, vg, d, r = variant[:7]
+    k_bits, v_bits = bits if isinstance(bits, tuple) else (bits, bits)
+    return Scheme.make(k=ka, k_group=kg, v=va, v_group=vg, head_dim=d, gqa_ratio=r, k_bits=k_bits, v_bits=v_bits)
+
+
 def _ids(v):
-    return f"int{v[0]}-k{v[1][0]}{v[2]}-v{v[3][0]}{v[4]}-d{v[5]}-r{v[6]}-p{v[7]}{'-split' if v[8] else ''}"
+    bits = f"k{v[0][0]}v{v[0][1]}" if isinstance(v[0], tuple) else f"int{v[0]}"
+    return f"{bits}-k{v[1][0]}{v[2]}-v{v[3][0]}{v[4]}-d{v[5]}-r{v[6]}-p{v[7]}{'-split' if v[8] else ''}"
 
 
-def _check_compiled(variant):
+CONSTRUCTION_MASKS = {2: "0x33333333", 4: "0xf0f0f0f"}  # LOP3 immediates of the FP4 / FP8 recipes
+
+
+def _check_compiled(scheme, ps, partial):
     from foscar.blackwell.decode import compile_decode
     from foscar.blackwell.kernel import BlackwellConfig
-    from foscar.inspect import artifacts
+    from foscar.inspect import artifacts, find_nvdisasm
 
-    bits, ka, kg, va, vg, d, r, ps, partial = variant
-    scheme = Scheme.make(bits, ka, kg, va, vg, head_dim=d, gqa_ratio=r)
     compiled = compile_decode(scheme, ps, partial)
     ptx = compiled.__ptx__
     ptx = open(ptx).read() if "\n" not in ptx else ptx
     assert ".target sm_100a" in ptx
     cfg = BlackwellConfig(scheme, ps, partial)
     n_mma = len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f8f6f4", ptx))
-    assert n_mma == cfg.KB_D + cfg.MT * (cfg.JPM if cfg.v_token else 1) * cfg.KB_S, n_mma
+    pv_kblocks = sum(end - first for first, end in map(cfg.vh.pv_kblocks, range(cfg.JPM)))
+    assert n_mma == cfg.KB_D + cfg.MT * pv_kblocks, n_mma
     assert "tcgen05.alloc" in ptx and "tcgen05.ld" in ptx and "tcgen05.commit" in ptx and "tcgen05.dealloc" in ptx
     assert len(re.findall(r"setmaxnreg\.(inc|dec)", ptx)) == 4 and ".minnctapersm" in ptx
     # producer warp: one 1-D bulk copy per tile part (K codes, V codes, K params, V params; channel-wise
@@ -209,15 +232,40 @@ def _check_compiled(variant):
     assert len(re.findall(r"tcgen05\.fence::after_thread_sync", ptx)) == 4
     assert len(re.findall(r"tcgen05\.fence::before_thread_sync", ptx)) == 2
     assert len(re.findall(r"tcgen05\.wait::ld", ptx)) == len(re.findall(r"tcgen05\.ld\.", ptx))
-    return artifacts(compiled).resources()
+    art = artifacts(compiled)
+    if find_nvdisasm() is not None:
+        # the preparation warpgroup builds each tensor with the recipe of its own bits
+        sass = art.sass.lower()
+        for bits in {scheme.k.bits, scheme.v.bits}:
+            assert CONSTRUCTION_MASKS[bits] in sass, (scheme.name, bits)
+        for bits in set(CONSTRUCTION_MASKS) - {scheme.k.bits, scheme.v.bits}:
+            assert CONSTRUCTION_MASKS[bits] not in sass, (scheme.name, bits)
+    return art.resources()
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[_ids(v) for v in VARIANTS])
 def test_compiles_for_sm100a_with_tcgen05(variant):
     pytest.importorskip("cutlass")
-    res = _check_compiled(variant)
+    res = _check_compiled(_scheme(variant), variant[7], variant[8])
     print(f"{_ids(variant)}: {res.registers} registers, {res.local_bytes} B local")
     assert res.local_bytes == 0
+
+
+def test_mixed_bits_config_reads_the_plan_per_tensor():
+    """K4V2: the ring holds an INT4 K tile and an INT2 V tile, the MMAs take FP8 K and FP4 V operands,
+    and each tensor's scale factor is its own construction's 1/a."""
+    from cutlass import Float4E2M1FN, Float8E4M3FN
+
+    from foscar.blackwell.kernel import BlackwellConfig
+
+    scheme = Scheme.make(k="channel", k_group=64, v="token", v_group=128, head_dim=128, gqa_ratio=4, k_bits=4, v_bits=2)
+    cfg = BlackwellConfig(scheme, 128, False)
+    assert (cfg.K_TW, cfg.V_TW) == (64 * 128 * 4 // 32, 64 * 128 * 2 // 32)
+    assert (cfg.k_op.mma_dtype, cfg.v_op.mma_dtype) == (Float8E4M3FN, Float4E2M1FN)
+    assert (cfg.k_a_inv, cfg.v_a_inv) == (512.0, 2.0)
+    plan = scheme.plan("sm_100a")
+    assert (cfg.KPW, cfg.VPW) == (plan.k.tile_param_words, plan.v.tile_param_words)
+    assert cfg.STAGE_WORDS == cfg.K_TW + cfg.V_TW + cfg.KPW + cfg.VPW
 
 
 def test_whole_coverage_matrix_compiles_for_sm100a():
@@ -228,18 +276,20 @@ def test_whole_coverage_matrix_compiles_for_sm100a():
     spills = {}
     for scheme, ps, _lengths in coverage_matrix():
         for partial in (False, True):
-            v = (scheme.bits, scheme.k.axis.value, scheme.k.group, scheme.v.axis.value, scheme.v.group,
-                 scheme.head_dim, scheme.gqa_ratio, ps, partial)
-            res = _check_compiled(v)
+            res = _check_compiled(scheme, ps, partial)
             if res.local_bytes:
-                spills[_ids(v)] = res.local_bytes
+                spills[f"{scheme.name}-p{ps}{'-split' if partial else ''}"] = res.local_bytes
     print("spilling:", spills)
     assert not spills, spills
 
 
-@pytest.mark.parametrize("bits,bound", [(2, 0.25), (4, 0.45)])
-def test_prep_loop_alu_per_element(bits, bound):
-    """SASS of the preparation loop: LOP3 + SHF per KV element (paper: 0.19 per INT2 element on B200)."""
+ALU_BOUND = {2: 0.25, 4: 0.45}  # LOP3 + SHF per element of one tensor (the recipes: 3/16, 3/8)
+
+
+@pytest.mark.parametrize("k_bits,v_bits", BIT_PAIRS, ids=[f"k{k}v{v}" for k, v in BIT_PAIRS])
+def test_prep_loop_alu_per_element(k_bits, v_bits):
+    """SASS of the preparation loop: LOP3 + SHF per KV element (paper: 0.19 per INT2 element on B200);
+    a mixed scheme pays each tensor's own recipe (half the elements each)."""
     pytest.importorskip("cutlass")
     from collections import Counter
 
@@ -248,19 +298,20 @@ def test_prep_loop_alu_per_element(bits, bound):
 
     if find_nvdisasm() is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cutlass-dsl[sass])")
-    scheme = Scheme.make(bits, head_dim=128, gqa_ratio=4)
+    scheme = Scheme.make(head_dim=128, gqa_ratio=4, k_bits=k_bits, v_bits=v_bits)
     art = artifacts(compile_decode(scheme, 64, False))
     sass = art.sass_by_kernel[art.kernel()]
     ins, _ = parse_instructions(sass)
-    mask = "0x33333333" if bits == 2 else "0xf0f0f0f"
-    loops = [(a, e) for a, e in loop_regions(sass) if any(a <= i.address <= e and mask in i.text.lower() for i in ins)]
-    assert loops, "no loop holds the construction mask"
+    masks = {CONSTRUCTION_MASKS[k_bits], CONSTRUCTION_MASKS[v_bits]}
+    loops = [(a, e) for a, e in loop_regions(sass)
+             if all(any(a <= i.address <= e and m in i.text.lower() for i in ins) for m in masks)]
+    assert loops, "no loop holds the construction masks"
     a, e = min(loops, key=lambda x: x[1] - x[0])
     mix = Counter(i.opcode.split(".")[0] for i in ins if a <= i.address <= e)
     elems = 2 * 128 * 128 // 128  # K and V elements per prep thread per 128-token step
     construction = (mix["LOP3"] + mix["SHF"]) / elems
-    print(f"int{bits}: prep loop {dict(mix)}; LOP3+SHF per element {construction:.3f}")
-    assert construction <= bound
+    print(f"k{k_bits}v{v_bits}: prep loop {dict(mix)}; LOP3+SHF per element {construction:.3f}")
+    assert construction <= (ALU_BOUND[k_bits] + ALU_BOUND[v_bits]) / 2
 
 
 # ------------------------------------------------------------------------------------ GPU (sm_100 only)

@@ -15,6 +15,7 @@ SCHEMES = [
     Scheme.make(2, "channel", 128, "token", 64, 64, 2),  # KIVI-style: 128-token granule
     Scheme.make(4, "token", 64, "token", 64, 64, 2),  # OSCAR-style: 64-token granule
     Scheme.make(2, "channel", 64, "channel", 32, 64, 1),
+    Scheme.make(None, "channel", 64, "token", 32, 64, 2, k_bits=4, v_bits=2),  # K and V of different widths
 ]
 
 
@@ -51,7 +52,7 @@ def test_round_trip_and_append_paths(scheme, rng):
         for x, ref, quant in zip(dense[0], (k[b], v[b]), (scheme.k, scheme.v)):
             assert x.shape == (2, 900, scheme.head_dim)
             assert torch.equal(x[:, :s], ref[:, :s].float()) and torch.equal(x[:, s + qn:], ref[:, s + qn:].float())
-            codes, scale, offset = quantize_groups(ref[:, s:s + qn], scheme.bits, quant)
+            codes, scale, offset = quantize_groups(ref[:, s:s + qn], quant)
             assert torch.equal(x[:, s:s + qn], dequantize_groups(codes, scale, offset, quant))
     for c in caches:  # layer 0 untouched
         assert c.seq_len(ids[0][0], layer=0) == 0 and c.seq_len(ids[0][0], layer=1) == 900
@@ -95,7 +96,7 @@ def attention(q, k, v, sm_scale):
 
 
 @pytest.mark.parametrize("rotate", [False, True])
-@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.name)
+@pytest.mark.parametrize("scheme", SCHEMES[:2] + SCHEMES[3:], ids=lambda s: s.name)
 def test_attend_matches_dense(scheme, rotate, rng):
     cache = make_cache(scheme, rotate=rotate)
     ids = [cache.allocate() for _ in range(3)]
@@ -113,6 +114,31 @@ def test_attend_matches_dense(scheme, rotate, rng):
         ref, ref_lse = attention(qb, k, v, 0.1)
         assert (out[b].double() - ref).abs().max() < 1e-2
         assert (lse[b].double() - ref_lse).abs().max() < 1e-4
+
+
+def test_pages_take_the_bit_order_of_the_cache_arch(rng):
+    """One K4V2 sequence in a cache for each arch: pages packed in each arch's order (foscar.archs), the
+    same tokens read back, and each tensor's pool as wide as its own bits."""
+    from foscar.layouts import PACKERS, TileGeometry
+
+    scheme = SCHEMES[3]
+    k, v = kv(rng, scheme, 1, 700)
+    caches = {arch: make_cache(scheme, arch=arch) for arch in ("sm_90a", "sm_100a")}
+    assert make_cache(scheme).arch.name == "sm_90a"  # a CPU cache defaults to Hopper's order
+    dense = {}
+    for arch, cache in caches.items():
+        seq = cache.allocate()
+        cache.append(0, [seq], k, v)
+        dense[arch] = cache.dense(0, seq)
+        page = cache.pages_of(seq)[0]
+        for role, codes, quant in (("k", cache.k_codes, scheme.k), ("v", cache.v_codes, scheme.v)):
+            geom = TileGeometry(role, quant.bits, scheme.head_dim)
+            assert codes.shape[-1] == geom.words == 64 * 64 * quant.bits // 32
+            tiles = PACKERS[cache.arch.layout][1](codes[0, page], geom)  # the page's codes, by the arch's unpacker
+            assert int(tiles.max()) <= 2**quant.bits - 1
+        assert cache.arch.layout == {"sm_90a": "hopper", "sm_100a": "blackwell"}[arch]
+    assert not torch.equal(caches["sm_90a"].k_codes, caches["sm_100a"].k_codes)  # different bit orders
+    assert all(torch.equal(a, b) for a, b in zip(dense["sm_90a"], dense["sm_100a"]))  # the same values
 
 
 def test_hadamard_and_rotation_helps_int2(rng):
@@ -179,6 +205,39 @@ def test_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
         with pytest.raises(error, match=message):
             call()
         assert_unchanged(cache, snap)
-    for name, kwargs in [("window", dict(window=100)), ("page_size", dict(page_size=96)), ("sink", dict(sink=-1))]:
+    for name, kwargs in [("window", dict(window=100)), ("page_size", dict(page_size=96)), ("sink", dict(sink=-1)),
+                         ("arch", dict(arch="sm_80"))]:
         with pytest.raises(ValueError, match=name):
             make_cache(scheme, **kwargs)
+
+
+def test_allocate_prefilled_equals_appending(rng):
+    """A sequence claimed with allocate_prefilled over pools that hold what appending wrote is the
+    appended sequence: same pages, lengths, dense contents and attention, before and after one more token."""
+    scheme = SCHEMES[1]
+    appended, prefilled = make_cache(scheme), make_cache(scheme)
+    k, v = kv(rng, scheme, 2, 700)
+    ids = [appended.allocate(), appended.allocate()]
+    for layer in range(2):
+        appended.append(layer, ids, k, v)
+    for name in ("k_codes", "k_params", "v_codes", "v_params", "k_bf16", "v_bf16"):
+        getattr(prefilled, name).copy_(getattr(appended, name))
+    assert [prefilled.allocate_prefilled(700), prefilled.allocate_prefilled(700)] == ids
+    assert torch.equal(prefilled.page_table, appended.page_table) and torch.equal(prefilled.lengths, appended.lengths)
+    assert prefilled.free_pages == appended.free_pages
+    q = torch.randn(2, 4, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+    k1, v1 = kv(rng, scheme, 2, 1)
+    for step in range(2):
+        for layer in range(2):
+            assert prefilled.seq_len(ids[1], layer) == 700 + step
+            for a, b in zip(prefilled.dense(layer, ids[1]), appended.dense(layer, ids[1])):
+                assert torch.equal(a, b)
+            assert torch.equal(prefilled.attend(layer, ids, q), appended.attend(layer, ids, q))
+            for cache in (prefilled, appended):
+                cache.append(layer, ids, k1, v1)
+    big = prefilled.allocate_prefilled(1500)  # 11 of the 16 free pages
+    assert prefilled.seq_len(big, 1) == 1500 and len(prefilled.pages_of(big)) == prefilled.pages_for(1500)
+    before = prefilled.lengths.clone()
+    with pytest.raises(PagePoolFull):
+        prefilled.allocate_prefilled(1500)
+    assert prefilled.sequences == ids + [big] and torch.equal(prefilled.lengths, before)

@@ -9,7 +9,8 @@ from foscar.cache import PagedKVCache
 
 pytestmark = pytest.mark.gpu
 
-SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make(4, "token", 128, "token", 128, 128, 4)]
+SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make(4, "token", 128, "token", 128, 128, 4),
+           Scheme.make(None, "channel", 128, "token", 128, 128, 4, k_bits=4, v_bits=2)]
 
 
 def make(scheme, device, rotate=False):

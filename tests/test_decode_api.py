@@ -101,3 +101,17 @@ def test_compile_decode_returns_inspectable_artifacts():
 
     art = compile_decode(Scheme.make(4, gqa_ratio=4), "sm_90a")
     assert "mma.sync.aligned.m16n8k16" in art.ptx and art.resources().local_bytes == 0
+
+
+def test_code_words_are_checked_per_tensor(rng):
+    """A K4V2 cache passes validation (reaching the device check); its V pool in K's place is named."""
+    scheme = Scheme.make(k_bits=4, v_bits=2, v="channel", v_group=64, gqa_ratio=2)
+    k = torch.randn(1, 2, 130, 128, generator=rng).bfloat16()
+    cache = quantize_kv(k, k.clone(), scheme, 64)
+    assert cache.k_codes.shape[-1] == 2 * cache.v_codes.shape[-1]
+    q = torch.randn(1, 4, 128, generator=rng).bfloat16()
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        decode(q, cache)
+    with pytest.raises(ValueError, match="k_codes must have shape"):
+        decode_paged(q, cache.v_codes, cache.k_params, cache.v_codes, cache.v_params, cache.page_table, cache.lengths,
+                     scheme, 64)

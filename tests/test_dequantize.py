@@ -80,6 +80,15 @@ def random_cache(cfg, num_pages=5, kv_heads=3, page_size=128, batch=2, max_pages
     return codes, pack_tiles(codes, cfg), params, page_table
 
 
+def test_config_of_a_scheme_takes_its_tensor_bits():
+    from foscar import Scheme
+
+    scheme = Scheme.make(k="channel", k_group=64, v="token", v_group=32, k_bits=4, v_bits=2)
+    k, v = DequantizeConfig.of(scheme, "k"), DequantizeConfig.of(scheme, "v")
+    assert (k.bits, k.axis, k.group) == (4, Axis.CHANNEL, 64) and (v.bits, v.axis, v.group) == (2, Axis.TOKEN, 32)
+    assert (k.tile_words, v.tile_words) == (64 * 128 * 4 // 32, 64 * 128 * 2 // 32)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=str)
 def test_pack_roundtrip(cfg):
     codes, words, _, _ = random_cache(cfg, num_pages=2, kv_heads=1, page_size=64)
@@ -105,12 +114,13 @@ def test_dequantize_pages_matches_reference(cfg):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("k_axis,v_axis", [("channel", "token"), ("token", "token")])
-def test_dequantize_pages_matches_quantize_kv(k_axis, v_axis, rng):
+@pytest.mark.parametrize("k_axis,v_axis,k_bits,v_bits", [("channel", "token", 2, 2), ("token", "token", 2, 2),
+                                                         ("channel", "token", 4, 2), ("token", "channel", 2, 4)])
+def test_dequantize_pages_matches_quantize_kv(k_axis, v_axis, k_bits, v_bits, rng):
     from foscar import Scheme, quantize_kv
     from foscar.kernels import dequantize_pages
 
-    scheme = Scheme.make(2, k=k_axis, k_group=64, v=v_axis, v_group=64, head_dim=128)
+    scheme = Scheme.make(k=k_axis, k_group=64, v=v_axis, v_group=64, head_dim=128, k_bits=k_bits, v_bits=v_bits)
     gen = rng
     k, v = (torch.randn(2, 2, 300, 128, generator=gen).bfloat16() for _ in range(2))
     cache = quantize_kv(k.cuda(), v.cuda(), scheme, page_size=128, lengths=torch.tensor([300, 200], dtype=torch.int32))

@@ -20,11 +20,21 @@ VARIANTS = [
     (2, "token", 32, "channel", 32, 64, 1, 64, False),
     (4, "token", 64, "channel", 128, 256, 16, 128, True),
     (2, "channel", 128, "channel", 64, 128, 7, 128, False),
+    ((4, 2), "channel", 128, "token", 128, 128, 4, 128, True),  # K and V bits independent
+    ((2, 4), "token", 64, "channel", 64, 128, 8, 128, False),
+    ((4, 2), "token", 128, "channel", 32, 128, 3, 64, True),
+    ((2, 4), "channel", 64, "token", 32, 128, 16, 128, False),
 ]
 
 
+def _scheme(bits, ka, kg, va, vg, d, r):
+    k_bits, v_bits = bits if isinstance(bits, tuple) else (bits, bits)
+    return Scheme.make(k=ka, k_group=kg, v=va, v_group=vg, head_dim=d, gqa_ratio=r, k_bits=k_bits, v_bits=v_bits)
+
+
 def _ids(v):
-    return f"int{v[0]}-k{v[1][0]}{v[2]}-v{v[3][0]}{v[4]}-d{v[5]}-r{v[6]}-p{v[7]}{'-split' if v[8] else ''}"
+    bits = f"k{v[0][0]}v{v[0][1]}" if isinstance(v[0], tuple) else f"int{v[0]}"
+    return f"{bits}-k{v[1][0]}{v[2]}-v{v[3][0]}{v[4]}-d{v[5]}-r{v[6]}-p{v[7]}{'-split' if v[8] else ''}"
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[_ids(v) for v in VARIANTS])
@@ -33,7 +43,7 @@ def test_compiles_with_warp_mma(variant):
     from foscar.hopper.kernel import DecodeConfig, default_consumers
 
     bits, ka, kg, va, vg, d, r, ps, partial = variant
-    scheme = Scheme.make(bits, k=ka, k_group=kg, v=va, v_group=vg, head_dim=d, gqa_ratio=r)
+    scheme = _scheme(bits, ka, kg, va, vg, d, r)
     compiled = compile_decode(scheme, ps, partial, arch="sm_90a")
     ptx = compiled.__ptx__
     assert ".target sm_90a" in ptx
@@ -55,11 +65,12 @@ def mma_counts(cfg):
     per n8 block of query columns), then the operand-bias MMAs (constant A): K once per scaled Q^T
     (token-wise: once per CTA; channel-wise: per token group of a tile), V per tile and n8 block
     (token-wise: per channel group)."""
-    from foscar.hopper.kernel import TOKEN_BLOCKS
+    from foscar.hopper.mma import TOKEN_BLOCKS
 
     data = (TOKEN_BLOCKS * cfg.KB_D + cfg.MB_V * TOKEN_BLOCKS) * cfg.NB
-    k_bias = cfg.KB_D * cfg.NB * (1 if cfg.k_token else cfg.NGK)
-    v_bias = TOKEN_BLOCKS * cfg.NB * (cfg.NJV if cfg.v_token else 1)
+    k, v = cfg.plan.k, cfg.plan.v
+    k_bias = cfg.KB_D * cfg.NB * (1 if k.token_wise else k.tile_groups)
+    v_bias = TOKEN_BLOCKS * cfg.NB * (v.channel_blocks if v.token_wise else 1)
     return data, k_bias, v_bias
 
 

@@ -6,11 +6,14 @@ import pytest
 
 from foscar.inspect import ARCHS, artifacts
 from foscar.kernels import DequantizeConfig, compile_combine, compile_dequantize
+from foscar.scheme import Scheme
 
 DEQUANT_CONFIGS = [
     DequantizeConfig(2, 128, "k", "token", 128),  # OSCAR-style K
     DequantizeConfig(2, 64, "k", "channel", 32),  # KIVI-style K
     DequantizeConfig(4, 256, "v", "channel", 64),
+    # the 2-bit V of a K4V2 scheme
+    DequantizeConfig.of(Scheme.make(k="channel", k_group=64, v="token", v_group=32, k_bits=4, v_bits=2), "v"),
 ]
 
 

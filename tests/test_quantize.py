@@ -6,10 +6,11 @@ from foscar.scheme import Axis, Scheme, TensorQuant
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("quant", [TensorQuant(Axis.TOKEN, 32), TensorQuant(Axis.TOKEN, 128), TensorQuant(Axis.CHANNEL, 64)])
+@pytest.mark.parametrize("quant", [(Axis.TOKEN, 32), (Axis.TOKEN, 128), (Axis.CHANNEL, 64)])
 def test_round_trip_error_is_at_most_half_a_step(bits, quant, rng):
+    quant = TensorQuant(*quant, bits)
     x = torch.randn(2, 128, 128, generator=rng) * 3 + 0.5
-    codes, scale, offset = quantize_groups(x, bits, quant)
+    codes, scale, offset = quantize_groups(x, quant)
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 2**bits - 1
     assert scale.dtype == offset.dtype == torch.float16
     err = (dequantize_groups(codes, scale, offset, quant, torch.float64) - x.double()).abs()
@@ -20,7 +21,7 @@ def test_round_trip_error_is_at_most_half_a_step(bits, quant, rng):
 
 def test_constant_group_has_zero_scale_and_exact_values():
     x = torch.full((64, 128), 0.75)
-    codes, scale, offset = quantize_groups(x, 2, TensorQuant(Axis.TOKEN, 128))
+    codes, scale, offset = quantize_groups(x, TensorQuant(Axis.TOKEN, 128, 2))
     assert (scale == 0).all() and (codes == 0).all() and (offset == 0.75).all()
 
 
@@ -28,7 +29,7 @@ def test_invalid_tokens_do_not_enter_channel_group_statistics(rng):
     x = torch.randn(1, 64, 64, generator=rng)
     x[:, 40:] = 1000.0  # padding garbage past the length
     valid = torch.arange(64)[None] < 40
-    codes, scale, offset = quantize_groups(x, 4, TensorQuant(Axis.CHANNEL, 64), valid)
+    codes, scale, offset = quantize_groups(x, TensorQuant(Axis.CHANNEL, 64, 4), valid)
     assert float(scale.float().max()) < 1.0 and (codes[:, 40:] == 0).all()
 
 
@@ -38,6 +39,8 @@ def test_invalid_tokens_do_not_enter_channel_group_statistics(rng):
         (Scheme.make(2, head_dim=128, gqa_ratio=4), 64),
         (Scheme.make(4, k="channel", k_group=32, v="channel", v_group=128, head_dim=64), 128),
         (Scheme.make(2, k="channel", k_group=128, v_group=32, head_dim=256), 256),
+        (Scheme.make(k="channel", k_group=64, v_group=32, k_bits=4, v_bits=2), 128),
+        (Scheme.make(v="channel", v_group=64, head_dim=64, k_bits=2, v_bits=4), 64),
     ],
     ids=lambda p: getattr(p, "name", str(p)),
 )
@@ -50,7 +53,8 @@ def test_paged_cache_round_trip_with_ragged_lengths_and_shuffled_pages(scheme, p
     cache = quantize_kv(k, v, scheme, page_size, lengths, layout=layout)
     assert cache.layout == layout
     max_pages = 3
-    assert cache.k_codes.shape == (batch * max_pages, heads, page_size // 64, 64 * dim * scheme.bits // 32)
+    for codes, quant in ((cache.k_codes, scheme.k), (cache.v_codes, scheme.v)):
+        assert codes.shape == (batch * max_pages, heads, page_size // 64, 64 * dim * quant.bits // 32)
     assert cache.page_table.shape == (batch, max_pages)
     shuffled = cache.shuffle_pages(rng)
     assert not torch.equal(shuffled.page_table, cache.page_table)
@@ -62,6 +66,27 @@ def test_paged_cache_round_trip_with_ragged_lengths_and_shuffled_pages(scheme, p
         for x, xd in ((k, kd), (v, vd)):
             assert (xd[bi, :, :n] - x[bi, :, :n].double()).abs().max() < 2.5  # well under a 2-bit step of N(0,1) groups
     assert cache.nbytes() > 0
+
+
+@pytest.mark.parametrize("k_axis, v_axis", [("token", "token"), ("channel", "token"), ("token", "channel"),
+                                            ("channel", "channel")])
+@pytest.mark.parametrize("k_bits, v_bits", [(4, 2), (2, 4)])
+@pytest.mark.parametrize("layout", ["hopper", "blackwell"])
+def test_mixed_widths_pack_each_tensor_as_its_uniform_scheme_does(k_axis, v_axis, k_bits, v_bits, layout, rng):
+    """K of a K4V2 cache is, word for word, K of the INT4 cache of the same data; V that of the INT2 one."""
+    kw = dict(k=k_axis, k_group=64, v=v_axis, v_group=32, head_dim=128)
+    mixed = Scheme.make(k_bits=k_bits, v_bits=v_bits, **kw)
+    k = torch.randn(2, 2, 200, 128, generator=rng).bfloat16()
+    v = torch.randn(2, 2, 200, 128, generator=rng).bfloat16()
+    lengths = torch.tensor([200, 77], dtype=torch.int32)
+    cache = quantize_kv(k, v, mixed, 128, lengths, layout=layout)
+    k_only = quantize_kv(k, v, Scheme.make(k_bits, **kw), 128, lengths, layout=layout)
+    v_only = quantize_kv(k, v, Scheme.make(v_bits, **kw), 128, lengths, layout=layout)
+    assert cache.k_codes.shape[-1] == 64 * 128 * k_bits // 32 and cache.v_codes.shape[-1] == 64 * 128 * v_bits // 32
+    assert torch.equal(cache.k_codes, k_only.k_codes) and torch.equal(cache.k_params, k_only.k_params)
+    assert torch.equal(cache.v_codes, v_only.v_codes) and torch.equal(cache.v_params, v_only.v_params)
+    kd, vd = cache.dequantize(torch.float64)
+    assert torch.equal(kd, k_only.dequantize(torch.float64)[0]) and torch.equal(vd, v_only.dequantize(torch.float64)[1])
 
 
 def test_quantize_kv_rejects_bad_input():
@@ -94,19 +119,19 @@ def test_quantize_kv_rejects_bad_input():
 
 
 def test_group_functions_reject_bad_input():
-    quant = TensorQuant(Axis.TOKEN, 32)
+    quant = TensorQuant(Axis.TOKEN, 32, 2)
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="x must have shape"):
-        quantize_groups(torch.randn(64), 2, quant)
-    with pytest.raises(ValueError, match="bits must be 2 or 4"):
-        quantize_groups(x, 3, quant)
+        quantize_groups(torch.randn(64), quant)
+    with pytest.raises(ValueError, match="quant.bits must be 2 or 4"):
+        quantize_groups(x, TensorQuant(Axis.TOKEN, 32, 3))
     with pytest.raises(ValueError, match="token-wise group 128 must divide"):
-        quantize_groups(x, 2, TensorQuant(Axis.TOKEN, 128))
+        quantize_groups(x, TensorQuant(Axis.TOKEN, 128, 2))
     with pytest.raises(ValueError, match="channel-wise group 32 must divide the token count 4"):
-        quantize_groups(x, 2, TensorQuant(Axis.CHANNEL, 32))
+        quantize_groups(x, TensorQuant(Axis.CHANNEL, 32, 2))
     with pytest.raises(ValueError, match="valid must have shape"):
-        quantize_groups(x, 2, quant, valid=torch.ones(5, dtype=torch.bool))
-    codes, scale, offset = quantize_groups(x, 2, quant)
+        quantize_groups(x, quant, valid=torch.ones(5, dtype=torch.bool))
+    codes, scale, offset = quantize_groups(x, quant)
     with pytest.raises(ValueError, match="scale must have shape"):
         dequantize_groups(codes, scale[:2], offset, quant)
     with pytest.raises(ValueError, match="offset must have shape"):

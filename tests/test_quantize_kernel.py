@@ -21,8 +21,14 @@ CASES = [  # (scheme, role)
     (Scheme.make(2, "channel", 128, "token", 32, 128), "v"),  # KIVI V, next to a 128-token K granule
     (Scheme.make(4, "token", 64, "channel", 64, 64), "v"),
     (Scheme.make(4, "token", 64, "channel", 256, 256, q_dtype=torch.float16), "k"),
+    # K and V of different widths: each tensor its own bits, one granule (the 128-token K group's)
+    (Scheme.make(k="channel", k_group=128, v="token", v_group=64, k_bits=4, v_bits=2), "k"),
+    (Scheme.make(k="channel", k_group=128, v="token", v_group=64, k_bits=4, v_bits=2), "v"),
+    (Scheme.make(k="token", k_group=32, v="channel", v_group=64, k_bits=2, v_bits=4), "k"),
+    (Scheme.make(k="token", k_group=32, v="channel", v_group=64, k_bits=2, v_bits=4), "v"),
 ]
 CONFIGS = [QuantizeConfig.of(scheme, role) for scheme, role in CASES]
+COMPILED = CONFIGS[:3] + CONFIGS[6:7]  # + the 2-bit V of a K4V2 scheme
 
 
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=lambda g: f"{g.role}{g.bits}d{g.head_dim}")
@@ -37,8 +43,15 @@ def test_word_code_coords_inverts_tile_position(geom):
     assert len(seen) == TILE_TOKENS * geom.head_dim
 
 
+def test_config_takes_the_bits_of_its_tensor():
+    scheme = CASES[5][0]  # K4 channel-wise 128, V2 token-wise 64
+    k, v = QuantizeConfig.of(scheme, "k"), QuantizeConfig.of(scheme, "v")
+    assert (k.bits, v.bits) == (4, 2) and k.granule == v.granule == 128
+    assert (k.geometry.words, v.geometry.words) == (64 * 128 * 4 // 32, 64 * 128 * 2 // 32)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg", CONFIGS[:3], ids=lambda c: f"{c.role}{c.bits}d{c.head_dim}{c.axis.value}{c.group}")
+@pytest.mark.parametrize("cfg", COMPILED, ids=lambda c: f"{c.role}{c.bits}d{c.head_dim}{c.axis.value}{c.group}")
 def test_quantize_compiles(cfg, arch):
     art = artifacts(compile_quantize(cfg, arch=arch))
     assert re.search(rf"^\.target {arch}$", art.ptx, re.M)
@@ -51,8 +64,8 @@ def test_quantize_compiles(cfg, arch):
 
 def torch_quantize(src, cfg, codes, params, page, slot):
     """What the kernel must produce, by the CPU torch quantizer (the documented semantics)."""
-    quant = TensorQuant(cfg.axis, cfg.group)
-    c, scale, offset = quantize_groups(src.cpu(), cfg.bits, quant)
+    quant = TensorQuant(cfg.axis, cfg.group, cfg.bits)
+    c, scale, offset = quantize_groups(src.cpu(), quant)
     n, kvh, t, d = src.shape
     words = pack_tiles(c.reshape(n, kvh, t // 64, 64, d), cfg.geometry)
     for i in range(n):

@@ -7,19 +7,19 @@ from hypothesis import strategies as st
 
 from foscar.quantize import quantize_kv
 from foscar.reference import attend_dequantized, attend_dequantized_torch, attend_folded
-from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, HOPPER_FP16, Scheme
+from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, Scheme, construction_for
 
 
 @st.composite
 def problems(draw):
-    bits = draw(st.sampled_from([2, 4]))
+    k_bits, v_bits = draw(st.sampled_from([2, 4])), draw(st.sampled_from([2, 4]))  # independent widths
     head_dim = draw(st.sampled_from([64, 128, 256]))
     groups = sorted({32, 64, 128, head_dim})
     k_axis, v_axis = draw(st.sampled_from(["token", "channel"])), draw(st.sampled_from(["token", "channel"]))
     k_group = draw(st.sampled_from([g for g in groups if k_axis == "channel" or head_dim % g == 0]))
     v_group = draw(st.sampled_from([g for g in groups if v_axis == "channel" or head_dim % g == 0]))
     ratio = draw(st.integers(1, 16))
-    scheme = Scheme.make(bits, k_axis, k_group, v_axis, v_group, head_dim, ratio)
+    scheme = Scheme.make(None, k_axis, k_group, v_axis, v_group, head_dim, ratio, k_bits=k_bits, v_bits=v_bits)
     channel_groups = [g for a, g in ((k_axis, k_group), (v_axis, v_group)) if a == "channel"]
     page_size = draw(st.sampled_from([p for p in (64, 128, 256) if all(p % g == 0 for g in channel_groups)]))
     batch = draw(st.integers(1, 3))
@@ -40,16 +40,34 @@ def _make(scheme, page_size, lengths, seed, kv_heads=2):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(), st.sampled_from(["hopper", "fp4", "fp8"]))
+@given(problems(), st.sampled_from(["sm_90a", "sm_100a", "fp4", "fp8"]))
 def test_folded_reference_equals_dequantize_then_attend(problem, construction):
+    """Each arch's plan (its construction per tensor), and any construction forced on both tensors."""
     scheme, page_size, lengths, seed = problem
-    con = {"hopper": HOPPER_FP16[scheme.bits], "fp4": BLACKWELL_FP4, "fp8": BLACKWELL_FP8}[construction]
+    arch, con = (construction, None) if construction.startswith("sm_") else ("sm_90a", {"fp4": BLACKWELL_FP4, "fp8": BLACKWELL_FP8}[construction])
     q, cache = _make(scheme, page_size, lengths, seed)
     sm_scale = scheme.head_dim**-0.5
     out, lse = attend_dequantized(q, cache, sm_scale)
-    out_f, lse_f = attend_folded(q, cache, sm_scale, con)
+    out_f, lse_f = attend_folded(q, cache, sm_scale, arch, construction=con)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert ((out_f - out).norm() / out.norm()) <= 1e-9
+    assert ((out_f - out).abs().max() / out.abs().max()) <= 1e-9
+    assert ((lse_f - lse).abs() / lse.abs().clamp_min(1)).max() <= 1e-9
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("k_axis, v_axis", [("token", "token"), ("channel", "token"), ("token", "channel"),
+                                            ("channel", "channel")])
+@pytest.mark.parametrize("k_bits, v_bits", [(2, 2), (4, 2), (2, 4), (4, 4)])
+def test_folded_reference_every_width_pair_and_fold_case(k_bits, v_bits, k_axis, v_axis, arch):
+    """The whole {2,4} x {2,4} x four fold cases matrix, each tensor folded with its own construction."""
+    scheme = Scheme.make(None, k_axis, 64, v_axis, 32, 128, 3, k_bits=k_bits, v_bits=v_bits)
+    plan = scheme.plan(arch)
+    assert (plan.k.bits, plan.v.bits) == (k_bits, v_bits)
+    assert (plan.k.construction, plan.v.construction) == (construction_for(arch, k_bits), construction_for(arch, v_bits))
+    q, cache = _make(scheme, 128, [150, 64], seed=k_bits * 1000 + v_bits * 100 + len(k_axis) * 10 + len(v_axis))
+    out, lse = attend_dequantized(q, cache, 0.09)
+    out_f, lse_f = attend_folded(q, cache, 0.09, arch)
     assert ((out_f - out).abs().max() / out.abs().max()) <= 1e-9
     assert ((lse_f - lse).abs() / lse.abs().clamp_min(1)).max() <= 1e-9
 

@@ -62,10 +62,13 @@ def test_generate_on_cpu_without_quantized_tokens_matches_bf16():
     assert m["forced_top1"] == 1.0 and m["logit_max_err"] < 0.1 * m["logit_scale"]
 
 
-def test_generate_on_cpu_int4_is_close():
+@pytest.mark.parametrize("widths", [dict(bits=4), dict(k_bits=4, v_bits=2)], ids=["int4", "k4v2"])
+def test_generate_on_cpu_quantized_is_close(widths):
     model = tiny_model()
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(2))
-    m = compare(model, ids, 12, bits=4, sink=16, window=64)
+    scheme = FoscarCache(model.config, device="cpu", **widths).kv.scheme
+    assert (scheme.k.bits, scheme.v.bits) == (4, widths.get("v_bits", 4))
+    m = compare(model, ids, 12, sink=16, window=64, **widths)
     # random weights give flat logits: top-1 flips easily, so the gate is mostly on logit error
     assert m["forced_top1"] >= 0.6 and m["logit_mean_err"] < 0.25 * m["logit_scale"], m
 

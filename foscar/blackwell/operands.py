@@ -21,6 +21,8 @@ CPU and decodes the resulting bits, so a test can compare codes -> bits -> value
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..layouts.blackwell import BlackwellTile
@@ -35,6 +37,8 @@ __all__ = [
     "tile_operand_bits",
     "tile_operands",
     "operand_dtype_name",
+    "OperandRecipe",
+    "recipe_for",
 ]
 
 def construction_for(bits: int) -> Construction:
@@ -44,6 +48,65 @@ def construction_for(bits: int) -> Construction:
 
 def operand_dtype_name(bits: int) -> str:
     return construction_for(bits).operand_dtype
+
+
+@dataclass(frozen=True)
+class OperandRecipe:
+    """The recipe of one tensor (K or V, each with its own bits): packed word -> 8 operand bytes.
+
+    ``tile``: the 64-token tile in the Blackwell word order; ``construction``: the ``a*c + b`` the
+    plan folds (``fold.construction``); :attr:`mma_dtype` is the A format of the tensor's MMA."""
+
+    tile: BlackwellTile
+    construction: Construction
+
+    @property
+    def bits(self) -> int:
+        return self.tile.bits
+
+    @property
+    def mask(self) -> int:
+        return self.tile.mask
+
+    @property
+    def elems_per_word(self) -> int:
+        return self.tile.elems_per_word
+
+    @property
+    def words(self) -> int:
+        """int32 words of a 64-token tile."""
+        return self.tile.words
+
+    @property
+    def vectors(self) -> int:
+        """16-byte vectors of a tile (the preparation warpgroup's loads)."""
+        return self.words // 4
+
+    @property
+    def mma_dtype(self):
+        """The CuTe type of the MMA's A operand (the instruction descriptor's format)."""
+        from cutlass import Float4E2M1FN, Float8E4M3FN
+
+        return Float4E2M1FN if self.construction.operand_dtype == "float4_e2m1fn" else Float8E4M3FN
+
+    def build(self, w):
+        """Device: (lo, hi) Int32 operand words of the Uint32 packed word ``w``: one LOP3, then one
+        SHF + one LOP3 (the 8 bytes of one K-mode chunk)."""
+        import cutlass.cute as cute
+        from cutlass import Int32, Uint32
+
+        lo = Int32(cute.arch.lop3(w, Uint32(self.mask), Uint32(0), 0xC0))
+        hi = Int32(cute.arch.lop3(w >> self.tile.shift, Uint32(self.mask), Uint32(0), 0xC0))
+        return lo, hi
+
+
+def recipe_for(fold) -> OperandRecipe:
+    """The recipe of a plan's fold case (``scheme.plan("sm_100a").k`` or ``.v``): its bits choose
+    FP4 (INT2) or FP8 (INT4), independently for K and V."""
+    if fold.construction != construction_for(fold.bits):
+        raise ValueError(f"{fold.name}: the sm_100a kernel builds {construction_for(fold.bits).name} operands "
+                         f"from {fold.bits}-bit codes, the plan folds {fold.construction.name}")
+    return OperandRecipe(BlackwellTile(fold.tensor, fold.bits, fold.head_dim), fold.construction)
 
 
 def build_word(words: torch.Tensor, bits: int):

@@ -67,12 +67,13 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from ..device import (LN2, LOG2E, NEG_INF, fsel, movmatrix_trans, output_offsets, pack_f16x2,
-                      reduce_over_rows)
+from ..device import LOG2E, NEG_INF, fsel, movmatrix_trans, output_offsets, reduce_over_rows
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
-from ..operands import HopperRecipe, HopperSlot, bias_slot
-from ..pipeline import bulk_copy_g2s, stage_and_phase
-from ..scheme import Axis, Scheme
+from ..pipeline import bulk_copy_g2s, split_range, stage_and_phase
+from ..scheme import Scheme
+from ..softmax import finite_reference, normalize
+from .folds import hooks_for, q_index
+from .mma import TOKEN_BLOCKS, FragmentOperand, WarpMma
 
 BAR_CONSUMERS = 1  # named barrier of all consumer warps (id 0 is sync_threads)
 REGISTERS = 64 * 1024  # per SM
@@ -80,7 +81,6 @@ PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
 PRODUCER_WARPS = 4  # the whole producer warpgroup issues copies
 SMEM_BYTES = 220 * 1024  # shared-memory budget of the stage ring (the merge reuses it)
 MAX_STAGES = 48
-TOKEN_BLOCKS = TILE_TOKENS // 16  # m16 token blocks of a tile (QK) = k16 token blocks (PV)
 MERGE_PAD = 4  # fp32 words of padding per merged output row: conflict-free fragment stores
 
 
@@ -91,81 +91,62 @@ def default_consumers(scheme: Scheme) -> int:
     the H200, benchmarks/NOTES.md section 8: INT2 K channel-wise g128, state 80 + 32 words, runs 8%
     faster with 3 warpgroups despite an 8-byte spill; INT4, 80 + 64 words, 6% slower; the variants
     with more V state spill 24-192 bytes with 3.)"""
+    plan = scheme.plan("sm_90a")
     nb = 1 if scheme.gqa_ratio <= 8 else 2
     blocks = scheme.head_dim // 16
     state = blocks * nb * (4 + 2)  # O^T accumulators + f16x2 Q^T
-    if scheme.k.axis is Axis.CHANNEL:
-        state += blocks * nb * 4 + blocks * nb * 2 * (max(1, TILE_TOKENS // scheme.k.group) - 1)
+    if not plan.k.token_wise:
+        state += blocks * nb * 4 + blocks * nb * 2 * (plan.k.tile_groups - 1)
     if state <= 56:
         return 3
-    tile_words = 2 * 4 * TileGeometry("k", scheme.bits, scheme.head_dim).words_per_thread  # K + V, 4 virtual threads
+    # K + V words of the 4 virtual threads a warp reads per tile
+    tile_words = 4 * sum(TileGeometry(f.tensor, f.bits, scheme.head_dim).words_per_thread for f in (plan.k, plan.v))
     # channel-wise V (per-group PV accumulators) or several V channel groups (P^T per group) add state
-    v_extra = 0 if scheme.v.axis is Axis.TOKEN and scheme.v.group == scheme.head_dim else 16
+    v_extra = 0 if plan.v.token_wise and plan.v.channel_blocks == 1 else 16
     if nb == 1 and state + tile_words + v_extra <= 112:
         return 3
     return 2 if state <= 96 else 1
 
 
 class DecodeConfig:
-    """Static configuration derived from a Scheme and a page size (everything compile-time)."""
+    """Static configuration of one build: the variant's plan (``Scheme.plan("sm_90a")``: per tensor
+    its fold case and operand construction), page size, output format and consumer warpgroups.
+
+    The variant's limits (gqa ratio, page sizes, group sizes) are ``foscar.archs.HOPPER.can_implement``'s,
+    checked before this is built; what only the geometry tells (the ring fits) is checked here."""
 
     def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int):
-
-        if page_size % TILE_TOKENS or page_size not in (64, 128, 256):
-            raise ValueError(f"page_size must be 64, 128 or 256, got {page_size}")
         if consumers not in (1, 2, 3):
             raise ValueError(f"consumers must be 1, 2 or 3 warpgroups, got {consumers}")
-        if not 1 <= scheme.gqa_ratio <= 16:
-            raise NotImplementedError("the Hopper kernel supports gqa_ratio 1..16")
-        for name, quant in (("k", scheme.k), ("v", scheme.v)):
-            if quant.axis is Axis.CHANNEL and page_size % quant.group:
-                raise ValueError(f"channel-wise {name} group {quant.group} must divide page_size {page_size}")
-            if quant.group < 16:
-                raise ValueError(f"{name} group {quant.group}: the Hopper kernel needs groups of >= 16")
+        plan = scheme.plan("sm_90a")
         self.scheme = scheme
+        self.plan = plan
         self.page_size = page_size
         self.split = bool(split)
-        self.bits = scheme.bits
         self.D = scheme.head_dim
         self.R = scheme.gqa_ratio
         self.N = 8 if self.R <= 8 else 16  # query columns padded to whole n8 blocks
         self.NB = self.N // 8  # n8 blocks
         self.NS = 2 * self.NB  # distinct query columns per thread in an m16n8 accumulator set
-        self.kgeom = TileGeometry("k", self.bits, self.D)
-        self.TW = self.kgeom.words  # int32 words per packed 64-token tile (same for k and v)
-        self.WPT = self.kgeom.words_per_thread  # words per virtual thread (128 per tile)
-        self.CW = self.kgeom.vector_words
+        self.k_operand = FragmentOperand("k", plan.k.bits, self.D)
+        self.v_operand = FragmentOperand("v", plan.v.bits, self.D)
         self.SUB = page_size // TILE_TOKENS  # tiles per page
         self.KB_D = self.D // 16  # k16 blocks over head_dim (QK reduction)
         self.MB_V = self.D // 16  # m16 channel blocks of V^T
         self.KB_T = TILE_TOKENS // 16  # k16 blocks of a tile's tokens in the packed V layout
-        self.ppw = 16 // self.bits  # fragment registers per packed word
-        self.slots = HopperRecipe(self.bits).slots  # per register slot: shift, mask, magic, bias
         self.q_dtype = self.cute_dtype(scheme.q_dtype)
-        # K
-        self.k_token = scheme.k.axis is Axis.TOKEN
-        self.GK = scheme.k.group
-        self.NJK = self.D // self.GK if self.k_token else 0  # channel blocks (token-wise K)
-        self.NGK = max(1, TILE_TOKENS // self.GK) if not self.k_token else 0  # token groups per tile
-        self.KPG = 0 if self.k_token else self.page_size // self.GK  # token groups per page
         # consecutive tiles of one channel-wise K group: a warp takes them in a run and scales Q once
-        self.TPG = 1 if self.k_token else max(1, self.GK // TILE_TOKENS)
-        # V
-        self.v_token = scheme.v.axis is Axis.TOKEN
-        self.GV = scheme.v.group
-        self.NJV = self.D // self.GV if self.v_token else 0
-        self.NGV = max(1, TILE_TOKENS // self.GV) if not self.v_token else 0
-        self.VPG = 0 if self.v_token else self.page_size // self.GV
+        self.TPG = plan.k.tiles_per_group
         # warp specialization: producer warpgroup 0, consumer warpgroups 1..NC (NW warps)
         self.NC = consumers
         self.NW = 4 * consumers
         self.threads = THREADS * (1 + consumers)
         self.consumer_regs = min(240, (REGISTERS - THREADS * PRODUCER_REGS) // (THREADS * consumers) // 8 * 8)
         # stage of the ring (int32 words): K codes | V codes | K params | V params
-        self.KPW = 64 * self.NJK if self.k_token else self.NGK * self.D  # one (s, z) fp16 pair per word
-        self.VPW = 64 * self.NJV if self.v_token else self.NGV * self.D
-        self.K_CODES, self.V_CODES = 0, self.TW
-        self.K_PARAMS = 2 * self.TW
+        self.K_TW, self.V_TW = self.k_operand.words, self.v_operand.words
+        self.KPW, self.VPW = plan.k.tile_param_words, plan.v.tile_param_words  # one (s, z) fp16 pair per word
+        self.K_CODES, self.V_CODES = 0, self.K_TW
+        self.K_PARAMS = self.K_TW + self.V_TW
         self.V_PARAMS = self.K_PARAMS + self.KPW
         self.STAGE_WORDS = self.V_PARAMS + self.VPW
         self.STAGE_BYTES = 4 * self.STAGE_WORDS
@@ -189,23 +170,13 @@ class DecodeConfig:
         return BFloat16 if torch_dtype == torch.bfloat16 else Float16
 
 
-def _slot_operand(word, slot: HopperSlot):
-    """f16x2 operand ``bias + c/2^bits`` of a slot's two codes: ((word >> shift) & mask) | magic,
-    one LOP3 (the shift by 6 is shared by the word's top slots; the compiler keeps one).
-
-    The AND and the OR are fused explicitly (LUT 0xEA = (a & b) | c): left to itself the compiler
-    emits two LOP3s.
-    """
-    w = cutlass.Uint32(word)
-    x = w >> slot.shift if slot.shift else w
-    return Int32(cute.arch.lop3(cutlass.Uint32(x), cutlass.Uint32(slot.mask), cutlass.Uint32(slot.magic), 0xEA))
-
-
 class HopperDecodeKernel:
     """Fused paged INT2/INT4 decode attention for sm_90a (see the module docstring)."""
 
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
+        self.k_hooks = hooks_for(cfg.plan.k, cfg)  # the fold cases' device hooks (foscar.hopper.folds)
+        self.v_hooks = hooks_for(cfg.plan.v, cfg)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -304,11 +275,8 @@ class HopperDecodeKernel:
 
         # ---------------------------------------------------------------- split range
         length = cute.make_tensor(len_ptr + b, cute.make_layout((1,)))[0]  # lengths[b]
-        n_tiles = (length + TILE_TOKENS - 1) // TILE_TOKENS
         # whole runs of TPG tiles per split, so that a split starts at a K group boundary
-        per_split = ((n_tiles + num_splits - 1) // num_splits + cfg.TPG - 1) // cfg.TPG * cfg.TPG
-        t_begin = split * per_split
-        t_end = cutlass.min(t_begin + per_split, n_tiles)
+        _n_tiles, t_begin, t_end = split_range(length, split, num_splits, cfg.TPG)
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -349,21 +317,16 @@ class HopperDecodeKernel:
                     head = page.to(Int64) * kv_heads + h  # (page, kv_head) index
                     slot0 = (tile % SUB) * TILE_TOKENS  # first slot of the tile in its page
                     dst = ring + cute.assume(s * cfg.STAGE_WORDS, divby=4)
-                    codes = (head * SUB + tile % SUB) * cfg.TW
-                    bulk_copy_g2s(dst + cfg.K_CODES, kc_ptr + codes, 4 * cfg.TW, full + s)
-                    bulk_copy_g2s(dst + cfg.V_CODES, vc_ptr + codes, 4 * cfg.TW, full + s)
+                    tile_index = head * SUB + tile % SUB
+                    bulk_copy_g2s(dst + cfg.K_CODES, kc_ptr + tile_index * cfg.K_TW, 4 * cfg.K_TW, full + s)
+                    bulk_copy_g2s(dst + cfg.V_CODES, vc_ptr + tile_index * cfg.V_TW, 4 * cfg.V_TW, full + s)
                     bulk_copy_g2s(dst + cfg.K_PARAMS, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW, full + s)
                     bulk_copy_g2s(dst + cfg.V_PARAMS, vp_ptr + 2 * self.params_row(head, slot0, "v"), 4 * cfg.VPW, full + s)
 
-    def params_row(self, head, slot0, which):
-        """Index of the first (scale, offset) pair of a tile's params (token rows or token groups)."""
-        cfg = self.cfg
-        token = cfg.k_token if which == "k" else cfg.v_token
-        if token:
-            per_token = cfg.NJK if which == "k" else cfg.NJV
-            return (head * cfg.page_size + slot0) * per_token
-        group, groups_per_page = (cfg.GK, cfg.KPG) if which == "k" else (cfg.GV, cfg.VPG)
-        return (head * groups_per_page + slot0 // group) * cfg.D
+    def params_row(self, head, slot0, tensor: str):
+        """Index of the first (scale, offset) pair of a tile's K or V params (the fold case's layout)."""
+        fold = self.cfg.plan.k if tensor == "k" else self.cfg.plan.v
+        return fold.params_row(head, slot0, self.cfg.page_size)
 
     # ------------------------------------------------------------------------------------------
     # consumer warp w: runs w, w+NW, ... of TPG consecutive tiles, each tile whole
@@ -374,296 +337,153 @@ class HopperDecodeKernel:
                 split: Int32, kv_heads: Int32, num_splits: Int32, t_begin: Int32, t_end: Int32,
                 scale_log2: Float32, warp: Int32, lane: Int32):
         cfg = self.cfg
-        N, NB, NS, D, R, NW = cfg.N, cfg.NB, cfg.NS, cfg.D, cfg.R, cfg.NW
-        TB = TOKEN_BLOCKS
-        two_b = float(1 << cfg.bits)
-        g = lane // 4
-        tq = lane % 4
-
-        # ---------------------------------------------------------------- MMA fragments
-        thr = tiled_mma.get_slice(lane)
-        shape_A = thr.partition_shape_A((16, 16))  # ((2,2,2),1,1) fp16: value e + 2*h_r + 4*h_c
-        shape_B = thr.partition_shape_B((8, 16))  # ((2,2),1,1) fp16: value e + 2*hh; k = 2*tq+e+8*hh, n = g
-        shape_C = thr.partition_shape_C((16, 8))  # ((2,2),1,1) fp32: value i = e + 2*h_r; row g+8*h_r, col 2*tq+e
-        # Accumulator value i of n-block nb sits in column 8*nb + 2*tq + e: column slot cs = e + 2*nb.
-        cols = [8 * (cs // 2) + 2 * tq + (cs % 2) for cs in range(NS)]
-
-        # ---------------------------------------------------------------- Q^T (B operand)
-        Hq = kv_heads * R
-        q_base = (b * Hq + h * R).to(Int64) * D
-        qv = cute.make_rmem_tensor((NB * cfg.KB_D * 4,), Float32)
-        for nb in cutlass.range_constexpr(NB):
-            head = 8 * nb + g
-            q_row = q_base + cutlass.min(head, R - 1) * D
-            for kb in cutlass.range_constexpr(cfg.KB_D):
-                for hh in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(2):
-                        d = 16 * kb + 8 * hh + 2 * tq + e
-                        x = cute.make_tensor(q_ptr + (q_row + d), cute.make_layout((1,)))[0].to(Float32)
-                        qv[q_index(cfg, nb, kb, hh, e)] = fsel(head < R, x, Float32(0.0))
-
-        n_qsets = 1 if cfg.k_token else cfg.NGK
-        qB = [[[tiled_mma.make_fragment_B(shape_B) for _ in range(cfg.KB_D)] for _ in range(NB)] for _ in range(n_qsets)]
-        qsum = cute.make_rmem_tensor((max(1, cfg.NJK) * NS,), Float32)  # token-wise K: Qsum[j, column slot]
-        qz = cute.make_rmem_tensor((max(1, cfg.NGK) * NS,), Float32)  # channel-wise K: sum_d z q per group
-        # -(bias x Q^T): the initial value of every S^T accumulator (token-wise K: per channel block j;
-        # channel-wise K: per token group, set with the scaled Q^T)
-        k_bias = [[zero_accumulator(tiled_mma, shape_C) for _ in range(NB)] for _ in range(max(cfg.NJK, cfg.NGK))]
-        if cutlass.const_expr(cfg.k_token):
-            for nb in cutlass.range_constexpr(NB):
-                for kb in cutlass.range_constexpr(cfg.KB_D):
-                    regs = cute.recast_tensor(qB[0][nb][kb], Int32)
-                    for hh in cutlass.range_constexpr(2):
-                        regs[hh] = pack_f16x2(qv[q_index(cfg, nb, kb, hh, 0)], qv[q_index(cfg, nb, kb, hh, 1)])
-            blocks_per_group = cfg.GK // 16
-            for j in cutlass.range_constexpr(cfg.NJK):
-                for nb in cutlass.range_constexpr(NB):
-                    add_bias_mmas(tiled_mma, shape_A, k_bias[j][nb], qB[0][nb],
-                                  range(j * blocks_per_group, (j + 1) * blocks_per_group), cfg)
-            for j in cutlass.range_constexpr(cfg.NJK):
-                for nb in cutlass.range_constexpr(NB):
-                    part = Float32(0.0)
-                    for kb in cutlass.range_constexpr(j * cfg.GK // 16, (j + 1) * cfg.GK // 16):
-                        for x in cutlass.range_constexpr(4):
-                            part = part + qv[q_index(cfg, nb, kb, 0, 0) + x]
-                    part = reduce_over_tq(part)
-                    for e in cutlass.range_constexpr(2):
-                        qsum[j * NS + 2 * nb + e] = to_columns(part, tq, e)
-
-        # ---------------------------------------------------------------- running state
-        m_run = cute.make_rmem_tensor((NS,), Float32)  # running max (log2 domain), per column slot
-        l_run = cute.make_rmem_tensor((NS,), Float32)  # per-thread partial row sum
-        corr = cute.make_rmem_tensor((max(1, cfg.NJV) * NS,), Float32)  # token-wise V: per-thread sum_l z P
-        for cs in cutlass.range_constexpr(NS):
+        mma = WarpMma(tiled_mma, lane, cfg.NB)
+        kf, vf = self.k_hooks, self.v_hooks
+        qv = self.load_query(mma, q_ptr, b, h, kv_heads)
+        kst = kf.setup(mma, qv)
+        # running state: max (log2 domain) and per-thread partial row sum per column slot, O^T per
+        # (m16 channel block, n8 block), and the V case's own
+        m_run = cute.make_rmem_tensor((mma.NS,), Float32)
+        l_run = cute.make_rmem_tensor((mma.NS,), Float32)
+        for cs in cutlass.range_constexpr(mma.NS):
             m_run[cs] = Float32(NEG_INF)
             l_run[cs] = Float32(0.0)
-        for x in cutlass.range_constexpr(max(1, cfg.NJV) * NS):
-            corr[x] = Float32(0.0)
-        accO = [[zero_accumulator(tiled_mma, shape_C) for _ in range(NB)] for _ in range(cfg.MB_V)]  # (m16 channel block, n8 block)
-        # token-wise V: -(bias x P^T) summed like O, per channel block j (rows: channel parity only)
-        v_bias = [[zero_accumulator(tiled_mma, shape_C) for _ in range(NB)] for _ in range(cfg.NJV)]
+        vst = vf.setup(mma)
+        accO = [[mma.zero_accumulator() for _ in range(mma.NB)] for _ in range(cfg.MB_V)]
+        vf.setup_output(mma, vst)
 
         n_local = cutlass.max(t_end - t_begin, 0)
         n_runs = (n_local + cfg.TPG - 1) // cfg.TPG
-        my_runs = (cutlass.max(n_runs - warp, 0) + NW - 1) // NW
+        my_runs = (cutlass.max(n_runs - warp, 0) + cfg.NW - 1) // cfg.NW
         for step in cutlass.range(0, my_runs * cfg.TPG, 1, unroll=1):
-            local_tile = cfg.TPG * (warp + NW * (step // cfg.TPG)) + step % cfg.TPG
+            local_tile = cfg.TPG * (warp + cfg.NW * (step // cfg.TPG)) + step % cfg.TPG
             if local_tile < n_local:
-                tok0 = (t_begin + local_tile) * TILE_TOKENS
-                valid = length - tok0  # valid tokens in this tile (>= 1)
-                ring_stage, ring_phase = stage_and_phase(local_tile, cfg.STAGES)
-                cute.arch.mbarrier_wait(full + ring_stage, ring_phase)
-                sbuf = ring + cute.assume(ring_stage * cfg.STAGE_WORDS, divby=4)  # the tile's stage
-                kpar = cute.recast_ptr(sbuf + cfg.K_PARAMS, dtype=Float16)
-                vpar = cute.recast_ptr(sbuf + cfg.V_PARAMS, dtype=Float16)
-
-                # ------------------------------------------------ stage -> registers
-                # virtual warp u of the packed tile: K token block u, V channel blocks u, u+4, ...
-                kw = [load_words(sbuf + cfg.K_CODES, 32 * u + lane, cfg) for u in range(4)]
-                vw = [load_words(sbuf + cfg.V_CODES, 32 * u + lane, cfg) for u in range(4)]
-                # the thread's accumulator rows are tokens 16*tb + g + 8*hr: index t = 2*tb + hr
-                rows = [16 * (t // 2) + g + 8 * (t % 2) for t in range(2 * TB)]
-                if cutlass.const_expr(cfg.k_token):
-                    ks = cute.make_rmem_tensor((2 * TB * cfg.NJK,), Float32)  # s' * scale_log2
-                    kz = cute.make_rmem_tensor((2 * TB * cfg.NJK,), Float32)  # z' * scale_log2
-                    for t in cutlass.range_constexpr(2 * TB):
-                        for j in cutlass.range_constexpr(cfg.NJK):
-                            s, z = load_param(kpar, (rows[t] * cfg.NJK + j) * 2)
-                            ks[t * cfg.NJK + j] = s * (two_b * scale_log2)
-                            kz[t * cfg.NJK + j] = z * scale_log2
-                else:
-                    if step % cfg.TPG == 0:  # first tile of a K group run: scale Q^T for the group(s)
-                        self.scale_q(tiled_mma, shape_A, shape_C, qB, qz, k_bias, qv, kpar, scale_log2, tq)
-                if cutlass.const_expr(cfg.v_token):
-                    vs = cute.make_rmem_tensor((2 * TB * cfg.NJV,), Float32)  # s' (0 past the end)
-                    vz = cute.make_rmem_tensor((2 * TB * cfg.NJV,), Float32)  # z (0 past the end)
-                    for t in cutlass.range_constexpr(2 * TB):
-                        ok = rows[t] < valid
-                        for j in cutlass.range_constexpr(cfg.NJV):
-                            x = t * cfg.NJV + j
-                            s, z = load_param(vpar, (rows[t] * cfg.NJV + j) * 2)
-                            vs[x] = fsel(ok, s * two_b, Float32(0.0))
-                            vz[x] = fsel(ok, z, Float32(0.0))
-                else:
-                    # channels 16*md + g + 8*hr, per token group of the tile: x = (md*2 + hr)*NGV + gi
-                    cvs = cute.make_rmem_tensor((cfg.MB_V * 2 * cfg.NGV,), Float32)
-                    cvz = cute.make_rmem_tensor((cfg.MB_V * 2 * cfg.NGV,), Float32)
-                    for gi in cutlass.range_constexpr(cfg.NGV):
-                        ok = gi * cfg.GV < valid
-                        for md in cutlass.range_constexpr(cfg.MB_V):
-                            for hr in cutlass.range_constexpr(2):
-                                s, z = load_param(vpar, (gi * D + 16 * md + g + 8 * hr) * 2)
-                                x = (md * 2 + hr) * cfg.NGV + gi
-                                cvs[x] = fsel(ok, s * two_b, Float32(0.0))
-                                cvz[x] = fsel(ok, z, Float32(0.0))
-                cute.arch.mbarrier_arrive(empty + ring_stage)  # codes and params are in registers
-
-                # ------------------------------------------------ S^T = K . Q^T, scores (log2 domain)
-                sc = cute.make_rmem_tensor((TB * NB * 4,), Float32)  # (tb, nb, i)
-                for tb in cutlass.range_constexpr(TB):
-                    kfr = [a_fragment(tiled_mma, shape_A, kw[tb], 4 * kb, cfg) for kb in range(cfg.KB_D)]
-                    for nb in cutlass.range_constexpr(NB):
-                        if cutlass.const_expr(cfg.k_token):
-                            accS = [mma_chain(tiled_mma, shape_C, k_bias[j][nb],
-                                              [(kfr[kb], qB[0][nb][kb]) for kb in range(j * cfg.GK // 16, (j + 1) * cfg.GK // 16)])
-                                    for j in range(cfg.NJK)]
-                        else:
-                            gi = (16 * tb) // cfg.GK if cfg.NGK > 1 else 0
-                            acc = mma_chain(tiled_mma, shape_C, k_bias[gi][nb], [(kfr[kb], qB[gi][nb][kb]) for kb in range(cfg.KB_D)])
-                        for i in cutlass.range_constexpr(4):
-                            t = 2 * tb + i // 2
-                            cs = i % 2 + 2 * nb
-                            if cutlass.const_expr(cfg.k_token):
-                                v = Float32(0.0)
-                                for j in cutlass.range_constexpr(cfg.NJK):
-                                    x = t * cfg.NJK + j
-                                    v = v + ks[x] * accS[j][i] + kz[x] * qsum[j * NS + cs]
-                            else:
-                                v = acc[i] + qz[gi * NS + cs]
-                            sc[(tb * NB + nb) * 4 + i] = fsel(rows[t] < valid, v, Float32(NEG_INF))
-
-                # ------------------------------------------------ online softmax (this warp's tokens)
-                alpha = cute.make_rmem_tensor((NS,), Float32)
-                for cs in cutlass.range_constexpr(NS):
-                    nb, e = cs // 2, cs % 2
-                    mx = sc[nb * 4 + e]
-                    for t in cutlass.range_constexpr(1, 2 * TB):
-                        mx = cute.arch.fmax(mx, sc[((t // 2) * NB + nb) * 4 + e + 2 * (t % 2)])
-                    mx = reduce_over_rows(mx, cute.arch.fmax)
-                    m_new = cute.arch.fmax(m_run[cs], mx)
-                    alpha[cs] = cute.arch.exp2(m_run[cs] - m_new)
-                    m_run[cs] = m_new
-                    l_run[cs] = l_run[cs] * alpha[cs]
-                # the running max moved for some column of the warp: O must be rescaled (token-wise
-                # V; channel-wise V rescales in its correction FMA anyway)
-                moved = alpha[0] != Float32(1.0)
-                for cs in cutlass.range_constexpr(1, NS):
-                    moved = moved | (alpha[cs] != Float32(1.0))
-                rescale = cute.arch.vote_any_sync(moved)
-                for x in cutlass.range_constexpr(cfg.NJV * NS):
-                    corr[x] = corr[x] * alpha[x % NS]
-
-                # ------------------------------------------------ P = exp2(S - m) -> P^T B fragments
-                n_psets = cfg.NJV if cfg.v_token else 1
-                pB = [[[tiled_mma.make_fragment_B(shape_B) for _ in range(n_psets)] for _ in range(NB)] for _ in range(TB)]
-                pg = cute.make_rmem_tensor((max(1, cfg.NGV) * NS,), Float32)  # channel-wise V: sum of fp16(p)
-                for x in cutlass.range_constexpr(max(1, cfg.NGV) * NS):
-                    pg[x] = Float32(0.0)
-                for tb in cutlass.range_constexpr(TB):
-                    for nb in cutlass.range_constexpr(NB):
-                        p = [cute.arch.exp2(sc[(tb * NB + nb) * 4 + i] - m_run[i % 2 + 2 * nb]) for i in range(4)]
-                        for i in cutlass.range_constexpr(4):
-                            l_run[i % 2 + 2 * nb] = l_run[i % 2 + 2 * nb] + p[i]
-                        for ps in cutlass.range_constexpr(n_psets):
-                            p_regs = cute.recast_tensor(pB[tb][nb][ps], Int32)
-                            for hr in cutlass.range_constexpr(2):
-                                if cutlass.const_expr(cfg.v_token):
-                                    x = (2 * tb + hr) * cfg.NJV + ps
-                                    packed = pack_f16x2(p[2 * hr] * vs[x], p[2 * hr + 1] * vs[x])  # Ps = fp16(p*s')
-                                    for e in cutlass.range_constexpr(2):
-                                        corr[ps * NS + 2 * nb + e] = corr[ps * NS + 2 * nb + e] + p[2 * hr + e] * vz[x]
-                                else:
-                                    packed = pack_f16x2(p[2 * hr], p[2 * hr + 1])
-                                    gi = (16 * tb) // cfg.GV if cfg.NGV > 1 else 0
-                                    for e in cutlass.range_constexpr(2):
-                                        pg[gi * NS + 2 * nb + e] = pg[gi * NS + 2 * nb + e] + p[2 * hr + e]
-                                p_regs[hr] = movmatrix_trans(packed)  # rows = tokens -> k = tokens
-                if cutlass.const_expr(not cfg.v_token):
-                    for x in cutlass.range_constexpr(cfg.NGV * NS):
-                        pg[x] = reduce_over_rows(pg[x], operator.add)  # Psum per token group and column
-
-                # ------------------------------------------------ O^T += V^T . P^T (+ corrections)
-                if cutlass.const_expr(cfg.v_token):
-                    if rescale:
-                        for row in accO + v_bias:
-                            for nb in cutlass.range_constexpr(NB):
-                                for i in cutlass.range_constexpr(4):
-                                    row[nb][i] = row[nb][i] * alpha[i % 2 + 2 * nb]
-                    for j in cutlass.range_constexpr(cfg.NJV):
-                        for nb in cutlass.range_constexpr(NB):
-                            add_bias_mmas(tiled_mma, shape_A, v_bias[j][nb], [pB[tb][nb][j] for tb in range(TB)], range(TB), cfg)
-                else:
-                    # per token group and n8 block: the initial value of every channel block's PV accumulator
-                    pv_bias = [[zero_accumulator(tiled_mma, shape_C) for _ in range(NB)] for _ in range(cfg.NGV)]
-                    for gi in cutlass.range_constexpr(cfg.NGV):
-                        for nb in cutlass.range_constexpr(NB):
-                            add_bias_mmas(tiled_mma, shape_A, pv_bias[gi][nb], [pB[tb][nb][0] for tb in range(TB)],
-                                          range(gi * TB // cfg.NGV, (gi + 1) * TB // cfg.NGV), cfg)
-                for md in cutlass.range_constexpr(cfg.MB_V):
-                    # channel block md = virtual warp md % 4 of m64 tile md // 4; k16 block = token block
-                    vfr = [a_fragment(tiled_mma, shape_A, vw[md % 4], ((md // 4) * cfg.KB_T + tb) * 4, cfg) for tb in range(TB)]
-                    for nb in cutlass.range_constexpr(NB):
-                        if cutlass.const_expr(cfg.v_token):
-                            j = (16 * md) // cfg.GV  # the channel block of these 16 channels
-                            for tb in cutlass.range_constexpr(TB):
-                                cute.gemm(tiled_mma, accO[md][nb], vfr[tb], pB[tb][nb][j], accO[md][nb])
-                        else:
-                            accV = [mma_chain(tiled_mma, shape_C, pv_bias[gi][nb],
-                                              [(vfr[tb], pB[tb][nb][0]) for tb in range(gi * TB // cfg.NGV, (gi + 1) * TB // cfg.NGV)])
-                                    for gi in range(cfg.NGV)]
-                            for i in cutlass.range_constexpr(4):
-                                cs = i % 2 + 2 * nb
-                                add = Float32(0.0)
-                                for gi in cutlass.range_constexpr(cfg.NGV):
-                                    x = (md * 2 + i // 2) * cfg.NGV + gi
-                                    add = add + cvs[x] * accV[gi][i] + cvz[x] * pg[gi * NS + cs]
-                                accO[md][nb][i] = accO[md][nb][i] * alpha[cs] + add
+                self.attend_tile(mma, ring, full, empty, kst, vst, qv, m_run, l_run, accO, length, t_begin, local_tile,
+                                 step, scale_log2, lane)
 
         # ---------------------------------------------------------------- this warp's (O, m, l)
-        for cs in cutlass.range_constexpr(NS):
+        for cs in cutlass.range_constexpr(mma.NS):
             l_run[cs] = reduce_over_rows(l_run[cs], operator.add)
-        for x in cutlass.range_constexpr(cfg.NJV * NS):
-            corr[x] = reduce_over_rows(corr[x], operator.add)
+        vf.finish(mma, vst)
         # every consumer warp is past its last stage read: the ring becomes the merge area
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=NW * 32)
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=cfg.NW * 32)
         merge = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32), cute.make_layout(cfg.RING_WORDS))
         mine = warp * cfg.MERGE_WARP
+        cols = [mma.column(cs) for cs in range(mma.NS)]
         for md in cutlass.range_constexpr(cfg.MB_V):
-            for nb in cutlass.range_constexpr(NB):
+            for nb in cutlass.range_constexpr(mma.NB):
                 for i in cutlass.range_constexpr(4):
-                    cs = i % 2 + 2 * nb
-                    val = accO[md][nb][i]
-                    if cutlass.const_expr(cfg.v_token):
-                        j = (16 * md) // cfg.GV
-                        val = val + corr[j * NS + cs] + v_bias[j][nb][i]
-                    merge[mine + cols[cs] * cfg.MERGE_ROW + 16 * md + g + 8 * (i // 2)] = val
-        if g == 0:
-            for cs in cutlass.range_constexpr(NS):
-                merge[mine + N * cfg.MERGE_ROW + cols[cs]] = m_run[cs]
-                merge[mine + N * cfg.MERGE_ROW + N + cols[cs]] = l_run[cs]
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=NW * 32)
+                    val = vf.output(mma, vst, accO[md][nb][i], md, nb, i)
+                    merge[mine + cols[i % 2 + 2 * nb] * cfg.MERGE_ROW + 16 * md + mma.g + 8 * (i // 2)] = val
+        if lane // 4 == 0:  # g == 0: one lane per column slot
+            for cs in cutlass.range_constexpr(mma.NS):
+                merge[mine + cfg.N * cfg.MERGE_ROW + cols[cs]] = m_run[cs]
+                merge[mine + cfg.N * cfg.MERGE_ROW + cfg.N + cols[cs]] = l_run[cs]
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=cfg.NW * 32)
         self.merge_and_store(merge, o_ptr, lse_ptr, b, h, split, kv_heads, num_splits, warp * 32 + lane)
 
+    # ------------------------------------------------------------------------------------------
+    # consumer stages
+    # ------------------------------------------------------------------------------------------
     @cute.jit
-    def scale_q(self, tiled_mma: cute.TiledMma, shape_A, shape_C, qB, qz, k_bias, qv, kpar: cute.Pointer,
-                scale_log2: Float32, tq: Int32):
-        """Channel-wise K: Q^T scaled by s'[d] of each token group of the tile into ``qB[gi]``, the
-        per-group constant sum_d z[d] q[r,d] into ``qz``, and -(bias x scaled Q^T) into
-        ``k_bias[gi]`` (the S^T accumulators' initial value: it cancels the operand bias against
-        the same rounded Qs the data MMAs multiply)."""
+    def attend_tile(self, mma: WarpMma, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer, kst, vst, qv,
+                    m_run: cute.Tensor, l_run: cute.Tensor, accO, length: Int32, t_begin: Int32, local_tile: Int32,
+                    step: Int32, scale_log2: Float32, lane: Int32):
+        """One 64-token tile of this warp: stage -> registers, S^T, online softmax, P^T, O^T."""
         cfg = self.cfg
-        two_b = float(1 << cfg.bits)
-        for gi in cutlass.range_constexpr(cfg.NGK):
-            part = [Float32(0.0) for _ in range(cfg.NB)]
-            for kb in cutlass.range_constexpr(cfg.KB_D):
-                for hh in cutlass.range_constexpr(2):
-                    ksp, kzp = [], []
-                    for e in cutlass.range_constexpr(2):
-                        s, z = load_param(kpar, (gi * cfg.D + 16 * kb + 8 * hh + 2 * tq + e) * 2)
-                        ksp.append(s * (two_b * scale_log2))
-                        kzp.append(z * scale_log2)
-                    for nb in cutlass.range_constexpr(cfg.NB):
-                        base = q_index(cfg, nb, kb, hh, 0)
-                        packed = pack_f16x2(qv[base] * ksp[0], qv[base + 1] * ksp[1])
-                        cute.recast_tensor(qB[gi][nb][kb], Int32)[hh] = packed
-                        for e in cutlass.range_constexpr(2):
-                            part[nb] = part[nb] + qv[base + e] * kzp[e]
-            for nb in cutlass.range_constexpr(cfg.NB):
-                total = reduce_over_tq(part[nb])
-                for e in cutlass.range_constexpr(2):
-                    qz[gi * cfg.NS + 2 * nb + e] = to_columns(total, tq, e)
-                k_bias[gi][nb].fill(0.0)
-                add_bias_mmas(tiled_mma, shape_A, k_bias[gi][nb], qB[gi][nb], range(cfg.KB_D), cfg)
+        kf, vf = self.k_hooks, self.v_hooks
+        valid = length - (t_begin + local_tile) * TILE_TOKENS  # valid tokens in this tile (>= 1)
+        ring_stage, ring_phase = stage_and_phase(local_tile, cfg.STAGES)
+        cute.arch.mbarrier_wait(full + ring_stage, ring_phase)
+        sbuf = ring + cute.assume(ring_stage * cfg.STAGE_WORDS, divby=4)  # the tile's stage
+        # virtual warp u of the packed tile: K token block u, V channel blocks u, u+4, ...
+        kw = [cfg.k_operand.load_words(sbuf + cfg.K_CODES, 32 * u + lane) for u in range(4)]
+        vw = [cfg.v_operand.load_words(sbuf + cfg.V_CODES, 32 * u + lane) for u in range(4)]
+        # the thread's accumulator rows are tokens 16*tb + g + 8*hr: index t = 2*tb + hr
+        rows = [16 * (t // 2) + mma.g + 8 * (t % 2) for t in range(2 * TOKEN_BLOCKS)]
+        ktp = kf.load_params(mma, kst, cute.recast_ptr(sbuf + cfg.K_PARAMS, dtype=Float16), rows, step, qv, scale_log2)
+        vtp = vf.load_params(mma, cute.recast_ptr(sbuf + cfg.V_PARAMS, dtype=Float16), rows, valid)
+        cute.arch.mbarrier_arrive(empty + ring_stage)  # codes and params are in registers
+
+        sc = self.scores(mma, kst, ktp, kw, rows, valid)
+        alpha, rescale = self.online_softmax(mma, sc, m_run, l_run)
+        vf.rescale_corrections(mma, vst, alpha)
+        pB, acc_p = self.p_operands(mma, vst, vtp, sc, m_run, l_run)
+        if rescale:  # the running max moved for some column of the warp
+            self.rescale_output(mma, vst, accO, alpha)
+        vf.accumulate(mma, vst, vtp, acc_p, accO, pB, vw, alpha)
+
+    def rescale_output(self, mma: WarpMma, vst, accO, alpha):
+        """O (and the V case's state summed like it) times alpha."""
+        self.v_hooks.rescale(mma, vst, accO, alpha)
+
+    def load_query(self, mma: WarpMma, q_ptr: cute.Pointer, b, h, kv_heads):
+        """fp32 q values of the thread's Q^T B-fragment positions (``q_index`` order); 0 for the
+        padding columns past R."""
+        cfg = self.cfg
+        Hq = kv_heads * cfg.R
+        q_base = (b * Hq + h * cfg.R).to(Int64) * cfg.D
+        qv = cute.make_rmem_tensor((mma.NB * cfg.KB_D * 4,), Float32)
+        for nb in range(mma.NB):
+            head = 8 * nb + mma.g
+            q_row = q_base + cutlass.min(head, cfg.R - 1) * cfg.D
+            for kb in range(cfg.KB_D):
+                for hh in range(2):
+                    for e in range(2):
+                        d = 16 * kb + 8 * hh + 2 * mma.tq + e
+                        x = cute.make_tensor(q_ptr + (q_row + d), cute.make_layout((1,)))[0].to(Float32)
+                        qv[q_index(cfg, nb, kb, hh, e)] = fsel(head < cfg.R, x, Float32(0.0))
+        return qv
+
+    def scores(self, mma: WarpMma, kst, ktp, kw, rows, valid):
+        """S^T = K . Q^T of the tile with the K case's scale and correction, -inf past the end:
+        ``sc[(tb * NB + nb) * 4 + i]``, log2 domain."""
+        cfg = self.cfg
+        sc = cute.make_rmem_tensor((TOKEN_BLOCKS * mma.NB * 4,), Float32)  # (tb, nb, i)
+        for tb in range(TOKEN_BLOCKS):
+            kfr = [cfg.k_operand.a_fragment(mma, kw[tb], 4 * kb) for kb in range(cfg.KB_D)]
+            for nb in range(mma.NB):
+                vals = self.k_hooks.scores(mma, kst, ktp, kfr, tb, nb)
+                for i in range(4):
+                    sc[(tb * mma.NB + nb) * 4 + i] = fsel(rows[2 * tb + i // 2] < valid, vals[i], Float32(NEG_INF))
+        return sc
+
+    def online_softmax(self, mma: WarpMma, sc, m_run, l_run):
+        """Fold the tile's scores into the running max and sum of this warp's tokens; returns
+        (alpha per column slot, whether any column's max moved in the warp: O needs rescaling)."""
+        alpha = cute.make_rmem_tensor((mma.NS,), Float32)
+        for cs in range(mma.NS):
+            nb, e = cs // 2, cs % 2
+            mx = sc[nb * 4 + e]
+            for t in range(1, 2 * TOKEN_BLOCKS):
+                mx = cute.arch.fmax(mx, sc[((t // 2) * mma.NB + nb) * 4 + e + 2 * (t % 2)])
+            mx = reduce_over_rows(mx, cute.arch.fmax)
+            m_new = cute.arch.fmax(m_run[cs], mx)
+            alpha[cs] = cute.arch.exp2(m_run[cs] - m_new)
+            m_run[cs] = m_new
+            l_run[cs] = l_run[cs] * alpha[cs]
+        moved = alpha[0] != Float32(1.0)
+        for cs in range(1, mma.NS):
+            moved = moved | (alpha[cs] != Float32(1.0))
+        return alpha, cute.arch.vote_any_sync(moved)
+
+    def p_operands(self, mma: WarpMma, vst, vtp, sc, m_run, l_run):
+        """P = exp2(S - m) into the P^T B fragments ``pB[tb][nb][ps]`` (rows = tokens become k by
+        ``movmatrix``), one copy per P set of the V case (scaled or not), adding P to the row sums."""
+        vf = self.v_hooks
+        pB = [[[mma.fragment_B() for _ in range(vf.psets)] for _ in range(mma.NB)] for _ in range(TOKEN_BLOCKS)]
+        acc_p = vf.begin_p(mma, vst)
+        for tb in range(TOKEN_BLOCKS):
+            for nb in range(mma.NB):
+                p = [cute.arch.exp2(sc[(tb * mma.NB + nb) * 4 + i] - m_run[i % 2 + 2 * nb]) for i in range(4)]
+                for i in range(4):
+                    l_run[i % 2 + 2 * nb] = l_run[i % 2 + 2 * nb] + p[i]
+                for ps in range(vf.psets):
+                    p_regs = cute.recast_tensor(pB[tb][nb][ps], Int32)
+                    for hr in range(2):
+                        p_regs[hr] = movmatrix_trans(vf.pack_p(mma, vst, vtp, acc_p, p, tb, nb, hr, ps))
+        vf.end_p(mma, acc_p)
+        return pB, acc_p
 
     @cute.jit
     def merge_and_store(self, merge: cute.Tensor, o_ptr: cute.Pointer, lse_ptr: cute.Pointer, b: Int32, h: Int32,
@@ -682,16 +502,14 @@ class HopperDecodeKernel:
                 m_all = Float32(NEG_INF)
                 for w in cutlass.range_constexpr(NW):
                     m_all = cute.arch.fmax(m_all, merge[w * cfg.MERGE_WARP + ml + col])
-                m_ref = fsel(m_all == Float32(NEG_INF), Float32(0.0), m_all)  # all empty: weights 0
+                m_ref = finite_reference(m_all)  # all empty: weights 0
                 lt = Float32(0.0)
                 ot = Float32(0.0)
                 for w in cutlass.range_constexpr(NW):
                     wt = cute.arch.exp2(merge[w * cfg.MERGE_WARP + ml + col] - m_ref)
                     lt = lt + merge[w * cfg.MERGE_WARP + ml + N + col] * wt
                     ot = ot + merge[w * cfg.MERGE_WARP + col * cfg.MERGE_ROW + d] * wt
-                has = lt > Float32(0.0)
-                inv_l = fsel(has, cute.arch.rcp_approx(lt), Float32(0.0))
-                lse = fsel(has, (m_all + cute.math.log2(lt)) * LN2, Float32(NEG_INF))
+                inv_l, lse = normalize(lt, m_all, fastmath=False)
                 obase, lidx = output_offsets(cfg.split, (b * Hq + h * R + col).to(Int64), split, num_splits, D)
                 if d == 0:
                     cute.make_tensor(lse_ptr + lidx, cute.make_layout((1,)))[0] = lse
@@ -700,89 +518,6 @@ class HopperDecodeKernel:
                 out[0] = val if cutlass.const_expr(cfg.split) else val.to(cfg.q_dtype)
 
 
-def q_index(cfg: DecodeConfig, nb: int, kb: int, hh: int, e: int) -> int:
-    """Index in a thread's q values of q[head 8*nb + g, channel 16*kb + 8*hh + 2*tq + e]: the order
-    of the Q^T B fragments (value e + 2*hh of n8 block nb, k16 block kb)."""
-    return ((nb * cfg.KB_D + kb) * 2 + hh) * 2 + e
-
-
-def a_fragment(tiled_mma: cute.TiledMma, shape_A, words, n0: int, cfg: DecodeConfig):
-    """mma A fragment (fp16 m16 x k16) of fragment registers n0..n0+3 of a virtual thread's packed words."""
-    frag = tiled_mma.make_fragment_A(shape_A)
-    regs = cute.recast_tensor(frag, Int32)
-    for r in range(4):
-        n = n0 + r
-        regs[r] = _slot_operand(words[n // cfg.ppw], cfg.slots[n % cfg.ppw])
-    return frag
-
-
-def bias_fragment(tiled_mma: cute.TiledMma, shape_A, k_block: int, cfg: DecodeConfig):
-    """Constant A fragment of -bias for k16 block ``k_block``: its MMA with a B operand is minus
-    what the operand biases of that block add to the accumulator (exact: powers of two)."""
-    frag = tiled_mma.make_fragment_A(shape_A)
-    regs = cute.recast_tensor(frag, Int32)
-    for r in range(4):
-        regs[r] = Int32((cfg.slots[bias_slot(cfg.ppw, k_block, r)].magic | 0x80008000) - (1 << 32))
-    return frag
-
-
-def add_bias_mmas(tiled_mma: cute.TiledMma, shape_A, acc, b_frags, k_blocks, cfg: DecodeConfig):
-    """acc -= sum over ``k_blocks`` of bias x B (in place): cancels what the operand biases of those
-    k16 blocks add to an accumulator of the same B operand."""
-    for kb in k_blocks:
-        cute.gemm(tiled_mma, acc, bias_fragment(tiled_mma, shape_A, kb, cfg), b_frags[kb], acc)
-
-
-def mma_chain(tiled_mma: cute.TiledMma, shape_C, init, pairs):
-    """init + sum of A x B over the (A, B) fragment ``pairs``, in a new accumulator.
-
-    ``init`` is copied first (free: HMMA reads C and writes D in different registers): the DSL's
-    warp-MMA gemm writes its result into C's registers when D and C differ, which would clobber
-    ``init``."""
-    acc = tiled_mma.make_fragment_C(shape_C)
-    acc.store(init.load())
-    for a, b in pairs:
-        cute.gemm(tiled_mma, acc, a, b, acc)
-    return acc
-
-
-def zero_accumulator(tiled_mma: cute.TiledMma, shape_C):
-    acc = tiled_mma.make_fragment_C(shape_C)
-    acc.fill(0.0)
-    return acc
-
-
-def to_columns(per_head, tq, e: int):
-    """Value of accumulator column 2*tq + e (of an n8 block) from a per-lane value that lane 4*g
-    holds for B-fragment column (query head) g of the same block."""
-    return cute.arch.shuffle_sync(per_head, offset=4 * (2 * tq + e))
-
-
-def reduce_over_tq(x):
-    """Sum over the 4 lanes of a row group (lane bits 0..1: the k pairs of a B fragment)."""
-    for offset in (1, 2):
-        x = x + cute.arch.shuffle_sync_bfly(x, offset=offset)
-    return x
-
-
 def mPT_load(pt_ptr, idx):
     """page_table[idx] (int32)."""
     return cute.make_tensor(pt_ptr + idx, cute.make_layout((1,)))[0]
-
-
-def load_param(p_ptr, idx):
-    """(scale, offset) fp16 pair at element idx -> two fp32."""
-    t = cute.make_tensor(p_ptr + idx, cute.make_layout((2,)))
-    return t[0].to(Float32), t[1].to(Float32)
-
-
-def load_words(c_ptr, vthread, cfg: DecodeConfig):
-    """The WPT packed words of virtual thread ``vthread`` (0..127) of one tile in shared memory:
-    vector j (CW words) at tile vector j*128+vthread (16-byte ld.shared, a warp's 32 lanes on
-    consecutive vectors)."""
-    base = cute.make_tensor(c_ptr, cute.make_layout((cfg.CW, THREADS, cfg.WPT // cfg.CW), stride=(1, cfg.CW, THREADS * cfg.CW)))
-    src = base[None, vthread, None]  # (CW, J)
-    dst = cute.make_rmem_tensor((cfg.CW, cfg.WPT // cfg.CW), Int32)
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=32 * cfg.CW)
-    cute.copy(atom, src, dst)
-    return cute.make_tensor(dst.iterator, cute.make_layout((cfg.WPT,)))

@@ -144,11 +144,14 @@ def _make_layer_class():
 def FoscarCache(config, bits: int = 4, max_batch_size: int = 1, max_seq_len: int = 4096, sink: int = 64,
                 window: int = 256, rotate: bool = False, k: str = "token", k_group: int | None = None, v: str = "token",
                 v_group: int | None = None, page_size: int | None = None, num_pages: int | None = None,
-                dtype=torch.bfloat16, device="cuda", use_kernels: bool | None = None):
+                dtype=torch.bfloat16, device="cuda", use_kernels: bool | None = None, *, k_bits: int | None = None,
+                v_bits: int | None = None, arch: str | None = None):
     """A transformers ``Cache`` backed by one :class:`PagedKVCache` for all layers of ``config``'s model.
 
     ``bits``, ``k``/``k_group``, ``v``/``v_group``: the :class:`~foscar.scheme.Scheme` (groups default
-    to head_dim; OSCAR: token-wise K and V; KIVI: ``k="channel"``). ``sink``/``window``: BF16 parts.
+    to head_dim; OSCAR: token-wise K and V; KIVI: ``k="channel"``). ``k_bits`` / ``v_bits`` override
+    ``bits`` for one tensor (``k_bits=4, v_bits=2``: keys are the more sensitive tensor). ``arch``:
+    see :class:`PagedKVCache`. ``sink``/``window``: BF16 parts.
     ``num_pages`` defaults to enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens.
     A factory (not a class statement) so that importing this module does not import transformers.
     """
@@ -192,12 +195,12 @@ def FoscarCache(config, bits: int = 4, max_batch_size: int = 1, max_seq_len: int
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    scheme = Scheme.make(bits, k, k_group, v, v_group, head_dim, heads // kv_heads, dtype)
+    scheme = Scheme.make(bits, k, k_group, v, v_group, head_dim, heads // kv_heads, dtype, k_bits=k_bits, v_bits=v_bits)
     probe = PagedKVCache(scheme, 1, 1, 1, 1, max_seq_len, page_size, sink, window, device="meta", use_kernels=False)
     if num_pages is None:
         num_pages = max(1, max_batch_size * probe.pages_for(max_seq_len))
     kv = PagedKVCache(scheme, text.num_hidden_layers, kv_heads, num_pages, max_batch_size, max_seq_len, page_size, sink,
-                      window, rotate, device, use_kernels)
+                      window, rotate, device, use_kernels, arch)
     return _FoscarCacheClass(kv)
 
 

@@ -22,8 +22,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from ..device import LN2, LOG2E
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
+from ..softmax import lse_weight, merged_lse
 
 __all__ = ["Combine", "compile_combine", "combine_splits"]
 
@@ -96,9 +96,9 @@ class Combine:
             if m > neg_inf:
                 total = cutlass.Float32(0.0)
                 for s in cutlass.range(lane, splits, 32, unroll=1):
-                    total += cute.math.exp2((mLp[row, s] - m) * LOG2E, fastmath=True)
+                    total += lse_weight(mLp[row, s], m)
                 total = cute.arch.warp_reduction_sum(total)
-                row_lse = m + cute.math.log2(total, fastmath=True) * LN2
+                row_lse = merged_lse(m, total)
 
             # ---- pass 2: weighted sum of the partial outputs ---------------------------------
             acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
@@ -107,7 +107,7 @@ class Combine:
             for s in cutlass.range(splits, unroll=1):
                 split_lse = mLp[row, s]
                 if split_lse > neg_inf:
-                    weight = cute.math.exp2((split_lse - row_lse) * LOG2E, fastmath=True)
+                    weight = lse_weight(split_lse, row_lse)
                     # ((per_lane), (32))
                     cute.autovec_copy(cute.zipped_divide(mOp[row, s, None], (self.per_lane,))[None, lane], part)
                     for i in cutlass.range_constexpr(self.per_lane):

@@ -67,7 +67,7 @@ class DequantizeConfig:
         if not isinstance(scheme_or_config, Scheme) or role not in ("k", "v"):
             raise TypeError("pass a DequantizeConfig, or a Scheme and role='k' or 'v'")
         quant = scheme_or_config.k if role == "k" else scheme_or_config.v
-        return cls(scheme_or_config.bits, scheme_or_config.head_dim, role, quant.axis, quant.group)
+        return cls(quant.bits, scheme_or_config.head_dim, role, quant.axis, quant.group)
 
     @property
     def geometry(self) -> TileGeometry:

@@ -49,10 +49,11 @@ from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
 from ..scheme import Axis, Scheme
 
-__all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "compile_quantize", "quantize_tiles", "granule_of"]
+__all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "compile_quantize", "quantize_tiles", "granule_of", "LAYOUT"]
 
 THREADS = 128
 SRC_DTYPES = ("bfloat16", "float16")
+LAYOUT = "hopper"  # the bit order this kernel writes (word_code_coords inverts fragment.tile_position)
 
 
 def granule_of(scheme: Scheme) -> int:
@@ -107,11 +108,13 @@ class QuantizeConfig:
 
     @classmethod
     def of(cls, scheme: Scheme, role: str) -> "QuantizeConfig":
+        """The config of one tensor of ``scheme``: its own bits, axis and group (K and V may differ);
+        the granule is the scheme's, shared by both tensors."""
         if not isinstance(scheme, Scheme) or role not in ("k", "v"):
             raise TypeError("pass a Scheme and role='k' or 'v'")
         quant = scheme.k if role == "k" else scheme.v
         src = str(scheme.q_dtype).removeprefix("torch.")
-        return cls(scheme.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src)
+        return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src)
 
     @property
     def geometry(self) -> TileGeometry:

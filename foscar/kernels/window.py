@@ -26,8 +26,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from ..device import LN2, LOG2E, NEG_INF, fsel
+from ..device import LOG2E, NEG_INF, fsel
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
+from ..softmax import finite_reference, lse_weight, merged_lse, normalize
 
 __all__ = ["WindowMerge", "compile_window_merge", "window_merge"]
 
@@ -148,7 +149,7 @@ class WindowMerge:
             stats[warp] = m
         cute.arch.sync_threads()
         m_all = cute.arch.fmax(cute.arch.fmax(stats[0], stats[1]), cute.arch.fmax(stats[2], stats[3]))
-        m_ref = fsel(m_all == Float32(NEG_INF), Float32(0.0), m_all)  # no valid slot: every p is 0
+        m_ref = finite_reference(m_all)  # no valid slot: every p is 0
 
         # ---------------------------------------------------------------- p, sum p, sum p*v
         acc = cute.make_rmem_tensor((DC,), Float32)
@@ -174,15 +175,14 @@ class WindowMerge:
 
         # ---------------------------------------------------------------- merge with the splits
         l_w = stats[WARPS] + stats[WARPS + 1] + stats[WARPS + 2] + stats[WARPS + 3]
-        lse_w = fsel(l_w > Float32(0.0), (m_all + cute.math.log2(l_w, fastmath=True)) * LN2, Float32(NEG_INF))
+        inv_l_w, lse_w = normalize(l_w, m_all)
         use_splits = q_b > 0
         m_top = lse_w
         for sp in cutlass.range(splits, unroll=1):
             lse_s = scalar(lse_part, row.to(Int64) * splits + sp, Float32)
             m_top = fsel(use_splits, cute.arch.fmax(m_top, lse_s), m_top)
-        m_top_ref = fsel(m_top == Float32(NEG_INF), Float32(0.0), m_top)
-        w_w = cute.math.exp2((lse_w - m_top_ref) * LOG2E, fastmath=True)
-        inv_l_w = fsel(l_w > Float32(0.0), cute.arch.rcp_approx(l_w), Float32(0.0))
+        m_top_ref = finite_reference(m_top)
+        w_w = lse_weight(lse_w, m_top_ref)
         n_ch = -(-D // THREADS)
         o_acc = cute.make_rmem_tensor((n_ch,), Float32)
         for x in cutlass.range_constexpr(n_ch):
@@ -192,7 +192,7 @@ class WindowMerge:
         for sp in cutlass.range(splits, unroll=1):
             lse_s = scalar(lse_part, row.to(Int64) * splits + sp, Float32)
             if use_splits and lse_s > Float32(NEG_INF):
-                w_s = cute.math.exp2((lse_s - m_top_ref) * LOG2E, fastmath=True)
+                w_s = lse_weight(lse_s, m_top_ref)
                 w_total = w_total + w_s
                 for x in cutlass.range_constexpr(n_ch):
                     d = cutlass.min(tidx + THREADS * x, D - 1)
@@ -204,8 +204,7 @@ class WindowMerge:
                 dst = cute.make_tensor(out + (row.to(Int64) * D + d), cute.make_layout((1,)))
                 dst[0] = (o_acc[x] * inv_total).to(self.q_dtype)
         if tidx == 0:
-            total_lse = fsel(w_total > Float32(0.0), m_top_ref + cute.math.log2(w_total, fastmath=True) * LN2,
-                             Float32(NEG_INF))
+            total_lse = merged_lse(m_top_ref, w_total)
             cute.make_tensor(lse + row, cute.make_layout((1,)))[0] = total_lse
 
 

@@ -2,7 +2,8 @@
 
 Every arch reads the same tile sizes (64 tokens x head_dim of one KV head, same tensor shapes) but
 wants its own bit order inside a tile: ``hopper`` is the mma.sync A-fragment order (fragment.py),
-``blackwell`` runs of consecutive reduction-axis elements per word (blackwell.py).
+``blackwell`` runs of consecutive reduction-axis elements per word (blackwell.py). Which arch
+reads which: ``foscar.archs``.
 """
 
 from .blackwell import bw_pack_tiles, bw_unpack_tiles
@@ -10,10 +11,8 @@ from .fragment import TILE_TOKENS, TileGeometry, evaluate_layout, tile_layout, t
 from .packing import pack_tiles, unpack_tiles
 
 PACKERS = {"hopper": (pack_tiles, unpack_tiles), "blackwell": (bw_pack_tiles, bw_unpack_tiles)}
-ARCH_LAYOUT = {"sm_90a": "hopper", "sm_100a": "blackwell"}
 
 __all__ = [
-    "ARCH_LAYOUT",
     "PACKERS",
     "TILE_TOKENS",
     "TileGeometry",

@@ -1,0 +1,131 @@
+"""The arch registry: per GPU arch, what FOSCAR builds for it and what it cannot build.
+
+One :class:`Arch` per target ("sm_90a": Hopper, "sm_100a": Blackwell) names its packed-tile bit
+order (``foscar.layouts.PACKERS``), its operand construction per bit width, and its decode kernel
+(compiled and launched through the arch's module, imported only when used). As in the CUTLASS
+examples, :meth:`Arch.can_implement` states the kernel's limits *before* anything compiles: a
+variant the kernel cannot build raises a ValueError naming the field to change. ``foscar.decode``
+and ``foscar.cache`` dispatch through :data:`ARCHS`; nothing else branches on an arch name.
+
+``Scheme`` itself accepts more than any kernel builds (e.g. ``gqa_ratio`` up to 64, which the
+float64 references handle); the kernels' limits live here only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from .scheme import Axis, Construction, Scheme, construction_for
+
+__all__ = ["Arch", "ARCHS", "HOPPER", "BLACKWELL", "get_arch", "arch_of_device", "packed_layouts"]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One compile target: its packed layout, constructions, decode kernel and limits."""
+
+    name: str  # the compile target, "sm_90a"
+    layout: str  # bit order inside a packed 64-token tile (foscar.layouts.PACKERS)
+    kernel_module: str  # module with compile_decode / run_decode of this arch's decode kernel
+    max_gqa_ratio: int  # query heads per KV head the kernel takes (its query tile's columns)
+    page_sizes: tuple[int, ...]
+    min_group: int  # smallest group (either axis) the kernel reads
+    split_partials: bool  # run_decode can return unmerged split partials (foscar.kernels.window)
+
+    def construction(self, bits: int) -> Construction:
+        """How this arch's kernel turns ``bits``-bit codes into Tensor Core operands."""
+        return construction_for(self.name, bits)
+
+    def _kernel(self):
+        return importlib.import_module(self.kernel_module)
+
+    def _build_config(self, scheme: Scheme, page_size: int):
+        """The kernel's static config: building it runs the checks that need its geometry
+        (shared memory, tensor memory, ring stages)."""
+        raise NotImplementedError
+
+    def can_implement(self, scheme: Scheme, page_size: int) -> None:
+        """Return if the decode kernel builds ``scheme`` at ``page_size``; else raise a ValueError
+        naming the field (TypeError for a non-Scheme). Compiles nothing."""
+        if not isinstance(scheme, Scheme):
+            raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
+        if type(page_size) is not int or page_size not in self.page_sizes:
+            raise ValueError(f"page_size must be one of {list(self.page_sizes)} for the {self.name} kernel, "
+                             f"got {page_size!r}")
+        if not 1 <= scheme.gqa_ratio <= self.max_gqa_ratio:
+            raise ValueError(f"Scheme.gqa_ratio={scheme.gqa_ratio}: the {self.name} kernel takes 1..{self.max_gqa_ratio} "
+                             "query heads per KV head")
+        for name, quant in (("k", scheme.k), ("v", scheme.v)):
+            if quant.group < self.min_group:
+                raise ValueError(f"Scheme.{name}.group={quant.group}: the {self.name} kernel needs groups of at least "
+                                 f"{self.min_group}")
+            if quant.axis is Axis.CHANNEL and page_size % quant.group:
+                raise ValueError(f"Scheme.{name}.group={quant.group} (channel-wise) must divide page_size={page_size}")
+        try:
+            self._build_config(scheme, page_size)
+        except (NotImplementedError, ValueError) as err:
+            raise ValueError(
+                f"{scheme.name} at page_size={page_size}: the {self.name} kernel cannot build it ({err}); change "
+                "Scheme.k / Scheme.v (bits, group), Scheme.head_dim, Scheme.gqa_ratio or page_size"
+            ) from err
+
+    def compile_decode(self, scheme: Scheme, page_size: int, partial_output: bool = False, **options):
+        """The compiled decode kernel (cached per process; works without a GPU). ``options`` go to
+        the arch's own ``compile_decode`` (Hopper: ``consumers``)."""
+        self.can_implement(scheme, page_size)
+        return self._kernel().compile_decode(scheme, page_size, partial_output, arch=self.name, **options)
+
+    def run_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme,
+                   num_splits: int = 1, out=None, lse=None, partials: bool = False):
+        """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns
+        ``(out, lse)``, or with ``partials`` the unmerged split partials ``(o, lse)`` in fp32."""
+        if partials and not self.split_partials:
+            raise NotImplementedError(f"partials: the {self.name} decode kernel merges its splits itself")
+        extra = {"partials": True} if partials else {}
+        return self._kernel().run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
+                                         num_splits, out, lse, arch=self.name, **extra)
+
+
+class _Hopper(Arch):
+    def _build_config(self, scheme, page_size):
+        from .hopper.kernel import DecodeConfig, default_consumers
+
+        return DecodeConfig(scheme, page_size, True, default_consumers(scheme))
+
+
+class _Blackwell(Arch):
+    def _build_config(self, scheme, page_size):
+        from .blackwell.kernel import BlackwellConfig
+
+        return BlackwellConfig(scheme, page_size, True)
+
+
+# Limits read from foscar/hopper/kernel.py (DecodeConfig: query columns padded to at most two n8
+# blocks; a group spans whole k16/m16 MMA blocks) and foscar/blackwell/kernel.py (BlackwellConfig: at
+# most 16 query columns, each split into hi/lo halves; sKinfo holds the unscales and corrections of
+# at most 4 channel-wise K groups per 128-token step, so groups of >= 32 tokens).
+HOPPER = _Hopper("sm_90a", "hopper", "foscar.hopper.decode", max_gqa_ratio=16, page_sizes=(64, 128, 256),
+                 min_group=16, split_partials=True)
+BLACKWELL = _Blackwell("sm_100a", "blackwell", "foscar.blackwell.decode", max_gqa_ratio=16,
+                       page_sizes=(64, 128, 256), min_group=32, split_partials=False)
+ARCHS: dict[str, Arch] = {arch.name: arch for arch in (HOPPER, BLACKWELL)}
+
+
+def get_arch(name: str) -> Arch:
+    """The registered arch called ``name``, or a ValueError naming ``arch``."""
+    if name not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {name!r}")
+    return ARCHS[name]
+
+
+def arch_of_device(device=None) -> Arch:
+    """The arch of a CUDA device (``FOSCAR_ARCH`` overrides it; ``foscar.jit.device_arch``)."""
+    from .jit import device_arch
+
+    return get_arch(device_arch(device))
+
+
+def packed_layouts() -> list[str]:
+    """Every registered arch's packed layout."""
+    return sorted({arch.layout for arch in ARCHS.values()})

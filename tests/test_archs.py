@@ -1,0 +1,103 @@
+"""The arch registry: layouts and constructions per arch, and can_implement refusing what a kernel
+cannot build -- naming the field, before anything compiles."""
+
+import pytest
+import torch
+
+from foscar.archs import ARCHS, BLACKWELL, HOPPER, get_arch
+from foscar.jit import compile_count
+from foscar.layouts import PACKERS
+from foscar.scheme import Scheme, TensorQuant, construction_for
+
+
+def test_registry_names_layouts_and_constructions():
+    assert sorted(ARCHS) == ["sm_100a", "sm_90a"] and ARCHS["sm_90a"] is HOPPER and ARCHS["sm_100a"] is BLACKWELL
+    assert (HOPPER.layout, BLACKWELL.layout) == ("hopper", "blackwell")
+    for arch in ARCHS.values():
+        assert arch.layout in PACKERS
+        for bits in (2, 4):
+            assert arch.construction(bits) is construction_for(arch.name, bits)
+            assert Scheme.make(k_bits=bits, v_bits=6 - bits).plan(arch.name).k.construction is arch.construction(bits)
+    with pytest.raises(ValueError, match="arch must be one of"):
+        get_arch("sm_80")
+
+
+def _scheme_with_group(group):
+    """A scheme whose V group is below what Scheme admits today (32): the kernels' own limit is
+    stated apart from Scheme's, so widening Scheme's group sizes cannot slip past it."""
+    scheme = Scheme.make(2)
+    object.__setattr__(scheme, "v", TensorQuant("token", group, 2))
+    return scheme
+
+
+@pytest.mark.parametrize("arch", ARCHS.values(), ids=lambda a: a.name)
+@pytest.mark.parametrize(
+    "make, page_size, field",
+    [
+        (lambda: Scheme.make(2, gqa_ratio=17), 128, "Scheme.gqa_ratio=17"),
+        (lambda: Scheme.make(4, gqa_ratio=64), 64, "Scheme.gqa_ratio=64"),  # the references take it, no kernel does
+        (lambda: Scheme.make(2), 32, "page_size must be one of"),
+        (lambda: Scheme.make(2), 512, "page_size must be one of"),
+        (lambda: Scheme.make(2), 128.0, "page_size must be one of"),
+        (lambda: Scheme.make(2, k="channel", k_group=128), 64, r"Scheme.k.group=128 \(channel-wise\) must divide page_size=64"),
+        (lambda: Scheme.make(4, v="channel", v_group=256, head_dim=256), 128, "Scheme.v.group=256"),
+        (lambda: _scheme_with_group(8), 128, "Scheme.v.group=8: .* needs groups of at least"),
+    ],
+)
+def test_can_implement_names_the_field(arch, make, page_size, field):
+    with pytest.raises(ValueError, match=field):
+        arch.can_implement(make(), page_size)
+
+
+def test_limits_known_only_from_the_kernel_config_are_translated():
+    """Shared memory (Blackwell) and the ring (Hopper) depend on the whole geometry: the config's
+    own error is kept, as a ValueError that lists the Scheme fields to change."""
+    smem = Scheme.make(2, "channel", 32, "token", 32, head_dim=256, gqa_ratio=9)
+    with pytest.raises(ValueError, match=r"sm_100a kernel cannot build it \(.*shared memory\).*Scheme.head_dim"):
+        BLACKWELL.can_implement(smem, 128)
+    HOPPER.can_implement(smem, 128)  # Hopper builds it
+    ring = Scheme.make(4, "channel", 256, "token", 32, head_dim=256)
+    with pytest.raises(ValueError, match=r"sm_90a kernel cannot build it \(ring stages.*Scheme.k / Scheme.v"):
+        HOPPER.can_implement(ring, 256)
+    with pytest.raises(TypeError, match="scheme must be"):
+        HOPPER.can_implement("int2", 128)
+
+
+def test_coverage_schemes_are_implementable():
+    """What the compile and GPU tests build must pass, K4V2/K2V4 rows included, on both arches."""
+    from foscar.testing import coverage_matrix
+
+    for scheme, page_size, _ in coverage_matrix():
+        for arch in ARCHS.values():
+            arch.can_implement(scheme, page_size)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_refused_variant_compiles_nothing(arch):
+    from foscar.decode import compile_decode
+
+    before = compile_count()
+    with pytest.raises(ValueError, match="Scheme.gqa_ratio"):
+        compile_decode(Scheme.make(2, gqa_ratio=20), arch)
+    with pytest.raises(ValueError, match="Scheme.gqa_ratio"):
+        get_arch(arch).compile_decode(Scheme.make(2, gqa_ratio=20), 128, True)
+    assert compile_count() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_and_cache_refuse_a_variant_before_compiling():
+    from foscar.cache import PagedKVCache
+    from foscar.decode import decode
+    from foscar.testing import random_problem
+
+    scheme = Scheme.make(2, gqa_ratio=17)
+    q, cache = random_problem(scheme, [100, 7], page_size=128)
+    before = compile_count()
+    with pytest.raises(ValueError, match="Scheme.gqa_ratio=17"):
+        decode(q, cache)
+    with pytest.raises(ValueError, match="Scheme.gqa_ratio=17"):
+        PagedKVCache(scheme, 1, 2, 8, 2, 1000, device="cuda")
+    with pytest.raises(ValueError, match="use_kernels: the cache's GPU path .* is not built for sm_100a"):
+        PagedKVCache(Scheme.make(2), 1, 2, 8, 2, 1000, device="cuda", arch="sm_100a")
+    assert compile_count() == before
