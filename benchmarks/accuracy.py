@@ -20,7 +20,8 @@ their K/V are computed once and appended to each cache as the model's prefill wo
 
 FOSCAR runs ``PagedKVCache``'s CPU path (torch quantizer, fp32 dequantize-then-attend: the reference
 the GPU kernels are held to). Caches: BF16 (transformers ``DynamicCache``, the baseline) and the grid
-:func:`grid`: format x fold layout x (sink 64 + window 256, or none) x Hadamard rotation (INT2 only).
+:func:`grid`: format (INT4, INT2, K4V2 = INT4 keys + INT2 values) x fold layout x (sink 64 + window 256,
+or none) x Hadamard rotation (INT2 only).
 "none" still keeps the last ``n mod 64`` tokens in BF16 (they await a whole 64-token granule).
 """
 
@@ -50,9 +51,8 @@ SOURCES = {
             f"({TEXT_FILE}; package MIT)",
 }
 
-# The grid is data: a format is the bit-width keyword arguments of FoscarCache. K4V2 (independent K/V
-# bits) is one more line here once FoscarCache passes them to Scheme.make:  "k4v2": dict(k_bits=4, v_bits=2)
-FORMATS = {"int4": dict(bits=4), "int2": dict(bits=2)}
+# The grid is data: a format is the bit-width keyword arguments of FoscarCache (one line per format)
+FORMATS = {"int4": dict(bits=4), "int2": dict(bits=2), "k4v2": dict(k_bits=4, v_bits=2)}
 ROTATED_FORMATS = ("int2",)  # formats measured with and without the Hadamard rotation
 LAYOUTS = {"kivi": dict(k="channel", v="token"),  # K channel-wise, V token-wise (KIVI); groups of head_dim
            "token": dict(k="token", v="token")}   # K and V token-wise (OSCAR)
