@@ -243,6 +243,12 @@ def cpu_name() -> str:
         return platform.machine()
 
 
+def command_line(args) -> str:
+    """The command as run, with the thread setting that shapes the run time when one was given."""
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    return f"{threads}python -m benchmarks.accuracy " + " ".join(args)
+
+
 def evaluate(model, ids: torch.Tensor, prefill_len: int, configs, greedy_steps: int = 0, log=print) -> list[dict]:
     """Run BF16 and ``configs`` on the windows ``ids [rows, prefill + score + 1]``; one result dict each."""
     pre = prefill(model, ids[:, :prefill_len])
@@ -321,7 +327,7 @@ def main(argv=None):
             "transformers": transformers.__version__, "gguf": importlib.metadata.version("gguf"),
             "python": platform.python_version(), "threads": torch.get_num_threads(), "text_tokens": tokens.numel(),
             "rows": args.rows, "prefill": args.prefill, "score": args.score, "greedy": args.greedy,
-            "command": "python -m benchmarks.accuracy " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": command_line(argv if argv is not None else sys.argv[1:]),
             "minutes": (time.perf_counter() - start) / 60, "sources": SOURCES}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"accuracy-smollm2-135m-cpu-{datetime.date.today().isoformat()}")
