@@ -294,7 +294,8 @@ def markdown(results: list[dict], meta: dict) -> str:
              "Columns: perplexity of the scored tokens; its change vs BF16; mean KL(BF16 || cache) of the "
              "next-token distribution (nats); top-1 agreement = share of scored steps whose argmax equals BF16's; "
              "greedy agreement = common prefix with BF16's greedy continuation / its length, mean over windows.", "",
-             "| format | layout | sink/window | rotation | quantized share | perplexity | delta vs BF16 | KL | top-1 agreement | greedy agreement |",
+             "| format | layout | sink/window | rotation | quantized share | perplexity | delta vs BF16 | KL "
+             "| top-1 agreement | greedy agreement |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         greedy_cell = "-" if r["greedy_agreement"] is None else f"{r['greedy_agreement']:.3f}"

@@ -72,7 +72,8 @@ def test_int4_perplexity_within_bound_of_bf16(run, layout):
     int4 = score(accuracy.CacheConfig("int4", layout, "none"))
     assert int4["quantized_share"] > 0.9  # the bound is about the quantized path, not the BF16 parts
     ratio = int4["ppl"] / reference["ppl"]
-    print(f"int4 {layout}: ppl {int4['ppl']:.4f} vs bf16 {reference['ppl']:.4f} (x{ratio:.4f}), KL {int4['kl'].mean():.5f}")
+    print(f"int4 {layout}: ppl {int4['ppl']:.4f} vs bf16 {reference['ppl']:.4f} (x{ratio:.4f}), "
+          f"KL {int4['kl'].mean():.5f}")
     assert ratio <= INT4_PPL_BOUND
 
 
