@@ -12,7 +12,7 @@ Bounds, set from this slice's measured numbers (torch 2.13 CPU, transformers 5.2
   perplexity at most 0.9x and KL to BF16 at most 0.5x (measured: KIVI 7.55 vs 10.73, KL 0.043 vs 0.466;
   token-wise 10.89 vs 79.83, KL 0.36 vs 2.48).
 
-About 2.5-4 minutes on 2 busy shared cores (the model loads in ~15 s; the decode steps over FOSCAR's CPU path dominate).
+About 1 minute on 2 idle cores, up to 4 on busy shared ones (the decode steps over FOSCAR's CPU path dominate).
 """
 
 import os
