@@ -32,6 +32,7 @@ __all__ = [
     "BLACKWELL_FP4",
     "BLACKWELL_FP8",
     "construction_for",
+    "CONSTRUCTIONS",
     "GROUP_SIZES",
     "HEAD_DIMS",
     "BITS",
