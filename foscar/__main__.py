@@ -16,15 +16,15 @@ import sys
 
 import torch
 
+from .archs import ARCHS as REGISTERED
 from .scheme import Scheme
 
-ARCHS = ("sm_90a", "sm_100a")
+ARCHS = tuple(REGISTERED)  # the arch registry's targets (foscar.archs)
 
 
-def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> tuple[float | None, int]:
+def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
     """Compile every kernel of ``scheme`` for ``archs``; print one line per kernel (and one per
-    warp role's loop for the decode kernels). Returns (Hopper main-loop shift/logic per KV
-    element or None, number of kernels that did not build)."""
+    warp role's loop for the decode kernels). Returns the number of kernels that did not build."""
     from .compile_cache import cache_dir, enabled
     import cutlass
 
@@ -69,7 +69,7 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> tuple[float |
           "the main loop is the loop holding the MMAs (else the largest); LDL/STL are its local-memory accesses per "
           "trip.")
     print(f"{'arch':8} {'kernel':18} {'regs':>4} {'local':>5}  instruction mix (main loop; whole kernel)", flush=True)
-    loop_alu, failed = None, 0
+    failed = 0
     for arch, name, build in builds:
         try:
             built = build()
@@ -97,12 +97,11 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> tuple[float |
                       f"{role.mma} MMA, {role.local_accesses} LDL/STL ({ops})")
         if name == "decode (hopper)":
             stats = decode_loop_stats(loop, scheme.head_dim)
-            loop_alu = stats["shift_logic_per_element"]
-            print(f"{'':8} {'':18} {'':4} {'':5}  main loop per KV element: {loop_alu:.2f} shift/logic "
+            print(f"{'':8} {'':18} {'':4} {'':5}  main loop per KV element: {stats['shift_logic_per_element']:.2f} shift/logic "
                   f"(LOP3/SHF/PRMT), {stats['instructions_per_element']:.2f} instructions in all", flush=True)
     if failed:
         print(f"{failed} of {len(builds)} kernels did not build")
-    return loop_alu, failed
+    return failed
 
 
 def gpu_check(scheme: Scheme, page_size: int, quick: bool):
@@ -182,7 +181,7 @@ def main(argv=None):
     except (TypeError, ValueError) as exc:  # a bad option: one line, not a traceback
         parser.error(str(exc))
     archs = ARCHS if args.arch == "all" else (args.arch,)
-    _, failed = compile_report(scheme, args.page_size, archs)
+    failed = compile_report(scheme, args.page_size, archs)
     if failed:
         return 1
     if "sm_90a" in archs and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:

@@ -7,9 +7,12 @@ process loads it from here in milliseconds. Where it lives and whether it is use
 * ``FOSCAR_CACHE=0``: neither read nor write it (compile every kernel in every process).
 
 An entry is keyed by everything that changes the binary: the caller's key (kernel, scheme, page
-size, dtypes, arch: see :func:`foscar.jit.cached_compile`), the CuTe DSL version, a hash of every
-source file of the ``foscar`` package, the host machine type (the entry holds a host object file)
-and :data:`FORMAT`. Changing any of them makes a new entry; stale ones stay until ``clear``.
+size, dtypes, arch: see :func:`foscar.jit.cached_compile`), the CuTe DSL version and its build
+settings (``CUTE_DSL_*``: line info, assertions, optimization level, runtime library), a hash of
+every source file of the ``foscar`` package (taken when this module is imported, so a process never
+stores code it did not import under a newer hash), the host machine type (the entry holds a host
+object file) and :data:`FORMAT`. Changing any of them makes a new entry; stale ones stay until
+``clear``. An entry that cannot be loaded is removed and written anew.
 
 Each entry is a directory ``kernels/<digest>/`` holding what ``JitCompiledFunction.export_to_c``
 writes (``kernel.o``, the host launcher with the cubin inside, reloaded with
@@ -57,9 +60,7 @@ def cache_dir() -> Path:
     return Path(base) / "foscar"
 
 
-@functools.cache
-def source_hash() -> str:
-    """SHA-256 of every ``.py`` file of the installed ``foscar`` package (paths and contents)."""
+def _hash_sources() -> str:
     root = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
@@ -67,14 +68,36 @@ def source_hash() -> str:
     return digest.hexdigest()
 
 
+_SOURCE_HASH = _hash_sources()  # at import: the code this process runs, whatever changes on disk later
+
+
+def source_hash() -> str:
+    """SHA-256 of every ``.py`` file of the ``foscar`` package (paths and contents) as imported."""
+    return _SOURCE_HASH
+
+
 @functools.cache
 def _dsl_version() -> str:
-    return metadata.version("nvidia-cutlass-dsl")
+    try:
+        return metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:  # the DSL on PYTHONPATH without its dist-info (a staged copy)
+        import cutlass
+
+        return getattr(cutlass, "__version__", "unknown")
+
+
+@functools.cache
+def _dsl_settings() -> str:
+    """The DSL's build settings that change the binary (``CUTE_DSL_*``), less the arch (in the key)."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    items = str(CuTeDSL._get_dsl().envar.cache_key_str()).split(";")  # "arch='sm_90a';debug=False;..."
+    return ";".join(item for item in items if item and not item.startswith("arch="))
 
 
 def entry_key(key: tuple) -> str:
     """The digest naming the entry of ``key`` (see the module docstring for what goes in)."""
-    text = repr((FORMAT, key, _dsl_version(), source_hash(), platform.machine()))
+    text = repr((FORMAT, key, _dsl_version(), _dsl_settings(), source_hash(), platform.machine()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -109,11 +132,22 @@ def load(key: tuple):
 
     try:
         function = load_module(str(entry / "kernel.o"))[_PREFIX]
-    except Exception as exc:  # a damaged entry must not stop the kernel: compile it again
-        warnings.warn(f"foscar compile cache: cannot load {entry} ({type(exc).__name__}: {exc}); compiling instead "
-                      f"(python -m foscar.compile_cache clear removes the cache)", RuntimeWarning, stacklevel=2)
+    except Exception as exc:  # a damaged entry must not stop the kernel: drop it, compile and store anew
+        warnings.warn(f"foscar compile cache: cannot load {entry} ({type(exc).__name__}: {exc}); removed, compiling "
+                      "instead", RuntimeWarning, stacklevel=2)
+        _remove(entry)
         return None
     return LoadedKernel(function, ptx, cubin)
+
+
+def _remove(entry: Path) -> None:
+    """Take ``entry`` out of the way atomically (rename), then delete it."""
+    try:
+        doomed = Path(tempfile.mkdtemp(prefix=".bad-", dir=entry.parent))
+        os.rename(entry, doomed / "entry")
+        shutil.rmtree(doomed, ignore_errors=True)
+    except OSError:
+        pass
 
 
 def store(key: tuple, compiled) -> None:
@@ -127,7 +161,7 @@ def store(key: tuple, compiled) -> None:
     from .inspect import _read_artifact
 
     entry = _entry_dir(key)
-    if entry.exists():
+    if entry.exists() or _hash_sources() != _SOURCE_HASH:  # sources changed since import: not this code
         return
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
@@ -140,8 +174,9 @@ def store(key: tuple, compiled) -> None:
         (staging / "kernel.cubin").write_bytes(bytes(_read_artifact(compiled.__cubin__, "rb")))
         (staging / "key.txt").write_text(f"{key!r}\nnvidia-cutlass-dsl {_dsl_version()}\n")
         os.rename(staging, entry)  # atomic; fails if another process got there first
-    except OSError:
-        pass
+    except Exception as exc:  # a cache that cannot be written must not fail a kernel that compiled
+        if not isinstance(exc, OSError):
+            warnings.warn(f"foscar compile cache: not stored ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -181,12 +216,14 @@ def dump_dir() -> tempfile.TemporaryDirectory:
     """A fresh directory for the DSL's ``--keep-ptx``/``--keep-cubin`` files, removed after the
     compile (the compiled object keeps their contents; without ``--dump-dir`` they pile up in the
     current directory or the system temp dir)."""
-    base = cache_dir()
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        return tempfile.TemporaryDirectory(prefix="dump-", dir=base)
-    except OSError:
-        return tempfile.TemporaryDirectory(prefix="foscar-dump-")
+    if enabled():
+        try:
+            base = cache_dir()
+            base.mkdir(parents=True, exist_ok=True)
+            return tempfile.TemporaryDirectory(prefix="dump-", dir=base)
+        except OSError:
+            pass
+    return tempfile.TemporaryDirectory(prefix="foscar-dump-")
 
 
 def entries() -> list[tuple[str, int, str]]:
@@ -206,12 +243,26 @@ def entries() -> list[tuple[str, int, str]]:
 
 
 def clear() -> int:
-    """Delete the whole cache directory; returns the bytes freed."""
+    """Delete what this cache wrote (``kernels/``, ``sass/``, leftover ``dump-*`` directories) and the
+    cache directory if that leaves it empty -- never other files in ``FOSCAR_CACHE_DIR``; returns the
+    bytes freed."""
     root = cache_dir()
     if not root.is_dir():
         return 0
-    freed = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-    shutil.rmtree(root)
+    freed = 0
+    for part in [root / "kernels", root / "sass", *root.glob("dump-*")]:
+        if not part.is_dir():
+            continue
+        for f in part.rglob("*"):
+            try:
+                freed += f.stat().st_size if f.is_file() else 0
+            except FileNotFoundError:  # another process is writing or removing
+                pass
+        shutil.rmtree(part, ignore_errors=True)
+    try:
+        root.rmdir()
+    except OSError:  # not empty: other files the user keeps there
+        pass
     return freed
 
 

@@ -25,6 +25,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .archs import ARCHS as REGISTERED
+
 __all__ = [
     "ARCHS",
     "KernelResources",
@@ -44,7 +46,7 @@ __all__ = [
     "decode_loop_stats",
 ]
 
-ARCHS = ("sm_90a", "sm_100a")
+ARCHS = tuple(REGISTERED)  # the arch registry's targets (foscar.archs)
 _COMPILE_LOCK = threading.Lock()  # cute.compile is not thread-safe, and we swap the DSL's arch
 
 

@@ -14,13 +14,16 @@ import threading
 
 import torch
 
-__all__ = ["ARCHS", "device_arch", "cached_compile", "compile_count", "fake_ptr", "gmem_ptr", "current_stream"]
+from .archs import ARCHS as REGISTERED
 
-ARCHS = ("sm_90a", "sm_100a")
+__all__ = ["ARCHS", "device_arch", "cached_compile", "compile_count", "kernel_count", "fake_ptr", "gmem_ptr", "current_stream"]
+
+ARCHS = tuple(REGISTERED)  # the arch registry's targets (foscar.archs)
 
 _cache: dict = {}
 _lock = threading.Lock()
 _compiles = 0
+_misses = 0  # in-process cache misses: kernels compiled or loaded from disk
 
 
 def device_arch(device=None) -> str:
@@ -47,12 +50,13 @@ def cached_compile(key: tuple, build):
     """
     from . import compile_cache
 
-    global _compiles
+    global _compiles, _misses
     if not any(arch in key for arch in ARCHS):
         raise ValueError(f"cached_compile: the key must name the arch (one of {ARCHS}), got {key!r}")
     with _lock:  # cute.compile is not thread-safe
         hit = _cache.get(key)
         if hit is None:
+            _misses += 1
             hit = compile_cache.load(key)
             if hit is None:
                 hit = build()
@@ -64,8 +68,14 @@ def cached_compile(key: tuple, build):
 
 def compile_count() -> int:
     """How many compilations this process has done, disk-cache loads not counted (tests use it
-    to prove cache hits)."""
+    to prove disk-cache hits)."""
     return _compiles
+
+
+def kernel_count() -> int:
+    """How many kernels this process has obtained, compiled or loaded from disk (tests use it to
+    prove in-process cache hits, whatever the disk cache holds)."""
+    return _misses
 
 
 def fake_ptr(dtype):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from foscar.archs import ARCHS, BLACKWELL, HOPPER, get_arch
-from foscar.jit import compile_count
+from foscar.jit import kernel_count
 from foscar.layouts import PACKERS
 from foscar.scheme import Scheme, TensorQuant, construction_for
 
@@ -76,12 +76,12 @@ def test_coverage_schemes_are_implementable():
 def test_refused_variant_compiles_nothing(arch):
     from foscar.decode import compile_decode
 
-    before = compile_count()
+    before = kernel_count()
     with pytest.raises(ValueError, match="Scheme.gqa_ratio"):
         compile_decode(Scheme.make(2, gqa_ratio=20), arch)
     with pytest.raises(ValueError, match="Scheme.gqa_ratio"):
         get_arch(arch).compile_decode(Scheme.make(2, gqa_ratio=20), 128, True)
-    assert compile_count() == before
+    assert kernel_count() == before
 
 
 @pytest.mark.gpu
@@ -93,11 +93,11 @@ def test_decode_and_cache_refuse_a_variant_before_compiling():
 
     scheme = Scheme.make(2, gqa_ratio=17)
     q, cache = random_problem(scheme, [100, 7], page_size=128)
-    before = compile_count()
+    before = kernel_count()
     with pytest.raises(ValueError, match="Scheme.gqa_ratio=17"):
         decode(q, cache)
     with pytest.raises(ValueError, match="Scheme.gqa_ratio=17"):
         PagedKVCache(scheme, 1, 2, 8, 2, 1000, device="cuda")
     with pytest.raises(ValueError, match="use_kernels: the cache's GPU path .* is not built for sm_100a"):
         PagedKVCache(Scheme.make(2), 1, 2, 8, 2, 1000, device="cuda", arch="sm_100a")
-    assert compile_count() == before
+    assert kernel_count() == before

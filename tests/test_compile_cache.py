@@ -1,5 +1,5 @@
 """The on-disk compile cache (foscar.compile_cache): hits across processes, concurrent writers,
-FOSCAR_CACHE=0, list/clear, no PTX/cubin files left behind, a damaged entry is recompiled.
+FOSCAR_CACHE=0, list/clear, no PTX/cubin files left behind, a damaged entry is recompiled and replaced.
 
 Each scenario runs in fresh processes, since the in-memory cache would hide the disk cache (marked
 slow: ~10 s each, mostly process start-up and imports).
@@ -83,7 +83,7 @@ def test_cache_off_writes_nothing(tmp_path):
     for _ in range(2):
         out, _ = finish(run_python(COMPILE_COMBINE, cache, tmp_path, FOSCAR_CACHE="0"))
         assert out[:2] == ["CudaDialectJitCompiledFunction", "1"]
-    assert not (cache / "kernels").exists() and not (cache / "sass").exists()
+    assert not cache.exists()  # not even the DSL's dump directories
 
 
 @pytest.mark.slow
@@ -94,8 +94,9 @@ def test_list_and_clear(tmp_path):
     listing = cache_tool(cache, "list")
     assert "'combine', 128" in listing and "1 kernels, 1 SASS" in listing
     assert cache_tool(cache, "path").strip() == str(cache)
+    (cache / "notes.txt").write_text("a file of the user's")  # FOSCAR_CACHE_DIR may hold other things
     assert "removed" in cache_tool(cache, "clear")
-    assert not cache.exists()
+    assert sorted(p.name for p in cache.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.slow
@@ -107,6 +108,8 @@ def test_damaged_entry_warns_and_recompiles(tmp_path):
     out, err = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
     assert out[:2] == ["CudaDialectJitCompiledFunction", "1"]
     assert "cannot load" in err
+    out, err = finish(run_python(COMPILE_COMBINE, cache, tmp_path))  # the entry was written anew
+    assert out[:2] == ["LoadedKernel", "0"] and "cannot load" not in err
 
 
 def test_key_must_name_the_arch():
@@ -122,6 +125,9 @@ def test_entry_key_covers_key_and_sources(monkeypatch):
     base = compile_cache.entry_key(("combine", 128, "sm_90a"))
     assert base != compile_cache.entry_key(("combine", 128, "sm_100a"))
     monkeypatch.setattr(compile_cache, "source_hash", lambda: "edited")
+    assert base != compile_cache.entry_key(("combine", 128, "sm_90a"))
+    monkeypatch.undo()
+    monkeypatch.setattr(compile_cache, "_dsl_settings", lambda: "lineinfo=True")  # a CUTE_DSL_* build setting
     assert base != compile_cache.entry_key(("combine", 128, "sm_90a"))
 
 

@@ -42,6 +42,8 @@ def test_a_kernel_that_does_not_build_fails_the_job(monkeypatch, capsys):
     assert "decode (hopper)    not built: RuntimeError" in out and "1 of 4 kernels did not build" in out
 
 
+@pytest.mark.sass
+@pytest.mark.slow
 def test_blackwell_report_finds_the_mma_loop(capsys):
     """The Blackwell kernel's largest loop is the softmax warpgroup's: the report must show the MMA
     warp's loop (with its tcgen05 MMAs) as the main loop, and one line per role's loop."""
