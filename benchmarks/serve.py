@@ -1,7 +1,7 @@
 """Serving throughput at a long-context workload: a graph-captured decode loop of a full-size model,
 the largest concurrency each KV format fits in memory, aggregate and per-sequence output tokens/s.
 
-    python -m benchmarks.serve [--quick] [--formats bf16,fp8,int4,int2,k4v2] [--out benchmarks/results]
+    python -m benchmarks.serve [--quick] [--formats bf16,fp8,int4,int2,k4v2,int2-kivi] [--out benchmarks/results]
     python -m benchmarks.serve --formats int4,int2 --append   # add formats to today's records
     python -m benchmarks.serve --model tiny --device cpu      # the loop and the memory account, seconds
 
@@ -32,7 +32,9 @@ Formats (``FORMATS``; a format that cannot run is reported as missing, never dro
   int4, int2 FOSCAR ``PagedKVCache`` (token-wise K and V, groups of head_dim, pages of 128, BF16
              sink 64 + recent window 256; INT2 with Hadamard rotation as OSCAR runs it); lengths
              grow on the device and due tiles are quantized inside the graph
-  k4v2       4-bit K, 2-bit V: runs once ``Scheme.make(k_bits=, v_bits=)`` exists
+  k4v2       the same with 4-bit K and 2-bit V (``Scheme.make(k_bits=4, v_bits=2)``)
+  int2-kivi  INT2 with K grouped per channel (KIVI's layout, groups of 128 tokens): the INT2 layout the
+             accuracy evaluation (benchmarks/accuracy.py) finds accurate, token-wise INT2 is not
 
 Memory account per format (bytes): device total = other (CUDA context, libraries, measured before
 the format allocates) + weights + KV pages + BF16 window + metadata (page tables, lengths) +
@@ -187,6 +189,8 @@ FORMATS = {
                    scheme=dict(bits=2), rotate=True),
     "k4v2": Format("foscar", "FOSCAR INT4 K / INT2 V token-wise + BF16 sink 64 + window 256",
                    scheme=dict(k_bits=4, v_bits=2)),
+    "int2-kivi": Format("foscar", "FOSCAR INT2 K channel-wise g128 / V token-wise + BF16 sink 64 + window 256, "
+                        "Hadamard-rotated K/Q", scheme=dict(bits=2, k="channel", k_group=128), rotate=True),
 }
 
 
@@ -287,14 +291,8 @@ class FlashInferKV:
 def foscar_scheme(geo, fmt):
     from foscar import Scheme
 
-    bit_args = dict(fmt.scheme)
-    positional = (bit_args.pop("bits"),) if "bits" in bit_args else ()  # Scheme.make(bits, ...) takes it first
-    try:
-        return Scheme.make(*positional, **bit_args, k="token", v="token", head_dim=geo.head_dim,
-                           gqa_ratio=geo.q_heads // geo.kv_heads)
-    except TypeError as exc:  # e.g. k_bits/v_bits before independent K/V bit widths exist
-        raise FormatMissing(f"Scheme.make({', '.join(f'{k}={v}' for k, v in fmt.scheme.items())}) is not "
-                            f"available ({exc})") from None
+    return Scheme.make(**{"k": "token", "v": "token", **fmt.scheme}, head_dim=geo.head_dim,
+                       gqa_ratio=geo.q_heads // geo.kv_heads)
 
 
 class FoscarKV:

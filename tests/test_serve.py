@@ -19,7 +19,7 @@ def test_tiny_run_makes_tokens_and_the_account_adds_up(tmp_path):
     assert list(by) == list(serve.FORMATS)  # every format has a record
     for name in ("bf16", "fp8"):
         assert by[name]["status"] == "missing" and "CUDA" in by[name]["note"] and not by[name]["points"]
-    assert by["k4v2"]["status"] in ("missing", "ok")
+    assert by["k4v2"]["status"] == "ok" and by["int2-kivi"]["status"] == "ok"
     preset = serve.PRESETS["tiny"]
     budget = round(preset.memory_gib * serve.GIB)
     for name in ("int4", "int2"):
