@@ -151,6 +151,8 @@ def gpu_check(scheme: Scheme, page_size: int, quick: bool):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m foscar", description=__doc__.split("\n\n")[1])
     parser.add_argument("--bits", type=int, default=2, choices=(2, 4), help="code width of K and V (default: 2)")
+    parser.add_argument("--k-bits", type=int, default=None, choices=(2, 4), help="code width of K (default: --bits)")
+    parser.add_argument("--v-bits", type=int, default=None, choices=(2, 4), help="code width of V (default: --bits)")
     parser.add_argument("--k", default="channel", choices=("token", "channel"),
                         help="K group axis: token = one token x G channels, channel = one channel x G tokens "
                              "(default: channel, KIVI-style)")
@@ -176,7 +178,8 @@ def main(argv=None):
     k_group = args.group if args.k_group is None else args.k_group
     v_group = args.group if args.v_group is None else args.v_group
     try:
-        scheme = Scheme.make(args.bits, args.k, k_group, args.v, v_group, args.head_dim, args.gqa)
+        scheme = Scheme.make(args.bits, args.k, k_group, args.v, v_group, args.head_dim, args.gqa,
+                             k_bits=args.k_bits, v_bits=args.v_bits)
         check_page_size(scheme, args.page_size)
     except (TypeError, ValueError) as exc:  # a bad option: one line, not a traceback
         parser.error(str(exc))

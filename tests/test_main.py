@@ -54,3 +54,12 @@ def test_blackwell_report_finds_the_mma_loop(capsys):
     roles = re.findall(r"(\w+) loop @0x[0-9a-f]+: \d+ instr, (\d+) MMA", out)
     assert ("mma" in {r for r, _ in roles}) and all((r == "mma") == (int(n) > 0) for r, n in roles)
     assert "softmax" in {r for r, _ in roles} and "load" in {r for r, _ in roles}
+
+
+@pytest.mark.slow
+def test_k_and_v_bits_chosen_apart(capsys):
+    """--k-bits / --v-bits compose a mixed-width variant (K4V2) and report its kernels."""
+    assert main(["--arch", "sm_90a", "--k-bits", "4", "--v-bits", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "k4v2-kc128-vt128-d128-gqa4-bfloat16" in out and "decode (hopper)" in out and "not built" not in out
+
