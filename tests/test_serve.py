@@ -60,12 +60,13 @@ def test_plan_capacity():
 
 
 def test_concurrency_grid():
-    assert serve.concurrency_grid(60, 6) == [1, 2, 5, 12, 26, 60]
+    assert serve.concurrency_grid(60, 6) == [1, 2, 5, 12, 26, 36, 45, 54, 60]
+    assert serve.concurrency_grid(17, 6) == [1, 2, 3, 5, 10, 13, 15, 17]  # FP8's first run had only 10 and 17 up there
     assert serve.concurrency_grid(0, 6) == [] and serve.concurrency_grid(1, 6) == [1]
     for top in range(2, 80):
         for points in (2, 3, 6):
             grid = serve.concurrency_grid(top, points)
-            assert grid[0] == 1 and grid[-1] == top and len(grid) <= points
+            assert grid[0] == 1 and grid[-1] == top and len(grid) <= points + len(serve.TOP_FRACTIONS)
             assert all(a < b for a, b in zip(grid, grid[1:]))
 
 
