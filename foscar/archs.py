@@ -13,6 +13,7 @@ float64 references handle); the kernels' limits live here only.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -63,7 +64,7 @@ class Arch:
             if quant.axis is Axis.CHANNEL and page_size % quant.group:
                 raise ValueError(f"Scheme.{name}.group={quant.group} (channel-wise) must divide page_size={page_size}")
         try:
-            self._build_config(scheme, page_size)
+            _config_builds(self, scheme, page_size)
         except (NotImplementedError, ValueError) as err:
             raise ValueError(
                 f"{scheme.name} at page_size={page_size}: the {self.name} kernel cannot build it ({err}); change "
@@ -85,6 +86,14 @@ class Arch:
         extra = {"partials": True} if partials else {}
         return self._kernel().run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
                                          num_splits, out, lse, arch=self.name, **extra)
+
+
+@functools.lru_cache(maxsize=1024)
+def _config_builds(arch: Arch, scheme: Scheme, page_size: int) -> bool:
+    """Build ``arch``'s kernel config once per (scheme, page size): ``can_implement`` runs on every
+    decode call, and the config costs ~25 us of Python (a refusal raises and is not cached)."""
+    arch._build_config(scheme, page_size)
+    return True
 
 
 class _Hopper(Arch):
