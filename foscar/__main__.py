@@ -33,11 +33,9 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
     from .jit import cached_compile
     from .kernels.combine import compile_combine
     from .kernels.dequantize import DequantizeConfig, compile_dequantize
-    from .kernels.quantize import granule_of
-    from .kernels.window import compile_window_merge
+    from .hopper.decode import compile_cache_decode
 
-    slots = 64 + 256 + granule_of(scheme)  # PagedKVCache defaults: sink 64, window 256
-    d, gqa = scheme.head_dim, scheme.gqa_ratio
+    d = scheme.head_dim
     q_type = cutlass.BFloat16 if scheme.q_dtype == torch.bfloat16 else cutlass.Float16
 
     # the run paths' cache keys (foscar/kernels/*.py), so the main job and later runs share entries
@@ -48,15 +46,11 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
     def combine(arch):
         return cached_compile(("combine", d, q_type, arch), lambda: compile_combine(d, arch, q_type))
 
-    def window(arch):
-        return cached_compile(("window_merge", d, slots, gqa, q_type, arch),
-                              lambda: compile_window_merge(d, slots, gqa, arch, q_type))
-
     builds = [
         ("sm_90a", "decode (hopper)", lambda: compile_decode(scheme, "sm_90a", page_size)),
         ("sm_90a", "dequantize K", lambda: dequantize_k("sm_90a")),
         ("sm_90a", "combine", lambda: combine("sm_90a")),
-        ("sm_90a", "window + merge", lambda: window("sm_90a")),
+        ("sm_90a", "decode (cache)", lambda: compile_cache_decode(scheme, page_size, "sm_90a")),
         ("sm_100a", "decode (blackwell)", lambda: compile_decode(scheme, "sm_100a", page_size)),
         ("sm_100a", "dequantize K", lambda: dequantize_k("sm_100a")),
         ("sm_100a", "combine", lambda: combine("sm_100a")),

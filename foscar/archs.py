@@ -32,7 +32,7 @@ class Arch:
     max_gqa_ratio: int  # query heads per KV head the kernel takes (its query tile's columns)
     page_sizes: tuple[int, ...]
     min_group: int  # smallest group (either axis) the kernel reads
-    split_partials: bool  # run_decode can return unmerged split partials (foscar.kernels.window)
+    cache_decode: bool  # has the one-launch decode of PagedKVCache (16-bit sink + window, in-launch merge)
 
     def construction(self, bits: int) -> Construction:
         """How this arch's kernel turns ``bits``-bit codes into Tensor Core operands."""
@@ -78,14 +78,20 @@ class Arch:
         return self._kernel().compile_decode(scheme, page_size, partial_output, arch=self.name, **options)
 
     def run_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme,
-                   num_splits: int = 1, out=None, lse=None, partials: bool = False):
-        """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns
-        ``(out, lse)``, or with ``partials`` the unmerged split partials ``(o, lse)`` in fp32."""
-        if partials and not self.split_partials:
-            raise NotImplementedError(f"partials: the {self.name} decode kernel merges its splits itself")
-        extra = {"partials": True} if partials else {}
+                   num_splits: int = 1, out=None, lse=None):
+        """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out, lse)``."""
         return self._kernel().run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
-                                         num_splits, out, lse, arch=self.name, **extra)
+                                         num_splits, out, lse, arch=self.name)
+
+    def run_cache_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows,
+                         seq_lengths, counters, sink: int, sm_scale: float, scheme: Scheme, num_splits: int):
+        """One launch over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates); returns
+        ``(out, lse)``."""
+        if not self.cache_decode:
+            raise NotImplementedError(f"the {self.name} kernels have no one-launch cache decode")
+        return self._kernel().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,
+                                               seq_rows, seq_lengths, counters, sink, sm_scale, scheme, num_splits,
+                                               arch=self.name)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -115,9 +121,9 @@ class _Blackwell(Arch):
 # most 16 query columns, each split into hi/lo halves; sKinfo holds the unscales and corrections of
 # at most 4 channel-wise K groups per 128-token step, so groups of >= 32 tokens).
 HOPPER = _Hopper("sm_90a", "hopper", "foscar.hopper.decode", max_gqa_ratio=16, page_sizes=(64, 128, 256),
-                 min_group=16, split_partials=True)
+                 min_group=16, cache_decode=True)
 BLACKWELL = _Blackwell("sm_100a", "blackwell", "foscar.blackwell.decode", max_gqa_ratio=16,
-                       page_sizes=(64, 128, 256), min_group=32, split_partials=False)
+                       page_sizes=(64, 128, 256), min_group=32, cache_decode=False)
 ARCHS: dict[str, Arch] = {arch.name: arch for arch in (HOPPER, BLACKWELL)}
 
 

@@ -125,9 +125,9 @@ class PagedKVCache:
         else:
             self.arch = arch_of_device(self.device) if self.device.type == "cuda" else HOPPER
         if self.use_kernels:
-            if self.arch.layout != APPEND_KERNEL_LAYOUT or not self.arch.split_partials:
+            if self.arch.layout != APPEND_KERNEL_LAYOUT or not self.arch.cache_decode:
                 raise ValueError(f"use_kernels: the cache's GPU path (append kernel writing the {APPEND_KERNEL_LAYOUT!r} "
-                                 f"bit order, split partials merged with the BF16 window) is not built for "
+                                 f"bit order, one-launch decode with the 16-bit window) is not built for "
                                  f"{self.arch.name}; use use_kernels=False")
             self.arch.can_implement(scheme, page_size)  # fail now, naming the field, not at the first attend
         self.num_layers, self.kv_heads, self.num_pages, self.max_seqs = num_layers, kv_heads, num_pages, max_seqs
@@ -151,6 +151,9 @@ class PagedKVCache:
         self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64)  # host mirror of lengths
         self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
         self._index_cache: dict[tuple, torch.Tensor] = {}
+        # the decode launch's per-(sequence, KV head) completion counters (foscar.split_merge): zero
+        # between launches, shared by the layers (their launches are ordered on the stream)
+        self._counters = torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=dev)
         self._heads = torch.arange(kv_heads, device=dev)
         self._granule_steps = torch.arange(granule, device=dev)
         self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
@@ -499,17 +502,16 @@ class PagedKVCache:
             raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
         sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
         q = self._rotate(q)
+        if self.use_kernels:  # one launch: quantized splits, 16-bit sink + window chunks, merge
+            out, lse = self.arch.run_cache_decode(
+                q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
+                self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, self.lengths[layer], self._counters,
+                self.sink, sm_scale, scheme, self.num_splits(q.shape[0]))
+            return (out, lse) if return_lse else out
         contiguous = ids == tuple(range(ids[0], ids[0] + len(ids)))
         rows = slice(ids[0], ids[0] + len(ids)) if contiguous else index  # slices avoid gathers
         n = self.lengths[layer, index]
         qlen = self._quantized_tokens_dev(n)
-        if self.use_kernels:  # quantized splits, then the BF16 slots and the merge in one launch
-            from .kernels.window import window_merge
-
-            o_part, lse_part = self._attend_quantized(layer, rows, q, qlen, sm_scale, partials=True)
-            out, lse = window_merge(q, self.k_bf16[layer], self.v_bf16[layer], index, n, qlen, self.sink, o_part,
-                                    lse_part, sm_scale)
-            return (out, lse) if return_lse else out
         out_q, lse_q = self._attend_quantized(layer, rows, q, qlen, sm_scale)
         out_b, lse_b = self._attend_bf16(layer, rows, q, n, qlen, sm_scale)
         has_q = (qlen > 0)[:, None]
@@ -521,18 +523,11 @@ class PagedKVCache:
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 
-    def _attend_quantized(self, layer, rows, q, qlen, sm_scale, partials: bool = False):
+    def _attend_quantized(self, layer, rows, q, qlen, sm_scale):
         # a sequence with no quantized token attends one token of its first page (a valid page:
         # the trash page at worst); attend() drops that result by its lse
         lengths = qlen.clamp(min=1).to(torch.int32)
         table = self.page_table[rows]
-        if self.use_kernels:
-            from .decode import decode_paged
-
-            return decode_paged(q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
-                                table.contiguous(), lengths, self.scheme, self.page_size, sm_scale, return_lse=True,
-                                num_splits=self.num_splits(q.shape[0]), check_pages=False, layout=self.arch.layout,
-                                partials=partials)
         if not _capturing(self.device):  # only pages that hold tokens: work follows the lengths, not max_seq_len
             table = table[:, :-(-int(lengths.max()) // self.page_size)]
         cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],

@@ -113,15 +113,13 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
 
 def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme: Scheme, page_size: int,
                  sm_scale: float | None = None, return_lse: bool = False, num_splits: int | None = None,
-                 check_pages: bool = True, out=None, lse=None, layout: str | None = None, partials: bool = False):
+                 check_pages: bool = True, out=None, lse=None, layout: str | None = None):
     """Decode attention over a paged quantized cache; returns ``out`` (and ``lse`` if asked).
 
     ``out`` ([batch, q_heads, head_dim], q's dtype) and ``lse`` ([batch, q_heads], fp32) may be
     given to write in place. ``check_pages=False`` skips the host read-back of the page table
     (it is skipped anyway under CUDA-graph capture). ``layout`` (optional) names the bit order the
     codes were packed in; it must be the device's (``foscar.archs.Arch.layout``).
-    ``partials=True`` (Hopper) returns the unmerged split partials instead, ``(o [batch, q_heads,
-    splits, head_dim], lse [batch, q_heads, splits])`` fp32, for ``foscar.kernels.window``.
     """
     validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme, page_size, sm_scale, check_pages)
     sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
@@ -144,11 +142,6 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
         num_splits = plan_splits(batch, k_codes.shape[1], page_table.shape[1] * page_size, props.multi_processor_count)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
-    if partials:
-        if out is not None or lse is not None:
-            raise ValueError("out/lse: partials=True returns fresh split partials; do not pass out or lse with it")
-        return arch.run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
-                               num_splits, partials=True)
     out, lse = arch.run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
                                num_splits, out, lse)
     return (out, lse) if return_lse else out

@@ -18,7 +18,7 @@ from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr
 from ..scheme import Scheme
 from .kernel import DecodeConfig, default_consumers
 
-__all__ = ["compile_decode", "run_decode", "DEFAULT_ARCH", "default_consumers"]
+__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "DEFAULT_ARCH", "default_consumers"]
 
 DEFAULT_ARCH = "sm_90a"
 
@@ -66,14 +66,12 @@ def _build(scheme, page_size, partial_output, arch, consumers):
 
 
 def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme, num_splits: int = 1,
-               out=None, lse=None, arch: str = DEFAULT_ARCH, consumers: int | None = None, partials: bool = False):
+               out=None, lse=None, arch: str = DEFAULT_ARCH, consumers: int | None = None):
     """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out, lse)``.
 
     ``out`` (q's dtype ``[B, Hq, D]``) and ``lse`` (fp32 ``[B, Hq]``) are written in place when
     given (a caller can poison them, or keep them static for CUDA graphs). With ``num_splits > 1``
     the kernel writes fp32 partials that ``foscar.kernels.combine`` merges into them.
-    ``partials=True`` returns those partials unmerged, ``(o [B, Hq, S, D], lse [B, Hq, S])`` fp32
-    (also for one split), for a caller that merges them with more (``foscar.kernels.window``).
     """
     import torch
     from cutlass import Float16, Float32, Int32
@@ -83,7 +81,7 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     device = q.device
     batch, hq, d = q.shape
     page_size = k_codes.shape[2] * 64
-    partial = num_splits > 1 or partials
+    partial = num_splits > 1
     compiled = compile_decode(scheme, page_size, partial, arch, consumers)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, hq, dtype=torch.float32, device=device) if lse is None else lse
@@ -111,8 +109,79 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
         Float32(float(sm_scale)),
         stream,
     )
-    if partials:
-        return o_part, lse_part
     if partial:
         combine_splits(o_part, lse_part, out, lse)
+    return out, lse
+
+
+def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH, consumers: int | None = None):
+    """Compile (or fetch) the one-launch decode of ``foscar.cache.PagedKVCache``
+    (``foscar.hopper.fused``: quantized splits + 16-bit sink/window chunks + in-launch merge)."""
+    consumers = default_consumers(scheme) if consumers is None else consumers
+    key = ("hopper_cache_decode", scheme, int(page_size), int(consumers), arch)
+    return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch, consumers))
+
+
+def _build_cache_decode(scheme, page_size, arch, consumers):
+    import cuda.bindings.driver as cuda
+
+    from cutlass import Float16, Float32, Int32, Int64
+    from .fused import HopperCacheDecodeKernel
+
+    cfg = DecodeConfig(scheme, page_size, True, consumers)
+    q_type = cfg.q_dtype
+    i32 = Int32(1)
+    return compile_for(
+        arch,
+        HopperCacheDecodeKernel(cfg),
+        fake_ptr(q_type),  # q
+        fake_ptr(Int32), fake_ptr(Float16), fake_ptr(Int32), fake_ptr(Float16),  # k codes, params, v codes, params
+        fake_ptr(Int32),  # page table
+        fake_ptr(q_type), fake_ptr(q_type),  # window K, V
+        fake_ptr(Int64), fake_ptr(Int64),  # sequence rows, sequence lengths
+        fake_ptr(Float32), fake_ptr(Float32),  # partials o, lse
+        fake_ptr(q_type), fake_ptr(Float32),  # out, lse
+        fake_ptr(Int32),  # counters
+        i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, num_splits, window_ctas, sink, ring
+        Float32(1.0),
+        cuda.CUstream(0),
+    )
+
+
+def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
+                     sink: int, sm_scale: float, scheme: Scheme, num_splits: int, out=None, lse=None,
+                     arch: str = DEFAULT_ARCH, consumers: int | None = None):
+    """One launch on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``,
+    packed pages, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win [max_seqs, kv_heads,
+    sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs], ``counters`` int32
+    (>= B * kv_heads, zero; left zero). Returns ``(out, lse)``: q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
+    import torch
+    from cutlass import Float16, Float32, Int32, Int64
+
+    from ..sink_window import window_ctas
+
+    device = q.device
+    batch, hq, d = q.shape
+    kv_heads, slots = k_win.shape[1], k_win.shape[2]
+    compiled = compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, consumers)
+    chunks = window_ctas(slots)
+    total = num_splits + chunks
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=device) if lse is None else lse
+    o_part = torch.empty(batch, hq, total, d, dtype=torch.float32, device=device)
+    lse_part = torch.empty(batch, hq, total, dtype=torch.float32, device=device)
+    q_type = DecodeConfig.cute_dtype(q.dtype)
+    compiled(
+        gmem_ptr(q, q_type),
+        gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
+        gmem_ptr(page_table, Int32),
+        gmem_ptr(k_win, q_type), gmem_ptr(v_win, q_type),
+        gmem_ptr(seq_rows, Int64), gmem_ptr(seq_lengths, Int64),
+        gmem_ptr(o_part, Float32), gmem_ptr(lse_part, Float32),
+        gmem_ptr(out, q_type), gmem_ptr(lse, Float32),
+        gmem_ptr(counters, Int32),
+        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(num_splits), Int32(chunks), Int32(sink),
+        Int32(slots - sink), Float32(float(sm_scale)),
+        current_stream(device),
+    )
     return out, lse

@@ -268,12 +268,7 @@ class HopperDecodeKernel:
         storage = smem.allocate(SharedStorage)
         full = storage.full.data_ptr()  # (STAGES,) mbarriers: stage filled
         empty = storage.empty.data_ptr()  # (STAGES,) mbarriers: stage read (by one warp)
-        if tidx == 0:
-            for s in cutlass.range_constexpr(cfg.STAGES):
-                cute.arch.mbarrier_init(full + s, 1)
-                cute.arch.mbarrier_init(empty + s, 32)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        self.init_ring_barriers(full, empty, tidx)
 
         # ---------------------------------------------------------------- split range
         length = cute.make_tensor(len_ptr + b, cute.make_layout((1,)))[0]  # lengths[b]
@@ -289,6 +284,17 @@ class HopperDecodeKernel:
             warp = cute.arch.make_warp_uniform(tidx // 32 - 4)
             self.consume(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, o_ptr, lse_ptr, length, b, h,
                          split, kv_heads, num_splits, t_begin, t_end, scale_log2, warp, tidx % 32)
+
+    @cute.jit
+    def init_ring_barriers(self, full: cute.Pointer, empty: cute.Pointer, tidx: Int32):
+        """The ring's mbarriers (``foscar.pipeline``): ``full`` counts the producer's one arrival,
+        ``empty`` the 32 lanes of the warp that owns the stage; then the whole CTA syncs."""
+        if tidx == 0:
+            for s in cutlass.range_constexpr(self.cfg.STAGES):
+                cute.arch.mbarrier_init(full + s, 1)
+                cute.arch.mbarrier_init(empty + s, 32)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
 
     # ------------------------------------------------------------------------------------------
     # producer: PRODUCER_WARPS warps, lane 0 of each issues the bulk copies of every P-th tile

@@ -1,9 +1,8 @@
-"""Standalone CuTe DSL kernels shared by both arches: cache dequantization, split-KV combine, and
-the BF16 sink/window attention fused with that combine."""
+"""Standalone CuTe DSL kernels shared by both arches: cache dequantization and the split-KV combine
+(the quantize-on-append kernel is ``foscar.kernels.quantize``)."""
 
 from .combine import Combine, combine_splits, compile_combine
 from .dequantize import Dequantize, DequantizeConfig, compile_dequantize, dequantize_pages
-from .window import WindowMerge, compile_window_merge, window_merge
 
 __all__ = [
     "Combine",
@@ -13,7 +12,4 @@ __all__ = [
     "DequantizeConfig",
     "compile_dequantize",
     "dequantize_pages",
-    "WindowMerge",
-    "compile_window_merge",
-    "window_merge",
 ]

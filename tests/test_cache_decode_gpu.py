@@ -1,0 +1,85 @@
+"""The one-launch cache decode (foscar.hopper.fused: quantized splits + 16-bit sink/window chunks +
+in-launch merge) against the float64 attention over what the cache holds (``PagedKVCache.dense``),
+every element, tolerance 2x a BF16 torch computation's error. Ragged lengths cover every part
+boundary: inside the sink, inside the first window, one granule quantized, long; sequence ids out of
+order; one split and many; GQA 1..16, head_dim 64/128/256, FP16, rotation, mixed widths."""
+
+import math
+
+import pytest
+import torch
+
+from foscar import Scheme
+from foscar.cache import PagedKVCache
+
+pytestmark = pytest.mark.gpu
+
+SINK, WINDOW = 64, 256
+FLOOR = 1e-5
+
+
+def lengths_for(granule):
+    """Token counts at each boundary of the sink / window / quantized parts."""
+    first_quantized = SINK + WINDOW + granule
+    return [1, SINK - 1, SINK + 5, first_quantized - 1, first_quantized, first_quantized + 77, 3001]
+
+
+CASES = [  # (scheme, page_size, max_seq_len, kv_heads, rotate)
+    (Scheme.make(2, "token", 128, "token", 128, 128, 4), 128, 4096, 2, False),
+    (Scheme.make(2, "channel", 128, "token", 128, 128, 4), 128, 32768, 2, True),
+    (Scheme.make(4, "token", 128, "token", 128, 128, 4), 64, 32768, 2, False),
+    (Scheme.make(4, "channel", 64, "channel", 64, 128, 8), 128, 8192, 1, False),
+    (Scheme.make(None, "token", 128, "token", 128, 128, 16, k_bits=4, v_bits=2), 128, 8192, 1, False),
+    (Scheme.make(None, "channel", 128, "token", 128, 128, 1, k_bits=2, v_bits=4), 256, 8192, 4, False),
+    (Scheme.make(2, "token", 64, "token", 64, 64, 4), 128, 8192, 2, False),
+    (Scheme.make(4, "token", 128, "channel", 128, 256, 2), 128, 8192, 2, False),
+    (Scheme.make(2, "token", 128, "token", 128, 128, 4, torch.float16), 128, 8192, 2, False),
+]
+
+
+def reference(cache, layer, seq_ids, q, sm_scale, dtype):
+    """(float64 out [B, Hq, D], lse [B, Hq]) over ``cache.dense``, and the same attention in ``dtype``."""
+    r = q.shape[1] // cache.kv_heads
+    qr = cache._rotate(q)  # what attend() attends with
+    outs, lses, lows = [], [], []
+    for i, s in enumerate(seq_ids):
+        k, v = cache.dense(layer, s)  # [kvh, n, D] fp32
+        k, v = k.repeat_interleave(r, 0), v.repeat_interleave(r, 0)
+        scores = torch.einsum("hd,hnd->hn", qr[i].double(), k.double()) * sm_scale
+        outs.append(torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), v.double()))
+        lses.append(torch.logsumexp(scores, -1))
+        low = torch.einsum("hd,hnd->hn", qr[i].to(dtype), k.to(dtype)) * sm_scale
+        lows.append(torch.einsum("hn,hnd->hd", torch.softmax(low.float(), -1).to(dtype), v.to(dtype)))
+    return torch.stack(outs), torch.stack(lses), torch.stack(lows)
+
+
+@pytest.mark.parametrize("scheme,page_size,max_len,kv_heads,rotate", CASES,
+                         ids=[f"{c[0].name}-p{c[1]}-max{c[2]}-h{c[3]}{'-rot' if c[4] else ''}" for c in CASES])
+def test_one_launch_decode_matches_float64(scheme, page_size, max_len, kv_heads, rotate, rng):
+    lengths = lengths_for(PagedKVCache(scheme, 1, 1, 1, 1, 4096, page_size, SINK, WINDOW, device="meta",
+                                       use_kernels=False).granule)
+    cache = PagedKVCache(scheme, 2, kv_heads, num_pages=len(lengths) * max_len // page_size + 8,
+                         max_seqs=len(lengths) + 1, max_seq_len=max_len, page_size=page_size, sink=SINK, window=WINDOW,
+                         rotate=rotate, device="cuda")
+    spare = cache.allocate()  # freed: the ids attended are not 0..B-1
+    ids = [cache.allocate() for _ in lengths]
+    cache.free(spare)
+    d, dtype = scheme.head_dim, scheme.q_dtype
+    for seq, n in zip(ids, lengths):
+        k = torch.randn(1, kv_heads, n, d, generator=rng) + 2 * torch.randn(d, generator=rng)
+        v = torch.randn(1, kv_heads, n, d, generator=rng)
+        for layer in range(2):
+            cache.append(layer, [seq], k.to("cuda", dtype), v.to("cuda", dtype))
+    order = ids[::-1]  # out of order
+    q = torch.randn(len(order), kv_heads * scheme.gqa_ratio, d, generator=rng).to("cuda", dtype)
+    sm_scale = 0.7 * d**-0.5
+    out, lse = cache.attend(1, order, q, sm_scale=sm_scale, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse, low = reference(cache, 1, order, q, sm_scale, dtype)
+    tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
+    err = float((out.double() - ref).abs().max())
+    lse_err = float((lse.double() - ref_lse).abs().max())
+    print(f"{scheme.name} splits={cache.num_splits(len(order))} err={err:.2e} tol={tol:.2e} lse_err={lse_err:.2e}")
+    assert math.isfinite(err) and err <= tol, (err, tol)
+    assert lse_err <= max(tol, 1e-3), lse_err
+    assert not cache._counters.any(), "the last CTA of every (sequence, KV head) resets its counter"
