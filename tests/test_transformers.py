@@ -1,6 +1,8 @@
 """The transformers integration: FoscarCache + the registered "foscar" attention function drive
 ``model.generate`` of a small Llama built from a config (random weights). CPU runs the torch path;
-the GPU test runs the kernels and records agreement with the BF16 cache (FOSCAR_METRICS=path)."""
+the GPU test runs the kernels and records agreement with the BF16 cache (FOSCAR_METRICS=path).
+GraphedDecode / greedy_generate: eager steps equal ``generate`` (CPU), CUDA-graph replays equal
+eager steps token for token and byte for byte in the cache (GPU)."""
 
 import json
 import os
@@ -10,7 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional integration)")
 
-from foscar.integrations.transformers import FoscarCache, cache_kwargs, use_foscar  # noqa: E402
+from foscar.integrations.transformers import (  # noqa: E402
+    FoscarCache, GraphedDecode, _dynamic_rope_type, cache_kwargs, greedy_generate, use_foscar)
 
 
 def tiny_model(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=512, device="cpu", dtype=torch.bfloat16):
@@ -123,3 +126,131 @@ def test_generate_on_h200():
     assert metrics["int4"]["forced_top1"] >= 0.9, metrics
     assert metrics["int2_sink_window"]["forced_top1"] >= 0.5, metrics
     assert metrics["int4_fp16_model"]["forced_top1"] >= 0.9, metrics
+
+
+def reference_greedy(model, ids, steps, **cache_options):
+    """``generate(do_sample=False)`` on a FoscarCache, without EOS stopping (random weights may emit EOS)."""
+    cache = FoscarCache(model, max_batch_size=ids.shape[0], max_seq_len=512, **cache_options)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                              eos_token_id=None, **cache_kwargs(cache))
+
+
+@pytest.mark.parametrize("widths", [dict(bits=4), dict(k_bits=4, v_bits=2, rotate=True)], ids=["int4", "k4v2_rotate"])
+def test_greedy_generate_eager_steps_equal_generate_on_cpu(widths):
+    """The decode step GraphedDecode captures on CUDA, run eagerly: the same tokens as generate. A
+    330-token prompt with sink 16 + window 64 quantizes a granule during the steps (at 336 tokens)."""
+    model = tiny_model()
+    ids = torch.randint(0, 512, (2, 330), generator=torch.Generator().manual_seed(5))
+    options = dict(sink=16, window=64, **widths)
+    ref = reference_greedy(model, ids, 12, **options)
+    cache = FoscarCache(model, max_batch_size=2, max_seq_len=512, **options)
+    out = greedy_generate(model, ids, cache, max_new_tokens=12)  # a CPU model: graph defaults to off
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == cache.kv.seq_len(0) == 330 + 11  # the last token is not appended
+    # GraphedDecode itself, in two runs: the same steps
+    cache = FoscarCache(model, max_batch_size=2, max_seq_len=512, **options)
+    with torch.no_grad():
+        first = model(input_ids=ids, **cache_kwargs(cache)).logits[:, -1].argmax(-1)
+    decode = GraphedDecode(model, cache, first, max_new_tokens=11, graph=False)
+    chosen = torch.cat([decode.run(4), decode.run(7)], dim=1)
+    assert decode.graph is None and decode.steps_left == 0
+    assert torch.equal(torch.cat([ids, first[:, None], chosen], dim=1), ref)
+    assert (decode.positions == 330 + 11).all()
+
+
+def test_graphed_decode_errors():
+    model = tiny_model()
+    ids = torch.randint(0, 512, (2, 100), generator=torch.Generator().manual_seed(6))
+    first = torch.zeros(2, dtype=torch.long)
+
+    def prefilled(**options):
+        cache = FoscarCache(model, max_batch_size=2, sink=16, window=64, **options)
+        with torch.no_grad():
+            model(input_ids=ids, **cache_kwargs(cache))
+        return cache
+
+    with pytest.raises(TypeError, match="cache must be a FoscarCache"):
+        GraphedDecode(model, transformers.DynamicCache(config=model.config), first, 4)
+    with pytest.raises(ValueError, match="cache: empty; prefill first"):
+        GraphedDecode(model, FoscarCache(model, max_batch_size=2), first, 4)
+    plain = tiny_model()
+    plain.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match=r"model: its attention implementation is 'sdpa'.*use_foscar"):
+        GraphedDecode(plain, FoscarCache(plain, max_batch_size=2), first, 4)
+    cache = prefilled(max_seq_len=128)
+    with pytest.raises(ValueError, match="graph=True: CUDA-graph capture needs a CUDA model"):
+        GraphedDecode(model, cache, first, 4, graph=True)
+    with pytest.raises(ValueError, match=r"next_tokens must be an integer tensor of shape \[batch=2\]"):
+        GraphedDecode(model, cache, first[:1], 4)
+    with pytest.raises(ValueError, match=r"max_new_tokens=29: .* max_seq_len >= 129"):
+        GraphedDecode(model, cache, first, 29)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        GraphedDecode(model, cache, first, 0)
+    # prefill fits (100 tokens: none quantized), 200 more steps need 2 pages per sequence
+    with pytest.raises(ValueError, match=r"max_new_tokens=200: the steps need 4 more pages, 1 of num_pages=1"):
+        GraphedDecode(model, prefilled(max_seq_len=512, num_pages=1), first, 200)
+    decode = GraphedDecode(model, cache, first, 4)
+    with pytest.raises(ValueError, match=r"steps must be an int in \[0, 4\]"):
+        decode.run(5)
+    decode.run(2)
+    with torch.no_grad():
+        model(input_ids=first[:, None], **cache_kwargs(cache))
+    with pytest.raises(RuntimeError, match="positions are stale"):
+        decode.run(1)
+    with pytest.raises(ValueError, match="greedy_generate prefills"):
+        greedy_generate(model, ids, cache, 4)
+    with pytest.raises(ValueError, match=r"max_new_tokens=30: a 100-token prompt .* max_seq_len >= 129"):
+        greedy_generate(model, ids, FoscarCache(model, max_batch_size=2, max_seq_len=128), 30)
+    dynamic = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                       rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    # refused with graph=True (a host comparison on the positions); found by the check graph=True makes
+    assert _dynamic_rope_type(transformers.LlamaForCausalLM(dynamic)) == "dynamic" and _dynamic_rope_type(model) is None
+
+
+GRAPH_CONTEXT, GRAPH_STEPS = 600, 70  # sink 64 + window 256, granule 64: a window tile is quantized inside the graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["int4", "int2_rotate", "int4_fp16_model"])
+def test_graph_replay_equals_eager_on_h200(case):
+    """GraphedDecode on CUDA: the warm-up step, then GRAPH_STEPS replays of the captured step choose the
+    tokens eager steps choose, every step, and leave the cache byte-identical (the 600 -> 671-token
+    sequences cross 640, so a window tile is quantized inside a replay); afterwards the layers' host
+    length is right (an eager step on both caches agrees). greedy_generate(graph=True) gives the same."""
+    dtype = torch.float16 if case == "int4_fp16_model" else torch.bfloat16
+    options = dict(bits=2, rotate=True) if case == "int2_rotate" else dict(bits=4)
+    model = tiny_model(layers=2, hidden=512, heads=8, kv_heads=2, head_dim=128, vocab=2048, device="cuda",
+                       dtype=dtype)
+    ids = torch.randint(0, 2048, (2, GRAPH_CONTEXT), generator=torch.Generator().manual_seed(7)).cuda()
+    new_cache = lambda: FoscarCache(model, max_batch_size=2, max_seq_len=1024, sink=64, window=256,  # noqa: E731
+                                    **options)
+    decodes = {}
+    for graph in (True, False):
+        cache = new_cache()
+        with torch.no_grad():  # logits_to_keep=1 as greedy_generate's prefill: the same lm_head GEMM, the same bits
+            first = model(input_ids=ids, logits_to_keep=1, **cache_kwargs(cache)).logits[:, -1].argmax(-1)
+        decodes[graph] = GraphedDecode(model, cache, first, GRAPH_STEPS + 1, graph=graph)
+    graphed, eager = decodes[True], decodes[False]
+    assert torch.equal(graphed.tokens, eager.tokens)
+    chosen = []
+    for step in range(GRAPH_STEPS + 1):  # step 0: the eager warm-up, then the capture; replays after
+        tokens = graphed.run(1)
+        assert torch.equal(tokens, eager.run(1)), step
+        chosen.append(tokens)
+    assert graphed.graph is not None and eager.graph is None
+    assert torch.equal(graphed.positions, eager.positions)
+    assert (graphed.positions == GRAPH_CONTEXT + GRAPH_STEPS + 1).all()
+    g, e = graphed.cache.kv, eager.cache.kv
+    for part in ("k_codes", "k_params", "v_codes", "v_params", "k_bf16", "v_bf16", "lengths"):
+        assert torch.equal(getattr(g, part), getattr(e, part)), part
+    assert (g.lengths[:, :2] == GRAPH_CONTEXT + GRAPH_STEPS + 1).all()
+    assert g.quantized_tokens(GRAPH_CONTEXT + GRAPH_STEPS + 1) > g.quantized_tokens(GRAPH_CONTEXT)
+    for decode in (graphed, eager):
+        assert decode.cache.get_seq_length() == decode.cache.kv.seq_len(1) == GRAPH_CONTEXT + GRAPH_STEPS + 1
+    with torch.no_grad():  # eager use after the replays: positions from the host length, appends planned on the host
+        after = [model(input_ids=graphed.tokens, **cache_kwargs(d.cache)).logits for d in (graphed, eager)]
+    assert torch.equal(*after)
+    out = greedy_generate(model, ids, new_cache(), GRAPH_STEPS + 2, graph=True)
+    assert torch.equal(out[:, GRAPH_CONTEXT + 1:], torch.cat(chosen, dim=1))

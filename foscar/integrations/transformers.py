@@ -19,6 +19,14 @@ packed INT2/INT4 pages in between) and returns the new K/V themselves:
   sequence ids), and the attention function runs ``PagedKVCache.attend`` instead -- FOSCAR's kernel
   over the packed pages merged with the BF16 parts.
 
+Greedy decoding as CUDA-graph replays (:class:`GraphedDecode`, :func:`greedy_generate`): after the prefill,
+one whole decode step of the model (embedding, every layer's append + FOSCAR attend, logits, argmax) is
+captured once and replayed per token, with no host work inside a step (on a CPU model the same steps
+run eagerly):
+
+    from foscar.integrations.transformers import greedy_generate
+    out = greedy_generate(model, input_ids, cache, max_new_tokens=256)   # like generate(do_sample=False)
+
 Not supported (clear errors): a second multi-token update after decoding started (chunked prefill,
 multi-turn reuse of one cache), beam search / cache reordering, cropping (assisted decoding),
 padded batches (the decode path ignores the attention mask: give every sequence the same length).
@@ -35,7 +43,8 @@ import torch
 from ..cache import PagedKVCache
 from ..scheme import Scheme
 
-__all__ = ["ATTENTION_NAME", "FoscarCache", "cache_kwargs", "foscar_attention_forward", "register", "use_foscar"]
+__all__ = ["ATTENTION_NAME", "FoscarCache", "GraphedDecode", "cache_kwargs", "foscar_attention_forward",
+           "greedy_generate", "register", "use_foscar"]
 
 ATTENTION_NAME = "foscar"
 
@@ -249,3 +258,208 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
 
 
 _FoscarCacheClass = None
+
+
+# ----------------------------------------------------------------------------- greedy decoding as CUDA-graph replays
+
+
+def _check_model_and_cache(model, cache) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if _FoscarCacheClass is None or not isinstance(cache, _FoscarCacheClass):
+        raise TypeError(f"cache must be a FoscarCache (foscar.integrations.transformers.FoscarCache), "
+                        f"got {type(cache).__name__}")
+    implementation = model.config._attn_implementation
+    if ALL_ATTENTION_FUNCTIONS.get(implementation) is not foscar_attention_forward:
+        raise ValueError(f"model: its attention implementation is {implementation!r}, not FOSCAR's; call "
+                         "use_foscar(model) first")
+    if cache.kv.device != model.device:
+        raise ValueError(f"cache: on {cache.kv.device} but the model is on {model.device}; build it with "
+                         "FoscarCache(model, ...)")
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _use_graph(model, graph: bool | None) -> bool:
+    """Whether to capture the decode step: ``graph``, default on a CUDA model; refused where it cannot work."""
+    device = model.device
+    graph = device.type == "cuda" if graph is None else bool(graph)
+    if graph and device.type != "cuda":
+        raise ValueError(f"graph=True: CUDA-graph capture needs a CUDA model, this one is on {device}; "
+                         "graph=False runs the steps eagerly")
+    if graph and (rope_type := _dynamic_rope_type(model)):
+        raise ValueError(f"graph=True: the model's RoPE type {rope_type!r} recomputes its frequencies behind a "
+                         "host comparison, which a CUDA graph cannot capture; use graph=False")
+    return graph
+
+
+def _dynamic_rope_type(model) -> str | None:
+    """The model's dynamic RoPE type, if any: it recomputes its frequencies behind a host comparison
+    on the positions (``seq_len > max_seq_len_cached``), which a CUDA graph cannot capture."""
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)  # a dict of them where layer types differ
+        for name in rope_type.values() if isinstance(rope_type, dict) else (rope_type,):
+            if isinstance(name, str) and "dynamic" in name:
+                return name
+    return None
+
+
+class GraphedDecode:
+    """Greedy decode steps of a transformers causal LM on a prefilled :class:`FoscarCache`; on CUDA,
+    each step is one CUDA-graph replay of the whole model step::
+
+        logits = model(input_ids, **cache_kwargs(cache)).logits             # the prefill
+        decode = GraphedDecode(model, cache, logits[:, -1].argmax(-1), max_new_tokens=255)
+        tokens = decode.run(255)                                             # [batch, 255]
+
+    ``next_tokens [batch]`` (or ``[batch, 1]``): the token each sequence takes next (greedy: the
+    prefill's argmax). A step feeds the current tokens at the next positions (every layer appends
+    their K/V to the cache and attends through FOSCAR), then writes the argmax of the logits back as
+    the next tokens; :meth:`run` returns those. ``max_new_tokens``: the steps this object may run
+    (tokens appended per sequence): their pages are reserved here, because a replay cannot allocate
+    (``PagedKVCache.reserve``). ``graph``: capture the step (default: on a CUDA model); ``False`` runs
+    the same step eagerly (the CPU path, and the reference a replay must equal).
+
+    On CUDA the first step runs eagerly on a side stream, as torch asks before a capture: it
+    compiles the CuTe kernels, caches the cache's index tensors and initializes cuBLAS, none of which
+    may happen inside a capture. Then one step is captured and every later step replays it. The
+    static buffers ``tokens`` and ``positions`` (``[batch, 1]``) advance on the device inside a step.
+
+    What transformers allows (read in 5.24, Llama-style models): a one-token forward with explicit
+    ``position_ids`` and ``attention_mask=None`` does no host sync and no data-dependent shape: the
+    causal mask is skipped (``sdpa_mask`` returns ``None`` for one query without padding; FOSCAR's
+    decode attention needs none). Left to itself the model would take its positions from
+    ``cache.get_seq_length()``, a host int the graph would freeze, and it checks an all-ones
+    attention mask with a host sync; so both are passed here. Dynamic RoPE (``rope_type`` "dynamic")
+    compares positions on the host: refused with ``graph``. The layers' host length
+    (``get_seq_length``, which sizes transformers' masks and default positions) is not advanced by a
+    replay: :meth:`run` advances it after each one, so the cache is right for eager use afterwards.
+    Sampling is plain argmax: no logits processors, no stop at EOS (static shapes: cut at EOS
+    yourself). Running the model on the cache between :meth:`run` calls is refused (the static
+    positions would be stale), and so is :meth:`run` after ``cache.reset()``.
+    """
+
+    def __init__(self, model, cache, next_tokens: torch.Tensor, max_new_tokens: int, graph: bool | None = None):
+        _check_model_and_cache(model, cache)
+        past = cache.get_seq_length()
+        if past == 0:
+            raise ValueError("cache: empty; prefill first (model(input_ids, **cache_kwargs(cache))) or use "
+                             "greedy_generate")
+        batch = len(cache.seq_ids)
+        if (not isinstance(next_tokens, torch.Tensor) or next_tokens.dtype not in (torch.int32, torch.int64)
+                or list(next_tokens.shape) not in ([batch], [batch, 1])):
+            got = (f"{next_tokens.dtype} {list(next_tokens.shape)}" if isinstance(next_tokens, torch.Tensor)
+                   else type(next_tokens).__name__)
+            raise ValueError(f"next_tokens must be an integer tensor of shape [batch={batch}] or [batch, 1], got {got}")
+        _check_positive_int("max_new_tokens", max_new_tokens)
+        device = model.device
+        graph = _use_graph(model, graph)
+        kv, total = cache.kv, past + max_new_tokens
+        if total > kv.max_seq_len:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: the cache holds {past} tokens per sequence and "
+                             f"max_seq_len={kv.max_seq_len}; build it with max_seq_len >= {total}")
+        need = sum(max(0, kv.pages_for(total) - len(kv.pages_of(seq_id))) for seq_id in cache.seq_ids)
+        if need > kv.free_pages:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: the steps need {need} more pages, {kv.free_pages} "
+                             f"of num_pages={kv.num_pages} are free")
+        for seq_id in cache.seq_ids:
+            kv.reserve(seq_id, total)
+        self.model, self.cache, self.use_graph = model, cache, graph
+        self.tokens = next_tokens.reshape(batch, 1).to(device=device, dtype=torch.int64, copy=True)
+        self.positions = torch.full((batch, 1), past, dtype=torch.int64, device=device)
+        self.graph = None
+        self.steps_left = max_new_tokens
+        self._seen = past  # the host length this object expects at its next step
+        self._forward_kwargs = {"attention_mask": None, "position_ids": self.positions, "use_cache": True,
+                                **cache_kwargs(cache)}
+        if "cache_position" in inspect.signature(model.forward).parameters:
+            # transformers that still take it would derive it from the host length: a constant in the graph
+            self._forward_kwargs["cache_position"] = self.positions[0]
+
+    def _step(self) -> None:
+        logits = self.model(input_ids=self.tokens, **self._forward_kwargs).logits
+        self.tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.positions.add_(1)
+
+    def _warm_up_and_capture(self) -> None:
+        """One eager step on a side stream (a real step: its token counts), then the capture of one."""
+        stream = torch.cuda.Stream(self.tokens.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        host_lengths = [layer.cumulative_length for layer in self.cache.layers]
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._step()
+        finally:  # capturing ran a step's host side (the layers counted a token) but appended nothing
+            for layer, length in zip(self.cache.layers, host_lengths):
+                layer.cumulative_length = length
+        self.graph = graph
+
+    @torch.no_grad()
+    def run(self, steps: int) -> torch.Tensor:
+        """Run ``steps`` decode steps; returns the tokens they chose, ``[batch, steps]`` int64 (on the
+        model's device; nothing waits for the GPU here)."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= self.steps_left:
+            raise ValueError(f"steps must be an int in [0, {self.steps_left}] (the max_new_tokens left), "
+                             f"got {steps!r}")
+        if self.cache.get_seq_length() != self._seen:
+            raise RuntimeError(f"cache: holds {self.cache.get_seq_length()} tokens, this GraphedDecode left it at "
+                               f"{self._seen} (the model ran on it, or it was reset): its positions are stale; "
+                               "build a new GraphedDecode")
+        chosen = torch.empty(self.tokens.shape[0], steps, dtype=torch.int64, device=self.tokens.device)
+        for step in range(steps):
+            if self.graph is not None:
+                self.graph.replay()
+                for layer in self.cache.layers:  # what the replayed update() would have counted
+                    layer.cumulative_length += 1
+            elif self.use_graph:
+                self._warm_up_and_capture()
+            else:
+                self._step()
+            chosen[:, step] = self.tokens[:, 0]
+            self.steps_left -= 1
+            self._seen += 1
+        return chosen
+
+
+@torch.no_grad()
+def greedy_generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, graph: bool | None = None):
+    """Greedy decoding of same-length prompts on an empty :class:`FoscarCache`, the decode steps as
+    CUDA-graph replays (:class:`GraphedDecode`; ``graph`` as there). Returns ``[batch, prompt +
+    max_new_tokens]`` like ``model.generate(input_ids, cache=cache, max_new_tokens=..., do_sample=False)``
+    without EOS stopping: the prefill chooses the first new token, ``max_new_tokens - 1`` decode steps
+    the rest (the last token is not appended to the cache, as in ``generate``)."""
+    _check_model_and_cache(model, cache)
+    if cache.get_seq_length():
+        raise ValueError(f"cache: holds {cache.get_seq_length()} tokens; greedy_generate prefills, so pass an empty "
+                         "FoscarCache (or continue with GraphedDecode)")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be an integer tensor [batch, prompt], got {got}")
+    _check_positive_int("max_new_tokens", max_new_tokens)
+    graph = _use_graph(model, graph)
+    # the checks GraphedDecode makes, before the prefill, which would otherwise run for nothing
+    kv, (batch, prompt) = cache.kv, input_ids.shape
+    total = prompt + max_new_tokens - 1
+    if total > kv.max_seq_len:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: a {prompt}-token prompt plus the decode steps need "
+                         f"max_seq_len >= {total}, the cache has {kv.max_seq_len}")
+    if batch * kv.pages_for(total) > kv.free_pages:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: {batch} sequences of {total} tokens need "
+                         f"{batch * kv.pages_for(total)} pages, {kv.free_pages} of num_pages={kv.num_pages} are free")
+    prefill = cache_kwargs(cache)
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:  # as generate does: no [prompt, vocab] logits
+        prefill["logits_to_keep"] = 1
+    first = model(input_ids=input_ids, **prefill).logits[:, -1].argmax(-1)
+    parts = [input_ids, first[:, None].to(input_ids.dtype)]
+    if max_new_tokens > 1:
+        parts.append(GraphedDecode(model, cache, first, max_new_tokens - 1, graph).run(max_new_tokens - 1).to(
+            input_ids.dtype))
+    return torch.cat(parts, dim=1)
