@@ -32,7 +32,7 @@ class Arch:
     max_gqa_ratio: int  # query heads per KV head the kernel takes (its query tile's columns)
     page_sizes: tuple[int, ...]
     min_group: int  # smallest group (either axis) the kernel reads
-    cache_decode: bool  # has the one-launch decode of PagedKVCache (16-bit sink + window, in-launch merge)
+    cache_decode: bool  # has PagedKVCache's decode (16-bit sink + window partials, merged in the decode launch)
 
     def construction(self, bits: int) -> Construction:
         """How this arch's kernel turns ``bits``-bit codes into Tensor Core operands."""
@@ -84,14 +84,15 @@ class Arch:
                                          num_splits, out, lse, arch=self.name)
 
     def run_cache_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows,
-                         seq_lengths, counters, sink: int, sm_scale: float, scheme: Scheme, num_splits: int):
-        """One launch over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates); returns
-        ``(out, lse)``."""
+                         seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
+                         num_splits: int):
+        """Decode over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates): the 16-bit
+        slots' kernel, then one decode launch that merges; returns ``(out, lse)``."""
         if not self.cache_decode:
-            raise NotImplementedError(f"the {self.name} kernels have no one-launch cache decode")
+            raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         return self._kernel().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,
-                                               seq_rows, seq_lengths, counters, sink, sm_scale, scheme, num_splits,
-                                               arch=self.name)
+                                               seq_rows, seq_lengths, counters, sink, window, sm_scale, scheme,
+                                               num_splits, arch=self.name)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -142,7 +142,8 @@ class PagedKVCache:
         bf16_shape = (num_layers, max_seqs, kv_heads, sink + self.ring, d)
         self.k_bf16 = torch.zeros(bf16_shape, dtype=dtype, device=dev)
         self.v_bf16 = torch.zeros(bf16_shape, dtype=dtype, device=dev)
-        self.lengths = torch.zeros(num_layers, max_seqs, dtype=torch.int64, device=dev)
+        # rows padded to 16 bytes: a layer's row is handed to the decode launch, whose pointers are 16-byte aligned
+        self.lengths = torch.zeros(num_layers, max_seqs + max_seqs % 2, dtype=torch.int64, device=dev)[:, :max_seqs]
         self.page_table = torch.full((max_seqs, self.max_pages), self.trash_page, dtype=torch.int32, device=dev)
         self.rotation = hadamard(d, dev) if rotate else None
         # host state: the page allocator, and a mirror of ``lengths`` for reservation and validation
@@ -502,11 +503,11 @@ class PagedKVCache:
             raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
         sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
         q = self._rotate(q)
-        if self.use_kernels:  # one launch: quantized splits, 16-bit sink + window chunks, merge
+        if self.use_kernels:  # the 16-bit slots' partials, then one decode launch that merges them
             out, lse = self.arch.run_cache_decode(
                 q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
                 self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, self.lengths[layer], self._counters,
-                self.sink, sm_scale, scheme, self.num_splits(q.shape[0]))
+                self.sink, self.window, sm_scale, scheme, self.num_splits(q.shape[0]))
             return (out, lse) if return_lse else out
         contiguous = ids == tuple(range(ids[0], ids[0] + len(ids)))
         rows = slice(ids[0], ids[0] + len(ids)) if contiguous else index  # slices avoid gathers

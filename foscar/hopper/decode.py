@@ -115,8 +115,8 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
 
 
 def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH, consumers: int | None = None):
-    """Compile (or fetch) the one-launch decode of ``foscar.cache.PagedKVCache``
-    (``foscar.hopper.fused``: quantized splits + 16-bit sink/window chunks + in-launch merge)."""
+    """Compile (or fetch) the decode launch of ``foscar.cache.PagedKVCache`` (``foscar.hopper.fused``:
+    the quantized splits' partials, read in place from the cache's tensors)."""
     consumers = default_consumers(scheme) if consumers is None else consumers
     key = ("hopper_cache_decode", scheme, int(page_size), int(consumers), arch)
     return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch, consumers))
@@ -137,35 +137,34 @@ def _build_cache_decode(scheme, page_size, arch, consumers):
         fake_ptr(q_type),  # q
         fake_ptr(Int32), fake_ptr(Float16), fake_ptr(Int32), fake_ptr(Float16),  # k codes, params, v codes, params
         fake_ptr(Int32),  # page table
-        fake_ptr(q_type), fake_ptr(q_type),  # window K, V
         fake_ptr(Int64), fake_ptr(Int64),  # sequence rows, sequence lengths
         fake_ptr(Float32), fake_ptr(Float32),  # partials o, lse
-        fake_ptr(q_type), fake_ptr(Float32),  # out, lse
-        fake_ptr(Int32),  # counters
-        i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, num_splits, window_ctas, sink, ring
+        i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, num_splits, total, sink, window
         Float32(1.0),
         cuda.CUstream(0),
     )
 
 
 def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
-                     sink: int, sm_scale: float, scheme: Scheme, num_splits: int, out=None, lse=None,
+                     sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int, out=None, lse=None,
                      arch: str = DEFAULT_ARCH, consumers: int | None = None):
-    """One launch on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``,
+    """Decode on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``,
     packed pages, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win [max_seqs, kv_heads,
     sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs], ``counters`` int32
-    (>= B * kv_heads, zero; left zero). Returns ``(out, lse)``: q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
+    (>= B * kv_heads, zero; left zero). Two launches: the quantized splits' partials, then the 16-bit
+    slots' kernel (``foscar.kernels.sink_window``) that merges them with its own. Returns ``(out, lse)``:
+    q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
     import torch
     from cutlass import Float16, Float32, Int32, Int64
 
-    from ..sink_window import window_ctas
+    from ..kernels.quantize import granule_of
+    from ..kernels.sink_window import sink_window_attend, window_ctas
 
     device = q.device
     batch, hq, d = q.shape
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
     compiled = compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, consumers)
-    chunks = window_ctas(slots)
-    total = num_splits + chunks
+    total = num_splits + window_ctas(slots)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, hq, dtype=torch.float32, device=device) if lse is None else lse
     o_part = torch.empty(batch, hq, total, d, dtype=torch.float32, device=device)
@@ -175,13 +174,12 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
         gmem_ptr(q, q_type),
         gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
         gmem_ptr(page_table, Int32),
-        gmem_ptr(k_win, q_type), gmem_ptr(v_win, q_type),
         gmem_ptr(seq_rows, Int64), gmem_ptr(seq_lengths, Int64),
         gmem_ptr(o_part, Float32), gmem_ptr(lse_part, Float32),
-        gmem_ptr(out, q_type), gmem_ptr(lse, Float32),
-        gmem_ptr(counters, Int32),
-        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(num_splits), Int32(chunks), Int32(sink),
-        Int32(slots - sink), Float32(float(sm_scale)),
+        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(num_splits), Int32(total), Int32(sink),
+        Int32(window), Float32(float(sm_scale)),
         current_stream(device),
     )
+    sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters, num_splits, sink,
+                       window, granule_of(scheme), sm_scale, arch)
     return out, lse

@@ -1,18 +1,14 @@
-"""One launch per decode call of ``foscar.cache.PagedKVCache``: quantized splits, BF16 sink + window
-chunks and the split merge in the same grid (sm_90a).
+"""The decode launch of ``foscar.cache.PagedKVCache`` (sm_90a): the quantized splits' partials.
 
-Grid ``(num_splits + window_ctas, kv_heads, batch)``. CTA ``x < num_splits`` is split ``x`` of the
-sequence's packed pages, exactly the decode kernel's CTA (``foscar.hopper.kernel``: producer
-warpgroup + consumer warps, fp32 partial out); CTA ``x >= num_splits`` attends chunk
-``x - num_splits`` of the sequence's 16-bit sink + window slots with its consumer warps
-(``foscar.sink_window``; the producer warpgroup has nothing to do). Every CTA then counts itself
-done on its (sequence, KV head)'s counter and the last one merges the ``total`` partials into the
-output (``foscar.split_merge``).
+Grid ``(num_splits, kv_heads, batch)``: each CTA is split ``x`` of the sequence's packed pages,
+exactly the decode kernel's CTA (``foscar.hopper.kernel``: producer warpgroup + consumer warps, an
+fp32 partial out), writing partial ``x`` of ``total`` per query row; ``foscar.kernels.sink_window``
+runs next, writes the 16-bit sink + window slots' partials ``num_splits ..`` and merges them all.
 
-The cache's tensors are read in place: the page table and the window slots by the sequence's row
-(``seq_rows[b]``), the quantized length computed from the sequence's token count
-(``seq_lengths[row]``) as ``PagedKVCache.quantized_tokens`` does, so a call is this launch alone
-(no gather, no length arithmetic, no window or combine launch) and CUDA-graph capturable.
+The cache's tensors are read in place: the page table by the sequence's row (``seq_rows[b]``), the
+quantized length computed from the sequence's token count (``seq_lengths[row]``) as
+``PagedKVCache.quantized_tokens`` does, so no torch gather or length arithmetic runs per call:
+a call is this launch and the window kernel's, CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -26,11 +22,10 @@ from cutlass.cute.nvgpu import warp as warp_mma
 
 from ..device import LOG2E
 from ..kernels.quantize import granule_of
+from ..kernels.sink_window import quantized_tokens
 from ..layouts.fragment import THREADS
 from ..pipeline import split_range
-from ..sink_window import SinkWindow, quantized_tokens
-from ..split_merge import SplitMerge
-from .kernel import BAR_CONSUMERS, PRODUCER_REGS, DecodeConfig, HopperDecodeKernel
+from .kernel import PRODUCER_REGS, DecodeConfig, HopperDecodeKernel
 
 __all__ = ["HopperCacheDecodeKernel"]
 
@@ -43,10 +38,6 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             raise ValueError("the cache decode kernel writes split partials: build its DecodeConfig with split=True")
         super().__init__(cfg)
         self.granule = granule_of(cfg.scheme)
-        self.window = SinkWindow(cfg.D, cfg.R, cfg.NW, BAR_CONSUMERS, cfg.q_dtype)
-        if self.window.words > cfg.RING_WORDS:
-            raise ValueError(f"window scratch of {4 * self.window.words} B does not fit the ring")
-        self.merger = SplitMerge(cfg.D, cfg.R, 32 * cfg.NW, BAR_CONSUMERS, cfg.q_dtype)
 
     @cute.jit
     def __call__(
@@ -57,22 +48,17 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         vc_ptr: cute.Pointer,
         vp_ptr: cute.Pointer,
         pt_ptr: cute.Pointer,  # int32 [max_seqs, max_pages]
-        k_win: cute.Pointer,  # q dtype [max_seqs, kv_heads, sink + ring, D]
-        v_win: cute.Pointer,
         seq_rows: cute.Pointer,  # int64 [B]: the sequences' rows
         seq_lengths: cute.Pointer,  # int64 [max_seqs]: tokens per sequence (this layer)
-        o_part: cute.Pointer,  # fp32 [B, Hq, total, D]
+        o_part: cute.Pointer,  # fp32 [B, Hq, total, D]: this launch writes partials 0 .. num_splits - 1
         lse_part: cute.Pointer,  # fp32 [B, Hq, total]
-        out: cute.Pointer,  # [B, Hq, D] q dtype
-        lse: cute.Pointer,  # fp32 [B, Hq]
-        counters: cute.Pointer,  # int32 [B * kv_heads], zero between launches
         batch: Int32,
         kv_heads: Int32,
         max_pages: Int32,
         num_splits: Int32,
-        window_ctas: Int32,
+        total: Int32,
         sink: Int32,
-        ring: Int32,
+        window: Int32,
         sm_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -84,12 +70,11 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             ring: cute.struct.Align[cute.struct.MemRange[Int32, cfg.RING_WORDS], 1024]
             full: cute.struct.MemRange[Int64, cfg.STAGES]
             empty: cute.struct.MemRange[Int64, cfg.STAGES]
-            last: cute.struct.MemRange[Int32, 1]  # SplitMerge.arrive's answer
 
-        self.kernel(tiled_mma, SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, k_win, v_win, seq_rows,
-                    seq_lengths, o_part, lse_part, out, lse, counters, kv_heads, max_pages, num_splits, window_ctas,
-                    sink, ring, sm_scale * LOG2E).launch(
-            grid=(num_splits + window_ctas, kv_heads, batch),
+        self.kernel(tiled_mma, SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows, seq_lengths,
+                    o_part, lse_part, kv_heads, max_pages, num_splits, total, sink, window,
+                    sm_scale * LOG2E).launch(
+            grid=(num_splits, kv_heads, batch),
             block=(cfg.threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -99,10 +84,9 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr, q_ptr: cute.Pointer,
                kc_ptr: cute.Pointer, kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer,
-               pt_ptr: cute.Pointer, k_win: cute.Pointer, v_win: cute.Pointer, seq_rows: cute.Pointer,
-               seq_lengths: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer,
-               lse: cute.Pointer, counters: cute.Pointer, kv_heads: Int32, max_pages: Int32, num_splits: Int32,
-               window_ctas: Int32, sink: Int32, ring: Int32, scale_log2: Float32):
+               pt_ptr: cute.Pointer, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, o_part: cute.Pointer,
+               lse_part: cute.Pointer, kv_heads: Int32, max_pages: Int32, num_splits: Int32, total: Int32, sink: Int32,
+               window: Int32, scale_log2: Float32):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
@@ -113,27 +97,15 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
 
         row = cute.make_tensor(seq_rows + b, cute.make_layout((1,)))[0]  # the sequence's row (Int64)
         n = Int32(cute.make_tensor(seq_lengths + row, cute.make_layout((1,)))[0])
-        qlen = quantized_tokens(n, sink, ring - self.granule, self.granule)
-        total = num_splits + window_ctas
-        _n_tiles, t_begin, t_end = split_range(qlen, split, num_splits, cfg.TPG)  # empty for window CTAs
+        qlen = quantized_tokens(n, sink, window, self.granule)
+        _n_tiles, t_begin, t_end = split_range(qlen, split, num_splits, cfg.TPG)
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if split < num_splits:
-                self.produce(storage.ring.data_ptr(), full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, Int32(row),
-                             h, kv_heads, max_pages, t_begin, t_end, cute.arch.make_warp_uniform(tidx // 32), tidx % 32)
+            self.produce(storage.ring.data_ptr(), full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, Int32(row), h,
+                         kv_heads, max_pages, t_begin, t_end, cute.arch.make_warp_uniform(tidx // 32), tidx % 32)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            warp = cute.arch.make_warp_uniform(tidx // 32 - 4)
-            lane = tidx % 32
-            if split < num_splits:
-                self.consume(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, o_part, lse_part, qlen, b, h,
-                             split, kv_heads, total, t_begin, t_end, scale_log2, warp, lane)
-            else:
-                q_row0 = (b * kv_heads + h).to(Int64) * cfg.R  # first query row of the KV head
-                slot_row = (row * kv_heads + h) * (sink + ring)  # first window slot of (sequence, KV head)
-                self.window.attend(storage.ring.data_ptr(), q_ptr, k_win, v_win, slot_row, n, qlen, sink, ring,
-                                   split - num_splits, q_row0, o_part, lse_part, split, total, scale_log2, warp, lane)
-            if self.merger.arrive(counters + (b * kv_heads + h), storage.last.data_ptr(), total, warp * 32 + lane):
-                self.merger.merge(o_part, lse_part, out, lse, (b * kv_heads + h).to(Int64) * cfg.R, total,
-                                  warp * 32 + lane)
+            self.consume(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, o_part, lse_part, qlen, b, h, split,
+                         kv_heads, total, t_begin, t_end, scale_log2, cute.arch.make_warp_uniform(tidx // 32 - 4),
+                         tidx % 32)
