@@ -21,9 +21,13 @@ Slot ``j`` of a sequence of ``n`` tokens is valid when ``j < sink`` and ``j < n`
 tokens, ``foscar.cache``).
 
 One thread issues two bulk copies (TMA engine) of the chunk's K and V rows into shared memory;
-then SIMT FP32 with ``WARPS`` warps. A warp step covers ``32 / LPR`` slots with ``LPR = D / 8`` lanes
-per slot, 8 channels (16 bytes) per lane: scores (q from shared memory, reduced over the slot's
-lanes by shuffles) -> ``S [R, CHUNK]``; one warp per query row turns its scores into
+then SIMT FP32 with ``WARPS`` warps. A warp step covers ``SPS = 32 / LPR`` slots with ``LPR`` lanes
+per slot and ``CPL`` channels per lane (16-byte pieces ``c, c + LPR, ...`` of the row for lane
+``c``: a quarter-warp reads 128 contiguous bytes, no bank conflict). ``CPL`` is chosen so that a
+lane's slice of ``RG`` query rows (scaled q, in registers) or of their outputs is 64 fp32
+registers: few lanes per slot, so few shuffles per score (measured: with q in shared memory and 8
+channels per lane the kernel was bound by shared-memory issue, 2.4 cycles per instruction).
+Scores -> ``S [R, CHUNK]`` in shared memory; one warp per query row turns its scores into
 ``P = exp2(S - max)`` and the row sum; ``O = P V`` with the same slot/lane split, reduced over a
 step's slots by shuffles and over the warps in shared memory.
 """
@@ -45,7 +49,8 @@ __all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens
 
 CHUNK = 128  # slots per CTA: 64 KB of K + V at head_dim 128
 MAX_CHUNKS = 32  # sink + window slots up to 4096
-CHANNELS_PER_LANE = 8  # one 16-byte load of 16-bit values
+CHANNELS_PER_LANE = 8  # one 16-byte load of 16-bit values (a piece)
+REGISTER_SLICE = 64  # fp32 registers of a lane's q (or output) slice of the query rows of a pass
 WARPS = 8
 BAR_MERGE = 1  # named barrier of the merge (all threads)
 
@@ -73,9 +78,11 @@ class SinkWindow:
         self.D, self.R = head_dim, rows
         self.dtype = dtype
         self.merger = SplitMerge(head_dim, rows, MAX_SPLITS + MAX_CHUNKS, 32 * WARPS, BAR_MERGE, dtype)
-        self.LPR = head_dim // CHANNELS_PER_LANE  # lanes per slot
+        self.RG = min(rows, max(1, REGISTER_SLICE // CHANNELS_PER_LANE))  # query rows per pass
+        self.CPL = min(head_dim, max(CHANNELS_PER_LANE, REGISTER_SLICE // self.RG))  # channels per lane
+        self.LPR = head_dim // self.CPL  # lanes per slot
         self.SPS = 32 // self.LPR  # slots per warp step
-        self.RG = min(rows, 8)  # query rows per pass of O's accumulators (register budget)
+        self.PIECES = self.CPL // CHANNELS_PER_LANE  # 16-byte pieces per lane and slot
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k_win: cute.Pointer, v_win: cute.Pointer, seq_rows: cute.Pointer,
@@ -88,7 +95,6 @@ class SinkWindow:
         class SharedStorage:
             k: cute.struct.Align[cute.struct.MemRange[self.dtype, CHUNK * D], 128]  # the chunk's K rows
             v: cute.struct.Align[cute.struct.MemRange[self.dtype, CHUNK * D], 128]
-            q: cute.struct.Align[cute.struct.MemRange[Float32, R * D], 16]  # scaled to the log2 domain
             s: cute.struct.Align[cute.struct.MemRange[Float32, R * CHUNK], 16]  # scores, then P
             m: cute.struct.MemRange[Float32, R]
             l: cute.struct.MemRange[Float32, R]
@@ -128,12 +134,12 @@ class SinkWindow:
             bulk_copy_g2s(smem.k.data_ptr(), k_win + first, nbytes, loaded)
             bulk_copy_g2s(smem.v.data_ptr(), v_win + first, nbytes, loaded)
         q_row0 = (b * kv_heads + h).to(Int64) * R  # first query row of the KV head
-        sq = smem.q.get_tensor(cute.make_layout((R * D,)))
-        for el in cutlass.range(tidx, R * D, 32 * WARPS, unroll=1):
-            sq[el] = cute.make_tensor(q + (q_row0 * D + el), cute.make_layout((1,)))[0].to(Float32) * scale_log2
-        cute.arch.sync_threads()  # q in shared memory; the mbarrier initialized
+        sv = smem.v.get_tensor(cute.make_layout((CHUNK * D,)))
+        for el in cutlass.range(cutlass.min(CHUNK, slots - j0) * D + tidx, CHUNK * D, 32 * WARPS, unroll=1):
+            sv[el] = self.dtype(0.0)  # rows past the sequence's slots are not copied: P V must not see NaN there
+        cute.arch.sync_threads()  # the mbarrier initialized, the V tail zeroed
         cute.arch.mbarrier_wait(loaded, 0)
-        self.scores(smem, j0, n, qlen, sink, ring, warp, lane)
+        self.scores(smem, q, q_row0, scale_log2, j0, n, qlen, sink, ring, warp, lane)
         cute.arch.sync_threads()
         self.softmax(smem, warp, lane)
         cute.arch.sync_threads()
@@ -145,28 +151,44 @@ class SinkWindow:
             self.merger.merge(smem.merge.data_ptr(), o_part, lse_part, out, lse, q_row0, total, tidx)
 
     @cute.jit
-    def scores(self, smem, j0: Int32, n: Int32, qlen: Int32, sink: Int32, ring: Int32, warp: Int32, lane: Int32):
+    def scores(self, smem, q: cute.Pointer, q_row0: Int64, scale_log2: Float32, j0: Int32, n: Int32, qlen: Int32,
+               sink: Int32, ring: Int32, warp: Int32, lane: Int32):
         """``S[r, j] = q_r . k_j`` (log2 domain), -inf for slots that hold no token."""
-        D, R = self.D, self.R
-        sq = smem.q.get_tensor(cute.make_layout((R * D,)))
+        D, R, RG, CPL = self.D, self.R, self.RG, self.CPL
         ss = smem.s.get_tensor(cute.make_layout((R * CHUNK,)))
-        c = lane % self.LPR  # the lane's 8 channels: 8c .. 8c + 7
+        c = lane % self.LPR
         recent = cutlass.max(n - sink - qlen, Int32(0))
-        for step in cutlass.range(warp, CHUNK // self.SPS, WARPS, unroll=1):
-            jl = step * self.SPS + lane // self.LPR  # slot within the chunk
-            j = j0 + jl
-            rel = (j - sink - qlen) % ring
-            rel = rel + fsel_i32(rel < 0, ring, 0)  # floor mod
-            valid = (j < sink + ring) & cutlass.select_(j < sink, j < n, rel < recent)
-            k = load_channels(smem.k.data_ptr(), jl * D + CHANNELS_PER_LANE * c, self.dtype)
-            for r in cutlass.range_constexpr(R):
-                dot = Float32(0.0)
-                for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    dot = dot + sq[r * D + CHANNELS_PER_LANE * c + i] * k[i]
-                for offset in [1 << x for x in range(self.LPR.bit_length() - 1)]:  # over the slot's lanes
-                    dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=offset)
-                if c == 0:
-                    ss[r * CHUNK + jl] = fsel(valid, dot, Float32(NEG_INF))
+        for g in cutlass.range_constexpr(-(-R // RG)):
+            rows = min(RG, R - g * RG)
+            qr = cute.make_rmem_tensor((rows * CPL,), Float32)  # the lane's channels of the pass's rows
+            for r in cutlass.range_constexpr(rows):
+                for x in cutlass.range_constexpr(self.PIECES):
+                    piece = load_channels(q, (q_row0 + g * RG + r) * D + self.channel(c, x), self.dtype)
+                    for e in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        qr[r * CPL + x * CHANNELS_PER_LANE + e] = piece[e] * scale_log2
+            for step in cutlass.range(warp, CHUNK // self.SPS, WARPS, unroll=1):
+                jl = step * self.SPS + lane // self.LPR  # slot within the chunk
+                j = j0 + jl
+                rel = (j - sink - qlen) % ring
+                rel = rel + fsel_i32(rel < 0, ring, 0)  # floor mod
+                valid = (j < sink + ring) & cutlass.select_(j < sink, j < n, rel < recent)
+                dots = cute.make_rmem_tensor((rows,), Float32)
+                dots.fill(0.0)
+                for x in cutlass.range_constexpr(self.PIECES):
+                    k = load_channels(smem.k.data_ptr(), jl * D + self.channel(c, x), self.dtype)
+                    for r in cutlass.range_constexpr(rows):
+                        for e in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                            dots[r] = dots[r] + qr[r * CPL + x * CHANNELS_PER_LANE + e] * k[e]
+                for r in cutlass.range_constexpr(rows):
+                    dot = dots[r]
+                    for offset in [1 << y for y in range(self.LPR.bit_length() - 1)]:  # over the slot's lanes
+                        dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=offset)
+                    if c == 0:
+                        ss[(g * RG + r) * CHUNK + jl] = fsel(valid, dot, Float32(NEG_INF))
+
+    def channel(self, c, x: int):
+        """First channel of piece ``x`` of slot lane ``c`` (the pieces interleave over the lanes)."""
+        return CHANNELS_PER_LANE * (c + self.LPR * x)
 
     @cute.jit
     def softmax(self, smem, warp: Int32, lane: Int32):
@@ -193,29 +215,34 @@ class SinkWindow:
     @cute.jit
     def weighted_values(self, smem, warp: Int32, lane: Int32):
         """This warp's ``sum_j P[r, j] v_j`` over its slots -> ``O[warp, r, :]`` in shared memory
-        (P is 0 for the slots past the sequence's, whose rows were not copied)."""
-        D, R, RG = self.D, self.R, self.RG
+        (P is 0 for the slots past the sequence's, whose V rows the kernel zeroed)."""
+        D, R, RG, CPL = self.D, self.R, self.RG, self.CPL
         ss = smem.s.get_tensor(cute.make_layout((R * CHUNK,)))
         so = smem.o.get_tensor(cute.make_layout((WARPS * R * D,)))
         c = lane % self.LPR
         for g in cutlass.range_constexpr(-(-R // RG)):
             rows = min(RG, R - g * RG)
-            acc = cute.make_rmem_tensor((rows * CHANNELS_PER_LANE,), Float32)
+            acc = cute.make_rmem_tensor((rows * CPL,), Float32)
             acc.fill(0.0)
             for step in cutlass.range(warp, CHUNK // self.SPS, WARPS, unroll=1):
                 jl = step * self.SPS + lane // self.LPR
-                v = load_channels(smem.v.data_ptr(), jl * D + CHANNELS_PER_LANE * c, self.dtype)
+                p = cute.make_rmem_tensor((rows,), Float32)
                 for r in cutlass.range_constexpr(rows):
-                    p = ss[(g * RG + r) * CHUNK + jl]
-                    for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        acc[r * CHANNELS_PER_LANE + i] = acc[r * CHANNELS_PER_LANE + i] + p * fsel(p > 0, v[i], 0.0)
-            for x in cutlass.range_constexpr(rows * CHANNELS_PER_LANE):
-                for offset in [self.LPR << y for y in range(self.SPS.bit_length() - 1)]:  # over the step's slots
-                    acc[x] = acc[x] + cute.arch.shuffle_sync_bfly(acc[x], offset=offset)
+                    p[r] = ss[(g * RG + r) * CHUNK + jl]
+                for x in cutlass.range_constexpr(self.PIECES):
+                    v = load_channels(smem.v.data_ptr(), jl * D + self.channel(c, x), self.dtype)
+                    for e in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        for r in cutlass.range_constexpr(rows):
+                            i = r * CPL + x * CHANNELS_PER_LANE + e
+                            acc[i] = acc[i] + p[r] * v[e]
+            for i in cutlass.range_constexpr(rows * CPL):
+                for offset in [self.LPR << z for z in range(self.SPS.bit_length() - 1)]:  # over the step's slots
+                    acc[i] = acc[i] + cute.arch.shuffle_sync_bfly(acc[i], offset=offset)
             if lane < self.LPR:
                 for r in cutlass.range_constexpr(rows):
-                    for i in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        so[(warp * R + g * RG + r) * D + CHANNELS_PER_LANE * c + i] = acc[r * CHANNELS_PER_LANE + i]
+                    for x in cutlass.range_constexpr(self.PIECES):
+                        for e in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                            so[(warp * R + g * RG + r) * D + self.channel(c, x) + e] = acc[r * CPL + x * CHANNELS_PER_LANE + e]
 
     @cute.jit
     def store(self, smem, o_part: cute.Pointer, lse_part: cute.Pointer, q_row0: Int64, split: Int32, total: Int32,
