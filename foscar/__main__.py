@@ -34,6 +34,7 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
     from .kernels.combine import compile_combine
     from .kernels.dequantize import DequantizeConfig, compile_dequantize
     from .hopper.decode import compile_cache_decode
+    from .kernels.sink_window import compile_sink_window
 
     d = scheme.head_dim
     q_type = cutlass.BFloat16 if scheme.q_dtype == torch.bfloat16 else cutlass.Float16
@@ -46,14 +47,20 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
     def combine(arch):
         return cached_compile(("combine", d, q_type, arch), lambda: compile_combine(d, arch, q_type))
 
+    def sink_window(arch):
+        gqa = scheme.gqa_ratio
+        return cached_compile(("sink_window", d, gqa, q_type, arch), lambda: compile_sink_window(d, gqa, arch, q_type))
+
     builds = [
         ("sm_90a", "decode (hopper)", lambda: compile_decode(scheme, "sm_90a", page_size)),
         ("sm_90a", "dequantize K", lambda: dequantize_k("sm_90a")),
         ("sm_90a", "combine", lambda: combine("sm_90a")),
         ("sm_90a", "decode (cache)", lambda: compile_cache_decode(scheme, page_size, "sm_90a")),
+        ("sm_90a", "sink + window", lambda: sink_window("sm_90a")),
         ("sm_100a", "decode (blackwell)", lambda: compile_decode(scheme, "sm_100a", page_size)),
         ("sm_100a", "dequantize K", lambda: dequantize_k("sm_100a")),
         ("sm_100a", "combine", lambda: combine("sm_100a")),
+        ("sm_100a", "sink + window", lambda: sink_window("sm_100a")),
     ]
     builds = [b for b in builds if b[0] in archs]
     where = f"compile cache {cache_dir()}" if enabled() else "compile cache off (FOSCAR_CACHE=0)"

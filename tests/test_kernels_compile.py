@@ -54,3 +54,21 @@ def test_combine_compiles(arch):
     # pinned in pyproject.toml: another DSL version may schedule it differently)
     loop = art.loop_mix()
     assert loop["MUFU"] == 1 and loop["FFMA"] >= 4
+
+
+@pytest.mark.sass
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("head_dim,gqa", [(128, 4), (128, 16), (64, 1), (256, 2)])
+def test_sink_window_compiles(head_dim, gqa, arch):
+    """The 16-bit sink + window kernel (PagedKVCache's second launch): two bulk copies per chunk,
+    q in registers (no shared q), the counting atomic and fences of the in-launch merge, no spills."""
+    import cutlass
+
+    from foscar.kernels.sink_window import compile_sink_window
+
+    art = artifacts(compile_sink_window(head_dim, gqa, arch, cutlass.BFloat16))
+    assert art.arch == arch and re.search(rf"^\.target {arch}$", art.ptx, re.M)
+    assert art.ptx.count("cp.async.bulk.shared::cluster.global") == 2  # K and V rows of the chunk
+    assert "atom.global.acq_rel.add.u32" in art.ptx  # the count (gpu scope: atom's default)
+    assert art.ptx.count("fence.acq_rel.gpu") == 2  # release before the count, acquire before the merge
+    _no_local_memory(art)
