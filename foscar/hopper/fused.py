@@ -17,8 +17,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float16, Float32, Int32, Int64
-from cutlass.cute.nvgpu import warp as warp_mma
+from cutlass import Float32, Int32
 
 from ..device import LOG2E
 from ..kernels.quantize import granule_of
@@ -63,15 +62,8 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        tiled_mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(Float16, Float32, (16, 8, 16)))
-
-        @cute.struct
-        class SharedStorage:
-            ring: cute.struct.Align[cute.struct.MemRange[Int32, cfg.RING_WORDS], 1024]
-            full: cute.struct.MemRange[Int64, cfg.STAGES]
-            empty: cute.struct.MemRange[Int64, cfg.STAGES]
-
-        self.kernel(tiled_mma, SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows, seq_lengths,
+        SharedStorage = self.shared_storage()
+        self.kernel(self.tiled_mma(), SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows, seq_lengths,
                     o_part, lse_part, kv_heads, max_pages, num_splits, total, sink, window,
                     sm_scale * LOG2E).launch(
             grid=(num_splits, kv_heads, batch),

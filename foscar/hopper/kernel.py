@@ -203,18 +203,10 @@ class HopperDecodeKernel:
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        # one warp, m16 x n8 x k16, FP16 operands, FP32 accumulators: both GEMMs
-        tiled_mma = cute.make_tiled_mma(warp_mma.MmaF16BF16Op(Float16, Float32, (16, 8, 16)))
-
-        @cute.struct
-        class SharedStorage:
-            ring: cute.struct.Align[cute.struct.MemRange[Int32, cfg.RING_WORDS], 1024]
-            full: cute.struct.MemRange[Int64, cfg.STAGES]
-            empty: cute.struct.MemRange[Int64, cfg.STAGES]
-
+        SharedStorage = self.shared_storage()
         scale_log2 = sm_scale * LOG2E
         self.kernel(
-            tiled_mma,
+            self.tiled_mma(),
             SharedStorage,
             q_ptr,
             kc_ptr,
@@ -236,6 +228,21 @@ class HopperDecodeKernel:
             stream=stream,
             min_blocks_per_mp=1,  # with reqntid: ptxas keeps setmaxnreg and allocates per role
         )
+
+    @staticmethod
+    def tiled_mma():
+        """One warp, m16 x n8 x k16, FP16 operands, FP32 accumulators: both GEMMs."""
+        return cute.make_tiled_mma(warp_mma.MmaF16BF16Op(Float16, Float32, (16, 8, 16)))
+
+    def shared_storage(self):
+        """Shared memory: the stage ring (the warps' merge area after the loop) and its mbarriers."""
+        cfg = self.cfg
+        fields = {  # built as a dict: this module's annotations are strings (PEP 563) outside jit functions
+            "ring": cute.struct.Align[cute.struct.MemRange[Int32, cfg.RING_WORDS], 1024],
+            "full": cute.struct.MemRange[Int64, cfg.STAGES],
+            "empty": cute.struct.MemRange[Int64, cfg.STAGES],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
     # device side
