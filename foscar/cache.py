@@ -23,11 +23,13 @@ entries point at, so every page index a kernel may read is valid. BF16 parts
 ``k_bf16 [layers, max_seqs, kv_heads, S + W + T, D]``. Pages are shared by all layers: a sequence
 owns a list of page indices, used at the same index in every layer's pool.
 
-Decode (:meth:`PagedKVCache.attend`) runs the FOSCAR kernel over the quantized pages with partial
-outputs per split (the pages are packed in the bit order of the cache's arch, ``foscar.archs``; the
-GPU path -- append kernel and split partials -- is Hopper's, and a cache whose arch lacks it says so
-when built), then one launch (``foscar.kernels.window``) attends the small BF16
-part and merges it with the splits by log-sum-exp. Append (:meth:`append`) of one
+Decode (:meth:`PagedKVCache.attend`) is two launches and no torch op but the optional rotation of q
+(``Arch.run_cache_decode``): the FOSCAR kernel over the quantized pages, reading this cache's page table and lengths in place
+and writing partial outputs per split (``foscar.hopper.fused``; the pages are packed in the bit
+order of the cache's arch, ``foscar.archs``; the GPU path -- append kernel and cache decode -- is
+Hopper's, and a cache whose arch lacks it says so when built), then ``foscar.kernels.sink_window``,
+which attends the small 16-bit part once per KV head and merges it with the splits by log-sum-exp
+in the same launch. Append (:meth:`append`) of one
 token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush
 runs every step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no
 host sync or page allocation happens inside. Pages must then be reserved up front
@@ -35,7 +37,7 @@ host sync or page allocation happens inside. Pages must then be reserved up fron
 
 On CPU tensors (CI) the same logic runs in torch: the torch quantizer (``foscar.quantize``), a
 dequantize-then-attend for the quantized part, and an fp32 attention over the BF16 part merged by
-log-sum-exp (what ``foscar.kernels.window`` fuses on the GPU).
+log-sum-exp (what the two GPU launches do).
 
 Optional Hadamard rotation (QuaRot/OSCAR): K and Q are multiplied per head by the normalized
 Sylvester Hadamard matrix ``H`` (orthogonal, so ``(qH)(kH)^T = qk^T``): outliers spread over all
@@ -127,7 +129,7 @@ class PagedKVCache:
         if self.use_kernels:
             if self.arch.layout != APPEND_KERNEL_LAYOUT or not self.arch.cache_decode:
                 raise ValueError(f"use_kernels: the cache's GPU path (append kernel writing the {APPEND_KERNEL_LAYOUT!r} "
-                                 f"bit order, one-launch decode with the 16-bit window) is not built for "
+                                 f"bit order, decode with the 16-bit window in place) is not built for "
                                  f"{self.arch.name}; use use_kernels=False")
             self.arch.can_implement(scheme, page_size)  # fail now, naming the field, not at the first attend
         self.num_layers, self.kv_heads, self.num_pages, self.max_seqs = num_layers, kv_heads, num_pages, max_seqs
