@@ -24,12 +24,12 @@ entries point at, so every page index a kernel may read is valid. BF16 parts
 owns a list of page indices, used at the same index in every layer's pool.
 
 Decode (:meth:`PagedKVCache.attend`) is two launches and no torch op but the optional rotation of q
-(``Arch.run_cache_decode``): the FOSCAR kernel over the quantized pages, reading this cache's page table and lengths in place
-and writing partial outputs per split (``foscar.hopper.fused``; the pages are packed in the bit
-order of the cache's arch, ``foscar.archs``; the GPU path -- append kernel and cache decode -- is
-Hopper's, and a cache whose arch lacks it says so when built), then ``foscar.kernels.sink_window``,
-which attends the small 16-bit part once per KV head and merges it with the splits by log-sum-exp
-in the same launch. Append (:meth:`append`) of one
+(``Arch.run_cache_decode``): the FOSCAR kernel over the quantized pages, reading this cache's page
+table and lengths in place and writing partial outputs per split (``foscar.hopper.fused``; the pages
+are packed in the bit order of the cache's arch, ``foscar.archs``; the GPU path -- append kernel
+and cache decode -- is Hopper's, and a cache whose arch lacks it says so when built), then
+``foscar.kernels.sink_window``, which attends the small 16-bit part once per KV head and merges it
+with the splits by log-sum-exp in the same launch. Append (:meth:`append`) of one
 token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush
 runs every step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no
 host sync or page allocation happens inside. Pages must then be reserved up front
