@@ -32,7 +32,7 @@ class Arch:
     max_gqa_ratio: int  # query heads per KV head the kernel takes (its query tile's columns)
     page_sizes: tuple[int, ...]
     min_group: int  # smallest group (either axis) the kernel reads
-    cache_decode: bool  # has PagedKVCache's decode (16-bit sink + window partials, merged in the decode launch)
+    cache_decode: bool  # has PagedKVCache's decode (quantized splits, then the 16-bit sink + window launch that merges)
 
     def construction(self, bits: int) -> Construction:
         """How this arch's kernel turns ``bits``-bit codes into Tensor Core operands."""
@@ -86,8 +86,8 @@ class Arch:
     def run_cache_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows,
                          seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
                          num_splits: int):
-        """Decode over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates): the 16-bit
-        slots' kernel, then one decode launch that merges; returns ``(out, lse)``."""
+        """Decode over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates): the quantized
+        splits' launch, then the 16-bit sink + window launch that merges; returns ``(out, lse)``."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         return self._kernel().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,

@@ -132,6 +132,10 @@ class PagedKVCache:
                                  f"bit order, decode with the 16-bit window in place) is not built for "
                                  f"{self.arch.name}; use use_kernels=False")
             self.arch.can_implement(scheme, page_size)  # fail now, naming the field, not at the first attend
+            from .kernels.sink_window import check_sink_window
+
+            check_sink_window(scheme.head_dim, scheme.gqa_ratio, sink + window + granule,
+                              f"sink + window + granule ({sink} + {window} + {granule})")
         self.num_layers, self.kv_heads, self.num_pages, self.max_seqs = num_layers, kv_heads, num_pages, max_seqs
         self.page_size, self.sink, self.window, self.max_seq_len = page_size, sink, window, max_seq_len
         self.ring = window + granule  # recent-part slots
@@ -494,7 +498,9 @@ class PagedKVCache:
         """Decode attention of ``q [len(seq_ids), kv_heads*gqa_ratio, head_dim]`` over each sequence.
 
         Returns ``out`` (q's dtype) and, if asked, ``lse`` (fp32, natural log, scores scaled by
-        ``sm_scale``, default ``head_dim**-0.5``). Capturable in a CUDA graph.
+        ``sm_scale``, default ``head_dim**-0.5``). Capturable in a CUDA graph. On the GPU one attend
+        per cache may be in flight at a time (its launches share the cache's completion counters):
+        issue a cache's attends on one stream.
         """
         self._check_layer(layer)
         ids, index = self._rows(seq_ids)
@@ -504,8 +510,8 @@ class PagedKVCache:
                                      or not math.isfinite(sm_scale) or sm_scale <= 0):
             raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
         sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
-        q = self._rotate(q)
-        if self.use_kernels:  # the 16-bit slots' partials, then one decode launch that merges them
+        q = self._rotate(q).contiguous()  # the kernels read q densely (a q sliced from a fused QKV is not)
+        if self.use_kernels:  # the quantized splits' partials, then the 16-bit slots' launch that merges them
             out, lse = self.arch.run_cache_decode(
                 q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
                 self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, self.lengths[layer], self._counters,

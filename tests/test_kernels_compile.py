@@ -72,3 +72,33 @@ def test_sink_window_compiles(head_dim, gqa, arch):
     assert "atom.global.acq_rel.add.u32" in art.ptx  # the count (gpu scope: atom's default)
     assert art.ptx.count("fence.acq_rel.gpu") == 2  # release before the count, acquire before the merge
     _no_local_memory(art)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sink_window_lane_split_covers_every_channel_and_slot(head_dim):
+    """For every GQA ratio the kernel takes: lanes per slot divide a warp, the lanes' 16-byte pieces
+    cover the row once, a warp step's slots divide the chunk, a lane's slice of a pass is <= 64
+    registers (gqa 3, 5, 6, 7 once gave a split that skipped channels and slots)."""
+    from foscar.kernels.sink_window import CHUNK, REGISTER_SLICE, lane_split
+
+    for gqa in range(1, 17):
+        rows_per_pass, channels = lane_split(head_dim, gqa)
+        lanes = head_dim // channels
+        assert channels & (channels - 1) == 0 and channels % 8 == 0 and head_dim % channels == 0, (gqa, channels)
+        assert 32 % lanes == 0 and CHUNK % (32 // lanes) == 0, (gqa, lanes)
+        assert rows_per_pass * channels <= REGISTER_SLICE or channels == 8, (gqa, rows_per_pass, channels)
+
+
+def test_sink_window_limits_name_the_field():
+    """Shared memory and slot count are checked before anything launches (PagedKVCache calls this
+    when built with kernels), naming the Scheme field or the cache's sink / window."""
+    from foscar.kernels.sink_window import check_sink_window, shared_bytes
+
+    check_sink_window(256, 11, 448)  # the largest head_dim 256 takes
+    assert shared_bytes(256, 11) <= 227 * 1024
+    with pytest.raises(ValueError, match="Scheme.head_dim=256 with Scheme.gqa_ratio=12"):
+        check_sink_window(256, 12, 448)
+    with pytest.raises(ValueError, match="Scheme.head_dim=96"):
+        check_sink_window(96, 4, 448)
+    with pytest.raises(ValueError, match=r"sink \+ window \+ granule \(64 \+ 4096 \+ 64\) = 4224"):
+        check_sink_window(128, 4, 4224, "sink + window + granule (64 + 4096 + 64)")

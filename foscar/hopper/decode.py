@@ -146,7 +146,7 @@ def _build_cache_decode(scheme, page_size, arch, consumers):
 
 
 def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
-                     sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int, out=None, lse=None,
+                     sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int,
                      arch: str = DEFAULT_ARCH, consumers: int | None = None):
     """Decode on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``,
     packed pages, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win [max_seqs, kv_heads,
@@ -157,16 +157,24 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     import torch
     from cutlass import Float16, Float32, Int32, Int64
 
+    from ..decode import MAX_SPLITS
     from ..kernels.quantize import granule_of
-    from ..kernels.sink_window import sink_window_attend, window_ctas
+    from ..kernels.sink_window import check_sink_window, sink_window_attend, window_ctas
 
     device = q.device
     batch, hq, d = q.shape
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
+    # before the first launch: the merge's scratch holds MAX_SPLITS + MAX_CHUNKS partials per row
+    check_sink_window(d, hq // kv_heads, slots)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if counters.dtype != torch.int32 or counters.numel() < batch * kv_heads:
+        raise ValueError(f"counters: need int32 with >= batch * kv_heads = {batch * kv_heads} elements, got "
+                         f"{counters.dtype} with {counters.numel()}")
     compiled = compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, consumers)
     total = num_splits + window_ctas(slots)
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(batch, hq, dtype=torch.float32, device=device) if lse is None else lse
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=device)
     o_part = torch.empty(batch, hq, total, d, dtype=torch.float32, device=device)
     lse_part = torch.empty(batch, hq, total, dtype=torch.float32, device=device)
     q_type = DecodeConfig.cute_dtype(q.dtype)

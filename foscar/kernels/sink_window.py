@@ -10,8 +10,8 @@ all ``R`` query heads of the KV head (each window byte is read once per KV head,
 head), writes the normalized partial ``(o, lse)`` as ``num_splits + chunk``, and the last of the
 (sequence, KV head)'s chunk CTAs merges all ``total`` into the output (``foscar.split_merge``).
 
-Why a kernel of its own, after the decode: its CTAs are small (256 threads, ~80 KB of shared
-memory), so several share an SM and hide each other's load and merge latencies. Inside the decode
+Why a kernel of its own, after the decode: its CTAs are small (256 threads, 34-200 KB of shared
+memory: 84 KB at head_dim 128 with 4 query heads per KV head), so several share an SM and hide each other's load and merge latencies. Inside the decode
 grid every CTA carries the decode ring's ~220 KB: window CTAs there held whole SMs for a few
 microseconds of latency, and the decode CTAs' own merge did too (measured: +sw rows up to 1.6x and
 1.06x slower than this order).
@@ -44,8 +44,8 @@ from ..pipeline import bulk_copy_g2s
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
 
-__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens", "compile_sink_window",
-           "sink_window_attend"]
+__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens", "lane_split", "shared_bytes",
+           "check_sink_window", "compile_sink_window", "sink_window_attend"]
 
 CHUNK = 128  # slots per CTA: 64 KB of K + V at head_dim 128
 MAX_CHUNKS = 32  # sink + window slots up to 4096
@@ -53,6 +53,7 @@ CHANNELS_PER_LANE = 8  # one 16-byte load of 16-bit values (a piece)
 REGISTER_SLICE = 64  # fp32 registers of a lane's q (or output) slice of the query rows of a pass
 WARPS = 8
 BAR_MERGE = 1  # named barrier of the merge (all threads)
+SMEM_BUDGET = 227 * 1024  # dynamic shared memory per CTA on sm_90 / sm_100
 
 
 def window_ctas(slots: int) -> int:
@@ -66,23 +67,59 @@ def quantized_tokens(n, sink, window, granule: int):
     return cutlass.max(n - sink - window, Int32(0)) // granule * granule
 
 
+def lane_split(head_dim: int, rows: int) -> tuple[int, int]:
+    """(query rows per pass RG, channels per lane CPL): a lane's slice of RG rows (q, or their
+    outputs) is at most ``REGISTER_SLICE`` fp32 registers; CPL a power of two, so that D/CPL lanes
+    per slot divide a warp (R = 7 gives RG 7, CPL 8: 16 lanes per slot, 2 slots per warp step)."""
+    rg = min(rows, max(1, REGISTER_SLICE // CHANNELS_PER_LANE))
+    per_row = REGISTER_SLICE // rg
+    cpl = min(head_dim, max(CHANNELS_PER_LANE, 1 << (per_row.bit_length() - 1)))
+    return rg, cpl
+
+
+def shared_bytes(head_dim: int, rows: int) -> int:
+    """Shared memory of one CTA (the kernel's SharedStorage, plus alignment padding)."""
+    from ..decode import MAX_SPLITS
+
+    words = rows * CHUNK + 2 * rows + WARPS * rows * head_dim + rows * (MAX_SPLITS + MAX_CHUNKS) + 2 * rows
+    return 2 * CHUNK * head_dim * 2 + 4 * words + 16 + 512
+
+
+def check_sink_window(head_dim: int, gqa_ratio: int, slots: int, sink_window: str = "sink + window + granule") -> None:
+    """Raise a ValueError naming the field if the kernel cannot take ``head_dim`` x ``gqa_ratio`` (its
+    shared memory) or ``slots`` 16-bit slots per (sequence, KV head); launches nothing."""
+    if head_dim not in (64, 128, 256):
+        raise ValueError(f"Scheme.head_dim={head_dim}: the sink + window kernel takes 64, 128 or 256")
+    if not 1 <= gqa_ratio <= 16:
+        raise ValueError(f"Scheme.gqa_ratio={gqa_ratio}: the sink + window kernel takes 1..16")
+    if shared_bytes(head_dim, gqa_ratio) > SMEM_BUDGET:
+        raise ValueError(f"Scheme.head_dim={head_dim} with Scheme.gqa_ratio={gqa_ratio}: the sink + window kernel "
+                         f"needs {shared_bytes(head_dim, gqa_ratio) // 1024} KB of shared memory per CTA, more than "
+                         f"{SMEM_BUDGET // 1024} KB (head_dim 256 takes gqa_ratio <= 11)")
+    if not 1 <= slots <= MAX_CHUNKS * CHUNK:
+        raise ValueError(f"{sink_window} = {slots} 16-bit slots per sequence: the sink + window kernel takes at most "
+                         f"{MAX_CHUNKS * CHUNK}")
+
+
 class SinkWindow:
     """The kernel (see the module docstring). Compile time: head_dim, R query heads per KV head, the
-    16-bit dtype; slots, sink and splits are runtime values."""
+    16-bit dtype; slots, sink and splits are runtime values. :func:`check_sink_window` states its
+    limits before anything launches."""
 
     def __init__(self, head_dim: int, rows: int, dtype):
         from ..decode import MAX_SPLITS
 
-        if head_dim % CHANNELS_PER_LANE or 32 % (head_dim // CHANNELS_PER_LANE):
-            raise ValueError(f"head_dim must be 64, 128 or 256 for the window slots, got {head_dim}")
+        check_sink_window(head_dim, rows, slots=1)
         self.D, self.R = head_dim, rows
         self.dtype = dtype
         self.merger = SplitMerge(head_dim, rows, MAX_SPLITS + MAX_CHUNKS, 32 * WARPS, BAR_MERGE, dtype)
-        self.RG = min(rows, max(1, REGISTER_SLICE // CHANNELS_PER_LANE))  # query rows per pass
-        self.CPL = min(head_dim, max(CHANNELS_PER_LANE, REGISTER_SLICE // self.RG))  # channels per lane
+        self.RG, self.CPL = lane_split(head_dim, rows)  # query rows per pass, channels per lane
         self.LPR = head_dim // self.CPL  # lanes per slot
         self.SPS = 32 // self.LPR  # slots per warp step
         self.PIECES = self.CPL // CHANNELS_PER_LANE  # 16-byte pieces per lane and slot
+        # every channel of a slot read by exactly one lane, every slot of a chunk by one lane group
+        assert self.LPR * self.PIECES * CHANNELS_PER_LANE == head_dim and 32 % self.LPR == 0, (head_dim, rows)
+        assert CHUNK % self.SPS == 0, (head_dim, rows)
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k_win: cute.Pointer, v_win: cute.Pointer, seq_rows: cute.Pointer,
@@ -305,8 +342,6 @@ def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part,
 
     batch, hq, d = q.shape
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
-    if window_ctas(slots) > MAX_CHUNKS:
-        raise ValueError(f"sink + window: at most {MAX_CHUNKS * CHUNK} 16-bit slots, got {slots}")
     dtype = cutlass.BFloat16 if q.dtype == torch.bfloat16 else cutlass.Float16
     gqa = hq // kv_heads
     compiled = cached_compile(("sink_window", d, gqa, dtype, arch), lambda: compile_sink_window(d, gqa, arch, dtype))
