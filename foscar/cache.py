@@ -158,8 +158,8 @@ class PagedKVCache:
         self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64)  # host mirror of lengths
         self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
         self._index_cache: dict[tuple, torch.Tensor] = {}
-        # the decode launch's per-(sequence, KV head) completion counters (foscar.split_merge): zero
-        # between launches, shared by the layers (their launches are ordered on the stream)
+        # the sink + window launch's per-(sequence, KV head) completion counters (foscar.split_merge):
+        # zero between launches, shared by the layers (their launches are ordered on the stream)
         self._counters = torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=dev)
         self._heads = torch.arange(kv_heads, device=dev)
         self._granule_steps = torch.arange(granule, device=dev)

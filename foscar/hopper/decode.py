@@ -18,7 +18,8 @@ from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr
 from ..scheme import Scheme
 from .kernel import DecodeConfig, default_consumers
 
-__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "DEFAULT_ARCH", "default_consumers"]
+__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "DEFAULT_ARCH",
+           "default_consumers"]
 
 DEFAULT_ARCH = "sm_90a"
 

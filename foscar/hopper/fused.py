@@ -63,8 +63,8 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
     ):
         cfg = self.cfg
         SharedStorage = self.shared_storage()
-        self.kernel(self.tiled_mma(), SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows, seq_lengths,
-                    o_part, lse_part, kv_heads, max_pages, num_splits, total, sink, window,
+        self.kernel(self.tiled_mma(), SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
+                    seq_lengths, o_part, lse_part, kv_heads, max_pages, num_splits, total, sink, window,
                     sm_scale * LOG2E).launch(
             grid=(num_splits, kv_heads, batch),
             block=(cfg.threads, 1, 1),

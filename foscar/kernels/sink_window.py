@@ -1,5 +1,5 @@
 """The 16-bit sink + recent-window slots of ``foscar.cache.PagedKVCache``: a light kernel that
-attends them once per KV head and leaves one partial per chunk for the decode launch to merge.
+attends them once per KV head, after the decode launch, and merges its partials with the decode's.
 
 The cache keeps the first ``sink`` tokens of a sequence and its most recent ones in unquantized
 slots of the model's dtype (``[max_seqs, kv_heads, L, D]``, ``L = sink + ring``) and the rest,
@@ -10,11 +10,11 @@ all ``R`` query heads of the KV head (each window byte is read once per KV head,
 head), writes the normalized partial ``(o, lse)`` as ``num_splits + chunk``, and the last of the
 (sequence, KV head)'s chunk CTAs merges all ``total`` into the output (``foscar.split_merge``).
 
-Why a kernel of its own, after the decode: its CTAs are small (256 threads, 34-200 KB of shared
-memory: 84 KB at head_dim 128 with 4 query heads per KV head), so several share an SM and hide each other's load and merge latencies. Inside the decode
-grid every CTA carries the decode ring's ~220 KB: window CTAs there held whole SMs for a few
-microseconds of latency, and the decode CTAs' own merge did too (measured: +sw rows up to 1.6x and
-1.06x slower than this order).
+Why a kernel of its own, after the decode: its CTAs are small (256 threads, 35-226 KB of shared
+memory: 84 KB at head_dim 128 with 4 query heads per KV head), so several share an SM and hide each
+other's load and merge latencies. Inside the decode grid every CTA carries the decode ring's ~220 KB:
+window CTAs there held whole SMs for a few microseconds of latency, and the decode CTAs' own merge did
+too (measured: +sw rows up to 1.6x and 1.06x slower than this order).
 
 Slot ``j`` of a sequence of ``n`` tokens is valid when ``j < sink`` and ``j < n`` (sink), or
 ``j >= sink`` and ``(j - sink - qlen) mod ring < max(n - sink - qlen, 0)`` (the ring of recent
@@ -44,8 +44,8 @@ from ..pipeline import bulk_copy_g2s
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
 
-__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens", "lane_split", "shared_bytes",
-           "check_sink_window", "compile_sink_window", "sink_window_attend"]
+__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens", "lane_split", "shared_storage",
+           "shared_bytes", "check_sink_window", "compile_sink_window", "sink_window_attend"]
 
 CHUNK = 128  # slots per CTA: 64 KB of K + V at head_dim 128
 MAX_CHUNKS = 32  # sink + window slots up to 4096
@@ -77,15 +77,32 @@ def lane_split(head_dim: int, rows: int) -> tuple[int, int]:
     return rg, cpl
 
 
-def shared_bytes(head_dim: int, rows: int) -> int:
-    """Shared memory of one CTA (the kernel's SharedStorage, plus alignment padding)."""
+def shared_storage(head_dim: int, rows: int, dtype=cutlass.BFloat16):
+    """The kernel's shared memory of one CTA (a ``cute.struct``; built from a dict because this
+    module's annotations are strings (PEP 563) outside jit functions)."""
     from ..decode import MAX_SPLITS
 
-    words = rows * CHUNK + 2 * rows + WARPS * rows * head_dim + rows * (MAX_SPLITS + MAX_CHUNKS) + 2 * rows
-    return 2 * CHUNK * head_dim * 2 + 4 * words + 16 + 512
+    merge_words = rows * (MAX_SPLITS + MAX_CHUNKS) + 2 * rows  # SplitMerge.scratch_words
+    fields = {
+        "k": cute.struct.Align[cute.struct.MemRange[dtype, CHUNK * head_dim], 128],  # the chunk's K rows
+        "v": cute.struct.Align[cute.struct.MemRange[dtype, CHUNK * head_dim], 128],
+        "s": cute.struct.Align[cute.struct.MemRange[Float32, rows * CHUNK], 16],  # scores, then P
+        "m": cute.struct.MemRange[Float32, rows],
+        "l": cute.struct.MemRange[Float32, rows],
+        "o": cute.struct.Align[cute.struct.MemRange[Float32, WARPS * rows * head_dim], 16],  # per warp P V
+        "merge": cute.struct.Align[cute.struct.MemRange[Float32, merge_words], 16],
+        "loaded": cute.struct.MemRange[Int64, 1],  # mbarrier of the two bulk copies
+        "last": cute.struct.MemRange[Int32, 1],  # SplitMerge.arrive's answer
+    }
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-def check_sink_window(head_dim: int, gqa_ratio: int, slots: int, sink_window: str = "sink + window + granule") -> None:
+def shared_bytes(head_dim: int, rows: int) -> int:
+    """Bytes of :func:`shared_storage` (what a CTA launches with)."""
+    return shared_storage(head_dim, rows).size_in_bytes()
+
+
+def check_sink_window(head_dim: int, gqa_ratio: int, slots: int, sink_window: str = "sink + window + granule"):
     """Raise a ValueError naming the field if the kernel cannot take ``head_dim`` x ``gqa_ratio`` (its
     shared memory) or ``slots`` 16-bit slots per (sequence, KV head); launches nothing."""
     if head_dim not in (64, 128, 256):
@@ -113,6 +130,7 @@ class SinkWindow:
         self.D, self.R = head_dim, rows
         self.dtype = dtype
         self.merger = SplitMerge(head_dim, rows, MAX_SPLITS + MAX_CHUNKS, 32 * WARPS, BAR_MERGE, dtype)
+        assert self.merger.scratch_words == rows * (MAX_SPLITS + MAX_CHUNKS) + 2 * rows  # shared_storage's merge
         self.RG, self.CPL = lane_split(head_dim, rows)  # query rows per pass, channels per lane
         self.LPR = head_dim // self.CPL  # lanes per slot
         self.SPS = 32 // self.LPR  # slots per warp step
@@ -126,20 +144,8 @@ class SinkWindow:
                  seq_lengths: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer,
                  lse: cute.Pointer, counters: cute.Pointer, batch: Int32, kv_heads: Int32, num_splits: Int32,
                  sink: Int32, ring: Int32, window: Int32, granule: Int32, sm_scale: Float32, stream: cuda.CUstream):
-        D, R = self.D, self.R
-
-        @cute.struct
-        class SharedStorage:
-            k: cute.struct.Align[cute.struct.MemRange[self.dtype, CHUNK * D], 128]  # the chunk's K rows
-            v: cute.struct.Align[cute.struct.MemRange[self.dtype, CHUNK * D], 128]
-            s: cute.struct.Align[cute.struct.MemRange[Float32, R * CHUNK], 16]  # scores, then P
-            m: cute.struct.MemRange[Float32, R]
-            l: cute.struct.MemRange[Float32, R]
-            o: cute.struct.Align[cute.struct.MemRange[Float32, WARPS * R * D], 16]  # per warp P V
-            merge: cute.struct.Align[cute.struct.MemRange[Float32, self.merger.scratch_words], 16]
-            loaded: cute.struct.MemRange[cutlass.Int64, 1]  # mbarrier of the two bulk copies
-            last: cute.struct.MemRange[Int32, 1]  # SplitMerge.arrive's answer
-
+        SharedStorage = shared_storage(self.D, self.R, self.dtype)
+        assert SharedStorage.size_in_bytes() == shared_bytes(self.D, self.R)
         chunks = (sink + ring + CHUNK - 1) // CHUNK
         self.kernel(SharedStorage, q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters,
                     kv_heads, num_splits, chunks, sink, ring, window, granule, sm_scale * LOG2E).launch(
@@ -279,7 +285,8 @@ class SinkWindow:
                 for r in cutlass.range_constexpr(rows):
                     for x in cutlass.range_constexpr(self.PIECES):
                         for e in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                            so[(warp * R + g * RG + r) * D + self.channel(c, x) + e] = acc[r * CPL + x * CHANNELS_PER_LANE + e]
+                            i = r * CPL + x * CHANNELS_PER_LANE + e
+                            so[(warp * R + g * RG + r) * D + self.channel(c, x) + e] = acc[i]
 
     @cute.jit
     def store(self, smem, o_part: cute.Pointer, lse_part: cute.Pointer, q_row0: Int64, split: Int32, total: Int32,
