@@ -18,7 +18,7 @@ from .scheme import Axis, Scheme
 __all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged"]
 
 MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 64  # 128 (one wave on 132 SMs for one KV head) measured 43% slower at 1 x 128K: NOTES section 11
+MAX_SPLITS = 64  # 128 measured 5% faster alone, 7% slower with sink + window at 1 x 128K, 1 KV head: NOTES 14
 CTAS_PER_SM = 1  # the Hopper kernel: producer + 3 consumer warpgroups hold an SM's registers (setmaxnreg)
 SPLIT_OVERHEAD_TOKENS = 256  # per-CTA prologue, ring fill and combine traffic, in tokens of work
 

@@ -20,27 +20,57 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .device import NEG_INF
+from .device import NEG_INF, fsel
 from .softmax import lse_weight, merged_lse
 
-__all__ = ["SplitMerge"]
+__all__ = ["SplitMerge", "PartialSum", "VEC", "BATCH"]
+
+
+VEC = 4  # fp32 channels a thread loads at once (16 bytes)
+BATCH = 8  # partials a thread loads before it uses the first
+
+
+class PartialSum:
+    """The weighted sum at the heart of every split merge (here and ``foscar.kernels.combine``):
+    ``acc[i] += sum_s exp(lse_s - reference) * o[s, VEC*vec + i]`` over partials ``s = first,
+    first + step, ... < count`` of one row. ``BATCH`` partials' loads issue before the first is used
+    (a partial after the last is clamped and masked), so a row's partials cost a few round trips of
+    memory latency, not one per partial; an empty partial (lse -inf) adds 0 whatever its o holds."""
+
+    @cute.jit
+    def accumulate(self, acc: cute.Tensor, o_row: cute.Tensor, lse_row: cute.Tensor, reference: Float32, vec: Int32,
+                   first: Int32, step: Int32, count: Int32):
+        """``acc`` fp32 (VEC,) registers; ``o_row`` fp32 (count, D); ``lse_row`` (count,)."""
+        for base in cutlass.range(first, count, step * BATCH, unroll=1):
+            parts = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(BATCH)]
+            lses = [Float32(NEG_INF)] * BATCH
+            for k in cutlass.range_constexpr(BATCH):
+                s = cutlass.min(base + k * step, count - 1)
+                lses[k] = lse_row[s]
+                # ((VEC), (D / VEC))
+                cute.autovec_copy(cute.zipped_divide(o_row[s, None], (VEC,))[None, vec], parts[k])
+            for k in cutlass.range_constexpr(BATCH):
+                lse_s = fsel(base + k * step < count, lses[k], Float32(NEG_INF))
+                weight = lse_weight(lse_s, reference)
+                for i in cutlass.range_constexpr(VEC):
+                    acc[i] += fsel(lse_s > Float32(NEG_INF), weight * parts[k][i], Float32(0.0))
 
 
 class SplitMerge:
     """Device side, for ``threads`` threads (``threads / 32`` warps) of a CTA that meet at named
     barrier ``barrier_id``: ``arrive`` (am I last?) and ``merge`` (R query rows x D channels of one
-    (sequence, KV head), from at most ``max_partials`` partials each)."""
+    (sequence, KV head), from any number of partials)."""
 
-    def __init__(self, head_dim: int, rows: int, max_partials: int, threads: int, barrier_id: int, out_dtype):
+    def __init__(self, head_dim: int, rows: int, threads: int, barrier_id: int, out_dtype):
         self.D, self.R = head_dim, rows
-        self.max_partials = max_partials
         self.threads = threads
         self.warps = threads // 32
         self.barrier_id = barrier_id
         self.out_dtype = out_dtype
-        # shared scratch of merge (fp32 words): weights [R, max_partials] | row max [R] | row weight sum [R]
-        self.W, self.M, self.L = 0, rows * max_partials, rows * max_partials + rows
-        self.scratch_words = rows * max_partials + 2 * rows
+        # shared scratch of merge (fp32 words): row max [R] | row weight sum [R]
+        self.M, self.L = 0, rows
+        self.scratch_words = 2 * rows
+        self.partial_sum = PartialSum()
 
     def _barrier(self):
         cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=self.threads)
@@ -65,43 +95,45 @@ class SplitMerge:
               lse: cute.Pointer, row0, total: Int32, tc: Int32):
         """``out[row0 + r, d]`` (``out_dtype``) and ``lse[row0 + r]`` from the partials
         ``o_part [.., total, D]`` / ``lse_part [.., total]`` of rows ``row0 .. row0 + R - 1`` (Int64).
-        Three rounds, each a parallel load: every partial's lse (one per thread), each row's weights
-        (a warp per row, in shared memory), then one output element per thread and pass."""
+        Two rounds: each row's max lse and weight sum (a warp per row, its lanes over the partials),
+        then 4 output channels per thread (``PartialSum``: a batch of partials' loads in flight)."""
         cute.arch.fence_acq_rel_gpu()  # acquire: the other CTAs' partials, not stale lines
-        D, R, P = self.D, self.R, self.max_partials
+        D, R = self.D, self.R
         w = cute.make_tensor(cute.recast_ptr(scratch, dtype=Float32), cute.make_layout((self.scratch_words,)))
-        for idx in cutlass.range(tc, R * total, self.threads, unroll=1):
-            w[self.W + (idx // total) * P + idx % total] = at(lse_part, row0 * total + idx)
-        self._barrier()
+        # (R, total, D): the rows' partials; (R, total): their lses
+        o_rows = cute.make_tensor(o_part + row0 * total * D, cute.make_ordered_layout((R, total, D), (2, 1, 0)))
+        lse_rows = cute.make_tensor(lse_part + row0 * total, cute.make_ordered_layout((R, total), (1, 0)))
         warp, lane = tc // 32, tc % 32
         for r in cutlass.range(warp, R, self.warps, unroll=1):
             m = Float32(NEG_INF)
             for s in cutlass.range(lane, total, 32, unroll=1):
-                m = cute.arch.fmax(m, w[self.W + r * P + s])
+                m = cute.arch.fmax(m, lse_rows[r, s])
             m = cute.arch.warp_reduction_max(m)
             weights = Float32(0.0)
-            for s in cutlass.range(lane, total, 32, unroll=1):
-                lse_s = w[self.W + r * P + s]  # an empty partial (-inf) weighs 0 and its o is not read
-                ws = cutlass.select_(lse_s > Float32(NEG_INF), lse_weight(lse_s, m), Float32(0.0))
-                w[self.W + r * P + s] = ws
-                weights = weights + ws
-            weights = cute.arch.warp_reduction_sum(weights)
+            if m > Float32(NEG_INF):
+                for s in cutlass.range(lane, total, 32, unroll=1):
+                    weights = weights + lse_weight(lse_rows[r, s], m)  # 0 for an empty partial
+                weights = cute.arch.warp_reduction_sum(weights)
             if lane == 0:
                 w[self.M + r] = m
                 w[self.L + r] = weights
         self._barrier()
-        for el in cutlass.range(tc, R * D, self.threads, unroll=1):
-            r = el // D
-            d = el % D
-            acc = Float32(0.0)
-            for s in cutlass.range(total, unroll=4):
-                ws = w[self.W + r * P + s]
-                o_s = at(o_part, ((row0 + r) * total + s) * D + d)
-                acc = acc + ws * cutlass.select_(ws > Float32(0.0), o_s, Float32(0.0))
+        vecs = D // VEC
+        # (R * D,): the outputs
+        out_rows = cute.make_tensor(out + row0 * D, cute.make_layout((R * D,)))
+        for unit in cutlass.range(tc, R * vecs, self.threads, unroll=1):
+            r, vec = unit // vecs, unit % vecs
+            acc = cute.make_rmem_tensor((VEC,), Float32)
+            acc.fill(0.0)
+            self.partial_sum.accumulate(acc, o_rows[r, None, None], lse_rows[r, None], w[self.M + r], vec, 0, 1,
+                                        total)
             weights = w[self.L + r]
-            inv = cutlass.select_(weights > Float32(0.0), cute.arch.rcp_approx(weights), Float32(0.0))
-            store(out, (row0 + r) * D + d, (acc * inv).to(self.out_dtype))
-            if d == 0:
+            inv = fsel(weights > Float32(0.0), cute.arch.rcp_approx(weights), Float32(0.0))
+            result = cute.make_rmem_tensor((VEC,), self.out_dtype)
+            result.store((acc.load() * inv).to(self.out_dtype))
+            # ((VEC), (R * D / VEC))
+            cute.autovec_copy(result, cute.zipped_divide(out_rows, (VEC,))[None, unit])
+            if vec == 0:
                 store(lse, row0 + r, merged_lse(w[self.M + r], weights))
 
 

@@ -23,19 +23,23 @@ import cutlass
 import cutlass.cute as cute
 
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
+from ..device import fsel
 from ..softmax import lse_weight, merged_lse
+from ..split_merge import VEC, PartialSum
 
 __all__ = ["Combine", "compile_combine", "combine_splits"]
 
-WARPS = 4  # rows (sequence, query head) per CTA: one warp each
+THREADS = 256
 
 
 class Combine:
-    """One warp per (sequence, query head) row; lane ``i`` owns channels ``[i*D/32, (i+1)*D/32)``.
+    """One CTA per (sequence, query head) row. Thread ``t`` owns channels ``[4v, 4v + 4)`` (``v = t %
+    (D/4)``) of splits ``g, g + G, ...`` (``g = t // (D/4)``, ``G = threads / (D/4)`` split groups), so
+    a row's partials are read by all its threads at once, a few independent loads each, not split
+    after split (64 splits of 128 channels were 64 dependent round trips of one warp).
 
-    Pass 1 (lanes stride over splits, then warp reductions): the max and the sum of
-    ``exp(lse_s - max)``, hence ``lse``. Pass 2 (all lanes walk every split): accumulate
-    ``exp(lse_s - lse) * o_s`` with one vector load per lane per split.
+    Pass 1 (every warp, redundantly): the row's max lse and the sum of ``exp(lse_s - max)``. Pass 2:
+    each thread's weighted sum over its splits; the groups' sums meet in shared memory.
     """
 
     def __init__(self, head_dim: int, out_dtype=cutlass.BFloat16):
@@ -43,7 +47,10 @@ class Combine:
             raise ValueError(f"head_dim must be a multiple of 32, got {head_dim}")
         self.head_dim = head_dim
         self.out_dtype = out_dtype
-        self.per_lane = head_dim // 32
+        self.vecs = head_dim // VEC  # threads per split group
+        self.groups = max(1, THREADS // self.vecs)
+        self.threads = self.groups * self.vecs
+        self.partial_sum = PartialSum()
 
     @cute.jit
     def __call__(
@@ -67,57 +74,50 @@ class Combine:
         mO = cute.make_tensor(o, cute.make_ordered_layout((rows, D), (1, 0)))
         # (rows,)
         mL = cute.make_tensor(lse, cute.make_layout(rows))
-        self.kernel(mOp, mLp, mO, mL, rows, splits).launch(
-            grid=[(rows + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream
-        )
+        self.kernel(mOp, mLp, mO, mL, splits).launch(grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(
-        self,
-        mOp: cute.Tensor,
-        mLp: cute.Tensor,
-        mO: cute.Tensor,
-        mL: cute.Tensor,
-        rows: cutlass.Int32,
-        splits: cutlass.Int32,
-    ):
+    def kernel(self, mOp: cute.Tensor, mLp: cute.Tensor, mO: cute.Tensor, mL: cute.Tensor, splits: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
+        row, _, _ = cute.arch.block_idx()
         lane = tidx % 32
-        row = bidx * WARPS + tidx // 32
-        if row < rows:
-            neg_inf = cutlass.Float32(-math.inf)
-            # ---- pass 1: lse over splits ----------------------------------------------------
-            m = neg_inf
-            for s in cutlass.range(lane, splits, 32, unroll=1):
-                m = cute.arch.fmax(m, mLp[row, s])
-            m = cute.arch.warp_reduction_max(m)
-            row_lse = neg_inf
-            if m > neg_inf:
-                total = cutlass.Float32(0.0)
-                for s in cutlass.range(lane, splits, 32, unroll=1):
-                    total += lse_weight(mLp[row, s], m)
-                total = cute.arch.warp_reduction_sum(total)
-                row_lse = merged_lse(m, total)
+        group, vec = tidx // self.vecs, tidx % self.vecs
+        # (groups, D): each split group's weighted sums
+        sSums = cutlass.memory.SmemAllocator().allocate_tensor(
+            cutlass.Float32, cute.make_ordered_layout((self.groups, self.head_dim), (1, 0)), byte_alignment=16)
+        neg_inf = cutlass.Float32(-math.inf)
 
-            # ---- pass 2: weighted sum of the partial outputs ---------------------------------
-            acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
-            acc.fill(0.0)
-            part = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
-            for s in cutlass.range(splits, unroll=1):
-                split_lse = mLp[row, s]
-                if split_lse > neg_inf:
-                    weight = lse_weight(split_lse, row_lse)
-                    # ((per_lane), (32))
-                    cute.autovec_copy(cute.zipped_divide(mOp[row, s, None], (self.per_lane,))[None, lane], part)
-                    for i in cutlass.range_constexpr(self.per_lane):
-                        acc[i] += weight * part[i]
-            out = cute.make_rmem_tensor((self.per_lane,), self.out_dtype)
-            out.store(acc.load().to(self.out_dtype))
-            # ((per_lane), (32))
-            cute.autovec_copy(out, cute.zipped_divide(mO[row, None], (self.per_lane,))[None, lane])
-            if lane == 0:
-                mL[row] = row_lse
+        # ---- pass 1: the row's lse (each warp computes it; the lse row is a few L1 lines) ----
+        m = neg_inf
+        for s in cutlass.range(lane, splits, 32, unroll=1):
+            m = cute.arch.fmax(m, mLp[row, s])
+        m = cute.arch.warp_reduction_max(m)
+        total = cutlass.Float32(0.0)
+        if m > neg_inf:
+            for s in cutlass.range(lane, splits, 32, unroll=1):
+                total += lse_weight(mLp[row, s], m)  # 0 for an empty split
+            total = cute.arch.warp_reduction_sum(total)
+
+        # ---- pass 2: this thread's splits, a batch of loads at a time ----
+        acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+        acc.fill(0.0)
+        self.partial_sum.accumulate(acc, mOp[row, None, None], mLp[row, None], m, vec, group, self.groups, splits)
+        for i in cutlass.range_constexpr(VEC):
+            sSums[group, vec * VEC + i] = acc[i]
+        cute.arch.sync_threads()
+
+        if group == 0:
+            inv = fsel(total > cutlass.Float32(0.0), cute.arch.rcp_approx(total), cutlass.Float32(0.0))
+            for i in cutlass.range_constexpr(VEC):
+                acc[i] = sSums[0, vec * VEC + i]
+                for g in cutlass.range_constexpr(1, self.groups):
+                    acc[i] += sSums[g, vec * VEC + i]
+            out = cute.make_rmem_tensor((VEC,), self.out_dtype)
+            out.store((acc.load() * inv).to(self.out_dtype))
+            # ((VEC), (D / VEC))
+            cute.autovec_copy(out, cute.zipped_divide(mO[row, None], (VEC,))[None, vec])
+            if vec == 0:
+                mL[row] = merged_lse(m, total)
 
 
 def compile_combine(head_dim: int, arch: str = "sm_90a", out_dtype=cutlass.BFloat16):

@@ -80,9 +80,7 @@ def lane_split(head_dim: int, rows: int) -> tuple[int, int]:
 def shared_storage(head_dim: int, rows: int, dtype=cutlass.BFloat16):
     """The kernel's shared memory of one CTA (a ``cute.struct``; built from a dict because this
     module's annotations are strings (PEP 563) outside jit functions)."""
-    from ..decode import MAX_SPLITS
-
-    merge_words = rows * (MAX_SPLITS + MAX_CHUNKS) + 2 * rows  # SplitMerge.scratch_words
+    merge_words = 2 * rows  # SplitMerge.scratch_words
     fields = {
         "k": cute.struct.Align[cute.struct.MemRange[dtype, CHUNK * head_dim], 128],  # the chunk's K rows
         "v": cute.struct.Align[cute.struct.MemRange[dtype, CHUNK * head_dim], 128],
@@ -124,13 +122,11 @@ class SinkWindow:
     limits before anything launches."""
 
     def __init__(self, head_dim: int, rows: int, dtype):
-        from ..decode import MAX_SPLITS
-
         check_sink_window(head_dim, rows, slots=1)
         self.D, self.R = head_dim, rows
         self.dtype = dtype
-        self.merger = SplitMerge(head_dim, rows, MAX_SPLITS + MAX_CHUNKS, 32 * WARPS, BAR_MERGE, dtype)
-        assert self.merger.scratch_words == rows * (MAX_SPLITS + MAX_CHUNKS) + 2 * rows  # shared_storage's merge
+        self.merger = SplitMerge(head_dim, rows, 32 * WARPS, BAR_MERGE, dtype)
+        assert self.merger.scratch_words == 2 * rows  # shared_storage's merge
         self.RG, self.CPL = lane_split(head_dim, rows)  # query rows per pass, channels per lane
         self.LPR = head_dim // self.CPL  # lanes per slot
         self.SPS = 32 // self.LPR  # slots per warp step
