@@ -64,6 +64,13 @@ def pack_f16x2(lo, hi, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def pack_bf16x2(lo, hi, *, loc=None, ip=None):
+    """Int32 bf16x2 (round to nearest) of two fp32: ``lo`` in bits 0..15, ``hi`` in bits 16..31."""
+    return Int32(inline_ptx(T.i32(), [Float32(hi), Float32(lo)], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", False, loc,
+                            ip))
+
+
+@dsl_user_op
 def movmatrix_trans(x, *, loc=None, ip=None):
     """Transpose an 8x8 b16 matrix held as one register per lane in the mma fragment layout (lane
     4*r + c holds row r, columns 2c, 2c+1): afterwards lane 4*r + c holds column r, rows 2c, 2c+1.

@@ -2,8 +2,9 @@
 16-bit sink/window chunks and the in-launch merge) against the float64 attention over what the cache
 holds (``PagedKVCache.dense``), every element, tolerance 2x a BF16 torch computation's error.
 Ragged lengths cover every part boundary: inside the sink, inside the first window, one granule
-quantized, long; sequence ids out of order; one split and many; GQA 1..16 (powers of two and 3, 5,
-6, 7: every lane split of the window kernel), head_dim 64/128/256, FP16, rotation, mixed widths."""
+quantized, long; sequence ids out of order; one split and many; GQA 1..16 (one and two n8 blocks of
+query columns in the window kernel's MMAs, and ratios that fill neither), head_dim 64/128/256, FP16,
+rotation, mixed widths."""
 
 import math
 
@@ -39,7 +40,8 @@ CASES = [  # (scheme, page_size, max_seq_len, kv_heads, rotate)
     (Scheme.make(2, "channel", 128, "token", 128, 128, 5), 128, 8192, 2, False),
     (Scheme.make(4, "token", 64, "token", 64, 64, 3), 128, 8192, 2, False),
     (Scheme.make(2, "token", 128, "token", 128, 256, 6), 128, 8192, 1, False),
-    (Scheme.make(4, "token", 128, "token", 128, 256, 11), 128, 8192, 1, False),  # the most shared memory taken
+    (Scheme.make(4, "token", 128, "token", 128, 256, 11), 128, 8192, 1, False),
+    (Scheme.make(2, "token", 128, "token", 128, 256, 16), 128, 8192, 2, False),  # the most shared memory taken
 ]
 
 

@@ -60,35 +60,35 @@ def test_combine_compiles(arch):
 
 @pytest.mark.sass
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("head_dim,gqa", [(128, 4), (128, 16), (64, 1), (256, 2)])
+@pytest.mark.parametrize("head_dim,gqa", [(128, 4), (128, 16), (64, 1), (256, 2), (256, 16), (128, 7)])
 def test_sink_window_compiles(head_dim, gqa, arch):
-    """The 16-bit sink + window kernel (PagedKVCache's second launch): two bulk copies per chunk,
-    q in registers (no shared q), the counting atomic and fences of the in-launch merge, no spills."""
+    """The 16-bit sink + window kernel (PagedKVCache's second launch): 16-byte loads of the K and V
+    rows (no bulk copies: one per row made the TMA engine the bottleneck), Tensor Cores for S^T and O^T (D/16 MMAs each per n8 block of query columns), movmatrix for V^T and
+    P^T, the counting atomic and fences of the in-launch merge, no spills."""
     import cutlass
 
     from foscar.kernels.sink_window import compile_sink_window
 
     art = artifacts(compile_sink_window(head_dim, gqa, arch, cutlass.BFloat16))
     assert art.arch == arch and re.search(rf"^\.target {arch}$", art.ptx, re.M)
-    assert art.ptx.count("cp.async.bulk.shared::cluster.global") == 2  # K and V rows of the chunk
+    assert "cp.async.bulk" not in art.ptx and "ld.global.v4.b32" in art.ptx
+    n_blocks = 1 if gqa <= 8 else 2
+    assert art.ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * (head_dim // 16) * n_blocks
+    assert art.ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") == 4 * (head_dim // 16) + 2 * n_blocks
     assert "atom.global.acq_rel.add.u32" in art.ptx  # the count (gpu scope: atom's default)
     assert art.ptx.count("fence.acq_rel.gpu") == 2  # release before the count, acquire before the merge
     _no_local_memory(art)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_sink_window_lane_split_covers_every_channel_and_slot(head_dim):
-    """For every GQA ratio the kernel takes: lanes per slot divide a warp, the lanes' 16-byte pieces
-    cover the row once, a warp step's slots divide the chunk, a lane's slice of a pass is <= 64
-    registers (gqa 3, 5, 6, 7 once gave a split that skipped channels and slots)."""
-    from foscar.kernels.sink_window import CHUNK, REGISTER_SLICE, lane_split
+def test_sink_window_shared_rows_are_conflict_free():
+    """The padded K / V rows: the 8 rows of a fragment quarter (lanes 4g + tq read 32-bit word tq of
+    row g) fall on 32 distinct banks at every head_dim."""
+    from foscar.kernels.sink_window import ROW_PAD
 
-    for gqa in range(1, 17):
-        rows_per_pass, channels = lane_split(head_dim, gqa)
-        lanes = head_dim // channels
-        assert channels & (channels - 1) == 0 and channels % 8 == 0 and head_dim % channels == 0, (gqa, channels)
-        assert 32 % lanes == 0 and CHUNK % (32 // lanes) == 0, (gqa, lanes)
-        assert rows_per_pass * channels <= REGISTER_SLICE or channels == 8, (gqa, rows_per_pass, channels)
+    for head_dim in (64, 128, 256):
+        words_per_row = (head_dim + ROW_PAD) // 2
+        banks = {(g * words_per_row + tq) % 32 for g in range(8) for tq in range(4)}
+        assert len(banks) == 32, head_dim
 
 
 def test_sink_window_limits_name_the_field():
@@ -96,10 +96,11 @@ def test_sink_window_limits_name_the_field():
     when built with kernels), naming the Scheme field or the cache's sink / window."""
     from foscar.kernels.sink_window import check_sink_window, shared_bytes
 
-    check_sink_window(256, 11, 448)  # the largest head_dim 256 takes
-    assert shared_bytes(256, 11) <= 227 * 1024
-    with pytest.raises(ValueError, match="Scheme.head_dim=256 with Scheme.gqa_ratio=12"):
-        check_sink_window(256, 12, 448)
+    for head_dim in (64, 128, 256):
+        check_sink_window(head_dim, 16, 448)  # every head_dim with the most query heads per KV head
+        assert shared_bytes(head_dim, 16) <= 227 * 1024
+    with pytest.raises(ValueError, match="Scheme.gqa_ratio=17"):
+        check_sink_window(128, 17, 448)
     with pytest.raises(ValueError, match="Scheme.head_dim=96"):
         check_sink_window(96, 4, 448)
     with pytest.raises(ValueError, match=r"sink \+ window \+ granule \(64 \+ 4096 \+ 64\) = 4224"):

@@ -10,26 +10,27 @@ all ``R`` query heads of the KV head (each window byte is read once per KV head,
 head), writes the normalized partial ``(o, lse)`` as ``num_splits + chunk``, and the last of the
 (sequence, KV head)'s chunk CTAs merges all ``total`` into the output (``foscar.split_merge``).
 
-Why a kernel of its own, after the decode: its CTAs are small (256 threads, 35-226 KB of shared
-memory: 84 KB at head_dim 128 with 4 query heads per KV head), so several share an SM and hide each
-other's load and merge latencies. Inside the decode grid every CTA carries the decode ring's ~220 KB:
-window CTAs there held whole SMs for a few microseconds of latency, and the decode CTAs' own merge did
-too (measured: +sw rows up to 1.6x and 1.06x slower than this order).
+Why a kernel of its own, after the decode: its CTAs are small (256 threads, 40-155 KB of shared
+memory), so several share an SM and hide each other's load and merge latencies. Inside the decode
+grid every CTA carries the decode ring's ~220 KB: window CTAs there held whole SMs for a few
+microseconds of latency (measured: +sw rows up to 1.6x slower).
 
 Slot ``j`` of a sequence of ``n`` tokens is valid when ``j < sink`` and ``j < n`` (sink), or
 ``j >= sink`` and ``(j - sink - qlen) mod ring < max(n - sink - qlen, 0)`` (the ring of recent
 tokens, ``foscar.cache``).
 
-One thread issues two bulk copies (TMA engine) of the chunk's K and V rows into shared memory;
-then SIMT FP32 with ``WARPS`` warps. A warp step covers ``SPS = 32 / LPR`` slots with ``LPR`` lanes
-per slot and ``CPL`` channels per lane (16-byte pieces ``c, c + LPR, ...`` of the row for lane
-``c``: a quarter-warp reads 128 contiguous bytes, no bank conflict). ``CPL`` is chosen so that a
-lane's slice of ``RG`` query rows (scaled q, in registers) or of their outputs is 64 fp32
-registers: few lanes per slot, so few shuffles per score (measured: with q in shared memory and 8
-channels per lane the kernel was bound by shared-memory issue, 2.4 cycles per instruction).
-Scores -> ``S [R, CHUNK]`` in shared memory; one warp per query row turns its scores into
-``P = exp2(S - max)`` and the row sum; ``O = P V`` with the same slot/lane split, reduced over a
-step's slots by shuffles and over the warps in shared memory.
+Tensor Cores, swap-AB as in the decode kernel (``mma.sync.m16n8k16``, the window's 16-bit type in,
+FP32 accumulate; ``foscar.hopper.mma.WarpMma``): warp ``w`` owns slots ``16w .. 16w + 15`` of the chunk,
+
+    S^T [16 slots    x N] = K   [16 slots x 16 ch]    . Q^T [16 ch x N]      (D/16 k16 blocks)
+    O^T [16 channels x N] = V^T [16 ch x 16 slots]    . P^T [16 slots x N]   (D/16 m16 blocks)
+
+with N = R padded to 8 or 16 query columns. The chunk's K and V rows come in by 16-byte loads of all
+threads into shared rows padded by 16 bytes, so the 8 rows of an 8x8 fragment quarter sit on distinct
+banks and every fragment register is one conflict-free 32-bit shared load; V^T's quarters are
+transposed in registers (``movmatrix``), and so is P from the S^T accumulator into P^T. The
+softmax max and sum of a query column meet across the warps in shared memory; the warps' P V
+partial sums meet there too, over the K and V rows once every warp is done with them.
 """
 
 from __future__ import annotations
@@ -38,20 +39,20 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import warp as warp_mma
 
-from ..device import LOG2E, NEG_INF, fsel
-from ..pipeline import bulk_copy_g2s
+from ..device import LOG2E, NEG_INF, fsel, movmatrix_trans, pack_bf16x2, pack_f16x2, reduce_over_rows
+from ..hopper.mma import WarpMma
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
 
-__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens", "lane_split", "shared_storage",
+__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens", "shared_storage",
            "shared_bytes", "check_sink_window", "compile_sink_window", "sink_window_attend"]
 
-CHUNK = 128  # slots per CTA: 64 KB of K + V at head_dim 128
+CHUNK = 128  # slots per CTA: 16 per warp
 MAX_CHUNKS = 32  # sink + window slots up to 4096
-CHANNELS_PER_LANE = 8  # one 16-byte load of 16-bit values (a piece)
-REGISTER_SLICE = 64  # fp32 registers of a lane's q (or output) slice of the query rows of a pass
 WARPS = 8
+ROW_PAD = 8  # 16-bit elements of padding per shared K / V row (16 bytes: rows 4 banks apart)
 BAR_MERGE = 1  # named barrier of the merge (all threads)
 SMEM_BUDGET = 227 * 1024  # dynamic shared memory per CTA on sm_90 / sm_100
 
@@ -67,29 +68,22 @@ def quantized_tokens(n, sink, window, granule: int):
     return cutlass.max(n - sink - window, Int32(0)) // granule * granule
 
 
-def lane_split(head_dim: int, rows: int) -> tuple[int, int]:
-    """(query rows per pass RG, channels per lane CPL): a lane's slice of RG rows (q, or their
-    outputs) is at most ``REGISTER_SLICE`` fp32 registers; CPL a power of two, so that D/CPL lanes
-    per slot divide a warp (R = 7 gives RG 7, CPL 8: 16 lanes per slot, 2 slots per warp step)."""
-    rg = min(rows, max(1, REGISTER_SLICE // CHANNELS_PER_LANE))
-    per_row = REGISTER_SLICE // rg
-    cpl = min(head_dim, max(CHANNELS_PER_LANE, 1 << (per_row.bit_length() - 1)))
-    return rg, cpl
+def query_columns(rows: int) -> int:
+    """N: the R query rows padded to whole n8 blocks."""
+    return 8 if rows <= 8 else 16
 
 
 def shared_storage(head_dim: int, rows: int, dtype=cutlass.BFloat16):
     """The kernel's shared memory of one CTA (a ``cute.struct``; built from a dict because this
     module's annotations are strings (PEP 563) outside jit functions)."""
-    merge_words = 2 * rows  # SplitMerge.scratch_words
+    n = query_columns(rows)
     fields = {
-        "k": cute.struct.Align[cute.struct.MemRange[dtype, CHUNK * head_dim], 128],  # the chunk's K rows
-        "v": cute.struct.Align[cute.struct.MemRange[dtype, CHUNK * head_dim], 128],
-        "s": cute.struct.Align[cute.struct.MemRange[Float32, rows * CHUNK], 16],  # scores, then P
-        "m": cute.struct.MemRange[Float32, rows],
-        "l": cute.struct.MemRange[Float32, rows],
-        "o": cute.struct.Align[cute.struct.MemRange[Float32, WARPS * rows * head_dim], 16],  # per warp P V
-        "merge": cute.struct.Align[cute.struct.MemRange[Float32, merge_words], 16],
-        "loaded": cute.struct.MemRange[Int64, 1],  # mbarrier of the two bulk copies
+        "k": cute.struct.Align[cute.struct.MemRange[dtype, CHUNK * (head_dim + ROW_PAD)], 128],  # padded rows
+        "v": cute.struct.Align[cute.struct.MemRange[dtype, CHUNK * (head_dim + ROW_PAD)], 128],
+        "col_max": cute.struct.MemRange[Float32, WARPS * n],  # per warp and query column
+        "col_sum": cute.struct.MemRange[Float32, WARPS * n],
+        "m": cute.struct.MemRange[Float32, rows],  # the chunk's max score per query row
+        "merge": cute.struct.Align[cute.struct.MemRange[Float32, 2 * rows], 16],  # SplitMerge.scratch_words
         "last": cute.struct.MemRange[Int32, 1],  # SplitMerge.arrive's answer
     }
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -101,8 +95,8 @@ def shared_bytes(head_dim: int, rows: int) -> int:
 
 
 def check_sink_window(head_dim: int, gqa_ratio: int, slots: int, sink_window: str = "sink + window + granule"):
-    """Raise a ValueError naming the field if the kernel cannot take ``head_dim`` x ``gqa_ratio`` (its
-    shared memory) or ``slots`` 16-bit slots per (sequence, KV head); launches nothing."""
+    """Raise a ValueError naming the field if the kernel cannot take ``head_dim`` x ``gqa_ratio`` or
+    ``slots`` 16-bit slots per (sequence, KV head); launches nothing."""
     if head_dim not in (64, 128, 256):
         raise ValueError(f"Scheme.head_dim={head_dim}: the sink + window kernel takes 64, 128 or 256")
     if not 1 <= gqa_ratio <= 16:
@@ -110,7 +104,7 @@ def check_sink_window(head_dim: int, gqa_ratio: int, slots: int, sink_window: st
     if shared_bytes(head_dim, gqa_ratio) > SMEM_BUDGET:
         raise ValueError(f"Scheme.head_dim={head_dim} with Scheme.gqa_ratio={gqa_ratio}: the sink + window kernel "
                          f"needs {shared_bytes(head_dim, gqa_ratio) // 1024} KB of shared memory per CTA, more than "
-                         f"{SMEM_BUDGET // 1024} KB (head_dim 256 takes gqa_ratio <= 11)")
+                         f"{SMEM_BUDGET // 1024} KB")
     if not 1 <= slots <= MAX_CHUNKS * CHUNK:
         raise ValueError(f"{sink_window} = {slots} 16-bit slots per sequence: the sink + window kernel takes at most "
                          f"{MAX_CHUNKS * CHUNK}")
@@ -124,16 +118,19 @@ class SinkWindow:
     def __init__(self, head_dim: int, rows: int, dtype):
         check_sink_window(head_dim, rows, slots=1)
         self.D, self.R = head_dim, rows
+        self.PD = head_dim + ROW_PAD  # elements per shared K / V row
+        self.N = query_columns(rows)
+        self.NB = self.N // 8
         self.dtype = dtype
+        self.pack = pack_bf16x2 if dtype is cutlass.BFloat16 else pack_f16x2
         self.merger = SplitMerge(head_dim, rows, 32 * WARPS, BAR_MERGE, dtype)
+        # the warps' outputs fit over the K and V rows: 32 R D <= 512 (D + 8) bytes for R <= 16
+        assert WARPS * rows * head_dim * 4 <= 2 * CHUNK * self.PD * 2, (head_dim, rows)
         assert self.merger.scratch_words == 2 * rows  # shared_storage's merge
-        self.RG, self.CPL = lane_split(head_dim, rows)  # query rows per pass, channels per lane
-        self.LPR = head_dim // self.CPL  # lanes per slot
-        self.SPS = 32 // self.LPR  # slots per warp step
-        self.PIECES = self.CPL // CHANNELS_PER_LANE  # 16-byte pieces per lane and slot
-        # every channel of a slot read by exactly one lane, every slot of a chunk by one lane group
-        assert self.LPR * self.PIECES * CHANNELS_PER_LANE == head_dim and 32 % self.LPR == 0, (head_dim, rows)
-        assert CHUNK % self.SPS == 0, (head_dim, rows)
+
+    def tiled_mma(self):
+        """One warp, m16 x n8 x k16, the window's 16-bit operands, FP32 accumulators: both GEMMs."""
+        return cute.make_tiled_mma(warp_mma.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k_win: cute.Pointer, v_win: cute.Pointer, seq_rows: cute.Pointer,
@@ -153,7 +150,7 @@ class SinkWindow:
                seq_rows: cute.Pointer, seq_lengths: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer,
                out: cute.Pointer, lse: cute.Pointer, counters: cute.Pointer, kv_heads: Int32, num_splits: Int32,
                chunks: Int32, sink: Int32, ring: Int32, window: Int32, granule: Int32, scale_log2: Float32):
-        D, R = self.D, self.R
+        D = self.D
         tidx, _, _ = cute.arch.thread_idx()
         chunk, h, b = cute.arch.block_idx()
         warp, lane = cute.arch.make_warp_uniform(tidx // 32), tidx % 32
@@ -161,28 +158,22 @@ class SinkWindow:
         row = cute.make_tensor(seq_rows + b, cute.make_layout((1,)))[0]  # the sequence's row (Int64)
         n = Int32(cute.make_tensor(seq_lengths + row, cute.make_layout((1,)))[0])
         qlen = quantized_tokens(n, sink, window, granule)
-        slots = sink + ring
         j0 = chunk * CHUNK
-        loaded = smem.loaded.data_ptr()
-        if tidx == 0:
-            cute.arch.mbarrier_init(loaded, 1)
-            cute.arch.mbarrier_init_fence()
-            nbytes = cutlass.min(CHUNK, slots - j0) * D * 2
-            first = ((row * kv_heads + h) * slots + j0) * D  # element of the chunk's first slot
-            cute.arch.mbarrier_arrive_and_expect_tx(loaded, 2 * nbytes)
-            bulk_copy_g2s(smem.k.data_ptr(), k_win + first, nbytes, loaded)
-            bulk_copy_g2s(smem.v.data_ptr(), v_win + first, nbytes, loaded)
-        q_row0 = (b * kv_heads + h).to(Int64) * R  # first query row of the KV head
-        sv = smem.v.get_tensor(cute.make_layout((CHUNK * D,)))
-        for el in cutlass.range(cutlass.min(CHUNK, slots - j0) * D + tidx, CHUNK * D, 32 * WARPS, unroll=1):
-            sv[el] = self.dtype(0.0)  # rows past the sequence's slots are not copied: P V must not see NaN there
-        cute.arch.sync_threads()  # the mbarrier initialized, the V tail zeroed
-        cute.arch.mbarrier_wait(loaded, 0)
-        self.scores(smem, q, q_row0, scale_log2, j0, n, qlen, sink, ring, warp, lane)
-        cute.arch.sync_threads()
-        self.softmax(smem, warp, lane)
-        cute.arch.sync_threads()
-        self.weighted_values(smem, warp, lane)
+        rows_in = cutlass.min(CHUNK, sink + ring - j0)  # the chunk's slots in the cache
+        self.load_chunk(smem, k_win, v_win, ((row * kv_heads + h) * (sink + ring) + j0) * D, rows_in, tidx)
+        cute.arch.sync_threads()  # the chunk's rows in shared memory
+
+        mma = WarpMma(self.tiled_mma(), lane, self.NB)
+        q_row0 = (b * kv_heads + h).to(Int64) * self.R  # first query row of the KV head
+        slot = j0 + 16 * warp + mma.g  # this lane's accumulator rows: slots slot and slot + 8
+        recent = cutlass.max(n - sink - qlen, Int32(0))
+        valid = (self.slot_valid(slot, n, qlen, sink, ring, recent), self.slot_valid(slot + 8, n, qlen, sink, ring, recent))
+        s = self.scores(smem, mma, q, q_row0, scale_log2, valid, warp)
+        m = self.column_max(smem, mma, s, warp)
+        p_t = self.probabilities(smem, mma, s, m, warp)
+        o_t = self.weighted_values(mma, smem, p_t, warp)
+        cute.arch.sync_threads()  # every warp done with K and V: their rows take the warps' outputs
+        self.stash(smem, mma, o_t, warp)
         cute.arch.sync_threads()
         total = num_splits + chunks
         self.store(smem, o_part, lse_part, q_row0, num_splits + chunk, total, tidx)
@@ -190,114 +181,178 @@ class SinkWindow:
             self.merger.merge(smem.merge.data_ptr(), o_part, lse_part, out, lse, q_row0, total, tidx)
 
     @cute.jit
-    def scores(self, smem, q: cute.Pointer, q_row0: Int64, scale_log2: Float32, j0: Int32, n: Int32, qlen: Int32,
-               sink: Int32, ring: Int32, warp: Int32, lane: Int32):
-        """``S[r, j] = q_r . k_j`` (log2 domain), -inf for slots that hold no token."""
-        D, R, RG, CPL = self.D, self.R, self.RG, self.CPL
-        ss = smem.s.get_tensor(cute.make_layout((R * CHUNK,)))
-        c = lane % self.LPR
-        recent = cutlass.max(n - sink - qlen, Int32(0))
-        for g in cutlass.range_constexpr(-(-R // RG)):
-            rows = min(RG, R - g * RG)
-            qr = cute.make_rmem_tensor((rows * CPL,), Float32)  # the lane's channels of the pass's rows
-            for r in cutlass.range_constexpr(rows):
-                for x in cutlass.range_constexpr(self.PIECES):
-                    piece = load_channels(q, (q_row0 + g * RG + r) * D + self.channel(c, x), self.dtype)
-                    for e in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        qr[r * CPL + x * CHANNELS_PER_LANE + e] = piece[e] * scale_log2
-            for step in cutlass.range(warp, CHUNK // self.SPS, WARPS, unroll=1):
-                jl = step * self.SPS + lane // self.LPR  # slot within the chunk
-                j = j0 + jl
-                rel = (j - sink - qlen) % ring
-                rel = rel + fsel_i32(rel < 0, ring, 0)  # floor mod
-                valid = (j < sink + ring) & cutlass.select_(j < sink, j < n, rel < recent)
-                dots = cute.make_rmem_tensor((rows,), Float32)
-                dots.fill(0.0)
-                for x in cutlass.range_constexpr(self.PIECES):
-                    k = load_channels(smem.k.data_ptr(), jl * D + self.channel(c, x), self.dtype)
-                    for r in cutlass.range_constexpr(rows):
-                        for e in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                            dots[r] = dots[r] + qr[r * CPL + x * CHANNELS_PER_LANE + e] * k[e]
-                for r in cutlass.range_constexpr(rows):
-                    dot = dots[r]
-                    for offset in [1 << y for y in range(self.LPR.bit_length() - 1)]:  # over the slot's lanes
-                        dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=offset)
-                    if c == 0:
-                        ss[(g * RG + r) * CHUNK + jl] = fsel(valid, dot, Float32(NEG_INF))
-
-    def channel(self, c, x: int):
-        """First channel of piece ``x`` of slot lane ``c`` (the pieces interleave over the lanes)."""
-        return CHANNELS_PER_LANE * (c + self.LPR * x)
+    def load_chunk(self, smem, k_win: cute.Pointer, v_win: cute.Pointer, first, rows_in: Int32, tidx: Int32):
+        """All threads: the chunk's K and V rows (``first``: element of its first slot) into the padded
+        shared rows, 16 bytes per load, a thread's loads of a tensor in flight together; rows past the
+        sequence's slots become zeros (P is 0 there, but 0 x NaN is not 0). (One bulk copy per row was
+        tried: 256 small copies per CTA made the TMA engine the bottleneck.)"""
+        pieces = self.D // 8  # 16-byte pieces per row
+        per_thread = CHUNK * pieces // (32 * WARPS)
+        for t in cutlass.range_constexpr(2):
+            src = cute.recast_ptr(k_win if t == 0 else v_win, dtype=Int32)
+            dst = cute.recast_ptr((smem.k if t == 0 else smem.v).data_ptr(), dtype=Int32)
+            regs = [cute.make_rmem_tensor((4,), Int32) for _ in range(per_thread)]
+            for x in cutlass.range_constexpr(per_thread):
+                r, c = (tidx + x * 32 * WARPS) // pieces, (tidx + x * 32 * WARPS) % pieces
+                word = (first + cutlass.min(r, rows_in - 1) * self.D) // 2 + 4 * c
+                cute.autovec_copy(cute.make_tensor(src + cute.assume(word, divby=4), cute.make_layout((4,))), regs[x])
+            for x in cutlass.range_constexpr(per_thread):
+                r, c = (tidx + x * 32 * WARPS) // pieces, (tidx + x * 32 * WARPS) % pieces
+                for i in cutlass.range_constexpr(4):
+                    regs[x][i] = cutlass.select_(r < rows_in, regs[x][i], Int32(0))
+                word = r * (self.PD // 2) + 4 * c
+                cute.autovec_copy(regs[x], cute.make_tensor(dst + cute.assume(word, divby=4), cute.make_layout((4,))))
 
     @cute.jit
-    def softmax(self, smem, warp: Int32, lane: Int32):
-        """One warp per query row: ``P = exp2(S - max)`` in place, the row's max and sum."""
-        ss = smem.s.get_tensor(cute.make_layout((self.R * CHUNK,)))
+    def slot_valid(self, j: Int32, n: Int32, qlen: Int32, sink: Int32, ring: Int32, recent: Int32):
+        """Whether window slot ``j`` holds a token (module docstring)."""
+        rel = (j - sink - qlen) % ring
+        rel = rel + fsel_i32(rel < 0, ring, 0)  # floor mod
+        return (j < sink + ring) & cutlass.select_(j < sink, j < n, rel < recent)
+
+    def shared_word(self, tensor_field, slot, element):
+        """The 32-bit shared word of K or V at (chunk slot, even element): two 16-bit values."""
+        words = cute.recast_ptr(tensor_field.data_ptr(), dtype=Int32)
+        return cute.make_tensor(words + (slot * self.PD + element) // 2, cute.make_layout((1,)))[0]
+
+    @cute.jit
+    def scores(self, smem, mma: WarpMma, q: cute.Pointer, q_row0: Int64, scale_log2: Float32, valid, warp: Int32):
+        """S^T of the warp's 16 slots (log2 domain; -inf where a slot holds no token): NB accumulator
+        fragments, value ``e + 2*h_r`` = slot ``16w + g + 8*h_r``, query column ``8*nb + 2*tq + e``."""
+        D, R = self.D, self.R
+        q_words = cute.recast_ptr(q, dtype=Int32)
+        q_t = []  # [nb][kb]: B fragments of Q^T, value e + 2*hh = channel 16*kb + 2*tq + e + 8*hh of column 8*nb + g
+        for nb in cutlass.range_constexpr(self.NB):
+            col = 8 * nb + mma.g
+            qrow = q_row0 + cutlass.min(col, R - 1)
+            frags = []
+            for kb in cutlass.range_constexpr(D // 16):
+                frag = mma.fragment_B()
+                regs = cute.recast_tensor(frag, Int32)
+                for hh in cutlass.range_constexpr(2):
+                    word = cute.make_tensor(q_words + (qrow * D + 16 * kb + 2 * mma.tq + 8 * hh) // 2,
+                                            cute.make_layout((1,)))[0]
+                    regs[hh] = cutlass.select_(col < R, word, Int32(0))
+                frags.append(frag)
+            q_t.append(frags)
+        acc = [mma.zero_accumulator() for _ in range(self.NB)]
+        for kb in cutlass.range_constexpr(D // 16):
+            a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # K: value e + 2*h_r + 4*h_c, slot g + 8*h_r
+            regs = cute.recast_tensor(a, Int32)
+            for hr in cutlass.range_constexpr(2):
+                for hc in cutlass.range_constexpr(2):
+                    regs[hr + 2 * hc] = self.shared_word(smem.k, 16 * warp + mma.g + 8 * hr, 16 * kb + 2 * mma.tq + 8 * hc)
+            for nb in cutlass.range_constexpr(self.NB):
+                mma.gemm(acc[nb], a, q_t[nb][kb])
+        s = cute.make_rmem_tensor((4 * self.NB,), Float32)
+        for nb in cutlass.range_constexpr(self.NB):
+            for i in cutlass.range_constexpr(4):
+                s[4 * nb + i] = fsel(valid[i // 2], acc[nb][i] * scale_log2, Float32(NEG_INF))
+        return s
+
+    @cute.jit
+    def column_max(self, smem, mma: WarpMma, s, warp: Int32):
+        """Per column slot ``cs = e + 2*nb`` of the lane: the chunk's max score (over all warps)."""
+        N = self.N
+        cmax = smem.col_max.get_tensor(cute.make_layout((WARPS * N,)))
+        first_row = mma.g == 0  # the lanes that hold a reduced column
+        for nb in cutlass.range_constexpr(self.NB):
+            for e in cutlass.range_constexpr(2):
+                x = reduce_over_rows(cute.arch.fmax(s[4 * nb + e], s[4 * nb + 2 + e]), cute.arch.fmax)
+                at = warp * N + mma.column(2 * nb + e)
+                if first_row:
+                    cmax[at] = x
+        cute.arch.sync_threads()
+        m = cute.make_rmem_tensor((2 * self.NB,), Float32)
         sm = smem.m.get_tensor(cute.make_layout((self.R,)))
-        sl = smem.l.get_tensor(cute.make_layout((self.R,)))
-        for r in cutlass.range(warp, self.R, WARPS, unroll=1):
-            m = Float32(NEG_INF)
-            for x in cutlass.range_constexpr(CHUNK // 32):
-                m = cute.arch.fmax(m, ss[r * CHUNK + 32 * x + lane])
-            m = cute.arch.warp_reduction_max(m)
-            m_ref = finite_reference(m)
-            total = Float32(0.0)
-            for x in cutlass.range_constexpr(CHUNK // 32):
-                p = cute.arch.exp2(ss[r * CHUNK + 32 * x + lane] - m_ref)
-                ss[r * CHUNK + 32 * x + lane] = p
-                total = total + p
-            total = cute.arch.warp_reduction_sum(total)
-            if lane == 0:
-                sm[r] = m
-                sl[r] = total
+        for cs in cutlass.range_constexpr(2 * self.NB):
+            col = mma.column(cs)
+            m[cs] = cmax[col]
+            for w in cutlass.range_constexpr(1, WARPS):
+                m[cs] = cute.arch.fmax(m[cs], cmax[w * N + col])
+            mine = m[cs]
+            if first_row & (warp == 0) & (col < self.R):
+                sm[col] = mine
+        return m
 
     @cute.jit
-    def weighted_values(self, smem, warp: Int32, lane: Int32):
-        """This warp's ``sum_j P[r, j] v_j`` over its slots -> ``O[warp, r, :]`` in shared memory
-        (P is 0 for the slots past the sequence's, whose V rows the kernel zeroed)."""
-        D, R, RG, CPL = self.D, self.R, self.RG, self.CPL
-        ss = smem.s.get_tensor(cute.make_layout((R * CHUNK,)))
-        so = smem.o.get_tensor(cute.make_layout((WARPS * R * D,)))
-        c = lane % self.LPR
-        for g in cutlass.range_constexpr(-(-R // RG)):
-            rows = min(RG, R - g * RG)
-            acc = cute.make_rmem_tensor((rows * CPL,), Float32)
-            acc.fill(0.0)
-            for step in cutlass.range(warp, CHUNK // self.SPS, WARPS, unroll=1):
-                jl = step * self.SPS + lane // self.LPR
-                p = cute.make_rmem_tensor((rows,), Float32)
-                for r in cutlass.range_constexpr(rows):
-                    p[r] = ss[(g * RG + r) * CHUNK + jl]
-                for x in cutlass.range_constexpr(self.PIECES):
-                    v = load_channels(smem.v.data_ptr(), jl * D + self.channel(c, x), self.dtype)
-                    for e in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        for r in cutlass.range_constexpr(rows):
-                            i = r * CPL + x * CHANNELS_PER_LANE + e
-                            acc[i] = acc[i] + p[r] * v[e]
-            for i in cutlass.range_constexpr(rows * CPL):
-                for offset in [self.LPR << z for z in range(self.SPS.bit_length() - 1)]:  # over the step's slots
-                    acc[i] = acc[i] + cute.arch.shuffle_sync_bfly(acc[i], offset=offset)
-            if lane < self.LPR:
-                for r in cutlass.range_constexpr(rows):
-                    for x in cutlass.range_constexpr(self.PIECES):
-                        for e in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                            i = r * CPL + x * CHANNELS_PER_LANE + e
-                            so[(warp * R + g * RG + r) * D + self.channel(c, x) + e] = acc[i]
+    def probabilities(self, smem, mma: WarpMma, s, m, warp: Int32):
+        """P = exp2(S - max) as the B fragments of P^T (one per n8 block: ``movmatrix`` of the S^T
+        accumulator), and the warp's column sums of P into shared memory."""
+        N = self.N
+        csum = smem.col_sum.get_tensor(cute.make_layout((WARPS * N,)))
+        first_row = mma.g == 0
+        p = cute.make_rmem_tensor((4 * self.NB,), Float32)
+        for nb in cutlass.range_constexpr(self.NB):
+            for i in cutlass.range_constexpr(4):
+                p[4 * nb + i] = cute.arch.exp2(s[4 * nb + i] - finite_reference(m[2 * nb + i % 2]))
+            for e in cutlass.range_constexpr(2):
+                x = reduce_over_rows(p[4 * nb + e] + p[4 * nb + 2 + e], lambda u, v: u + v)
+                at = warp * N + mma.column(2 * nb + e)
+                if first_row:
+                    csum[at] = x
+        p_t = []
+        for nb in cutlass.range_constexpr(self.NB):
+            frag = mma.fragment_B()  # value e + 2*hh: slot 2*tq + e + 8*hh, column 8*nb + g
+            regs = cute.recast_tensor(frag, Int32)
+            for hh in cutlass.range_constexpr(2):
+                regs[hh] = movmatrix_trans(self.pack(p[4 * nb + 2 * hh], p[4 * nb + 2 * hh + 1]))
+            p_t.append(frag)
+        return p_t
+
+    @cute.jit
+    def weighted_values(self, mma: WarpMma, smem, p_t, warp: Int32):
+        """O^T = V^T P^T over the warp's 16 slots: D/16 x NB accumulator fragments (index
+        ``mb * NB + nb``), value ``e + 2*h_r`` = channel ``16*mb + g + 8*h_r``, column ``8*nb + 2*tq + e``."""
+        o_t = []
+        for mb in cutlass.range_constexpr(self.D // 16):
+            a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # V^T: value e + 2*h_r + 4*h_c, channel g + 8*h_r
+            regs = cute.recast_tensor(a, Int32)
+            for hr in cutlass.range_constexpr(2):
+                for hc in cutlass.range_constexpr(2):  # lane 4r + c loads slot r, channels 2c, 2c + 1: movmatrix transposes
+                    word = self.shared_word(smem.v, 16 * warp + 8 * hc + mma.g, 16 * mb + 8 * hr + 2 * mma.tq)
+                    regs[hr + 2 * hc] = movmatrix_trans(word)
+            for nb in cutlass.range_constexpr(self.NB):
+                acc = mma.zero_accumulator()
+                mma.gemm(acc, a, p_t[nb])
+                o_t.append(acc)
+        return o_t
+
+    def warp_outputs(self, smem):
+        """The warps' O [WARPS, R, D] fp32, over the shared K and V rows (read no more by then)."""
+        return cute.make_tensor(cute.recast_ptr(smem.k.data_ptr(), dtype=Float32),
+                                cute.make_layout((WARPS * self.R * self.D,)))
+
+    @cute.jit
+    def stash(self, smem, mma: WarpMma, o_t, warp: Int32):
+        """The warp's O^T into its slot of :meth:`warp_outputs` (columns < R)."""
+        D, R = self.D, self.R
+        so = self.warp_outputs(smem)
+        for mb in cutlass.range_constexpr(D // 16):
+            for nb in cutlass.range_constexpr(self.NB):
+                for i in cutlass.range_constexpr(4):
+                    col = mma.column(2 * nb + i % 2)
+                    at = (warp * R + col) * D + 16 * mb + mma.g + 8 * (i // 2)
+                    value = o_t[mb * self.NB + nb][i]
+                    if col < R:
+                        so[at] = value
 
     @cute.jit
     def store(self, smem, o_part: cute.Pointer, lse_part: cute.Pointer, q_row0: Int64, split: Int32, total: Int32,
               tidx: Int32):
         """Sum the warps' P V, normalize, write split ``split`` of the ``total`` partials."""
-        D, R = self.D, self.R
-        so = smem.o.get_tensor(cute.make_layout((WARPS * R * D,)))
+        D, R, N = self.D, self.R, self.N
+        so = self.warp_outputs(smem)
         sm = smem.m.get_tensor(cute.make_layout((R,)))
-        sl = smem.l.get_tensor(cute.make_layout((R,)))
+        csum = smem.col_sum.get_tensor(cute.make_layout((WARPS * N,)))
         for el in cutlass.range(tidx, R * D, 32 * WARPS, unroll=1):
             r = el // D
+            l_sum = Float32(0.0)
             o = Float32(0.0)
             for w in cutlass.range_constexpr(WARPS):
-                o = o + so[(w * R + r) * D + el % D]
-            inv_l, lse = normalize(sl[r], sm[r], fastmath=False)
+                l_sum = l_sum + csum[w * N + r]
+                o = o + so[w * R * D + el]
+            inv_l, lse = normalize(l_sum, sm[r], fastmath=False)
             prow = (q_row0 + r) * total + split  # partial row of query row q_row0 + r
             cute.make_tensor(o_part + (prow * D + el % D), cute.make_layout((1,)))[0] = o * inv_l
             if el % D == 0:
@@ -307,16 +362,6 @@ class SinkWindow:
 def fsel_i32(cond, a, b):
     """Int32 ``cond ? a : b``, branch-free."""
     return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
-
-
-def load_channels(ptr: cute.Pointer, offset, dtype):
-    """The 8 16-bit channels at element ``offset`` (one 16-byte load) as fp32 registers."""
-    src = cute.make_tensor(ptr + cute.assume(offset, divby=CHANNELS_PER_LANE), cute.make_layout((CHANNELS_PER_LANE,)))
-    raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), dtype)
-    cute.autovec_copy(src, raw)
-    vals = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-    vals.store(raw.load().to(Float32))
-    return vals
 
 
 def compile_sink_window(head_dim: int, gqa_ratio: int, arch: str = "sm_90a", dtype=cutlass.BFloat16):
