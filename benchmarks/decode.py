@@ -291,7 +291,7 @@ def summarize(rows, ceiling_tbps):
         for base in ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16"):
             b = by.get((*key, base))
             rel[base] = (b.us / r.us) if (b and b.us and r.us) else None
-            standard = r.model == "qwen3-8b"  # the geo-means are over the standard sweep
+            standard = r.model == "qwen3-8b" and (r.batch, r.context) in STANDARD  # the geo-means
             if standard and r.method not in ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16") and rel[base]:
                 speedups.setdefault((r.method, base), []).append(rel[base])
         pct = (100 * r.tbps / ceiling_tbps) if (r.tbps and ceiling_tbps) else None
@@ -301,7 +301,8 @@ def summarize(rows, ceiling_tbps):
                      f"{fmt(rel['sdpa-bf16'], '.2f')} | {r.note} |")
     geo = {f"{m} vs {b}": geomean(v) for (m, b), v in speedups.items()}
     for method in sorted({r.method for r in rows}):
-        fractions = [r.tbps / ceiling_tbps for r in rows if r.method == method and r.model == "qwen3-8b" and r.tbps]
+        fractions = [r.tbps / ceiling_tbps for r in rows
+                     if r.method == method and r.model == "qwen3-8b" and (r.batch, r.context) in STANDARD and r.tbps]
         if fractions and ceiling_tbps:
             geo[f"{method} fraction of read ceiling"] = geomean(fractions)
     return "\n".join(lines), geo
