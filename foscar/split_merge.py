@@ -43,7 +43,7 @@ class PartialSum:
         """``acc`` fp32 (VEC,) registers; ``o_row`` fp32 (count, D); ``lse_row`` (count,)."""
         for base in cutlass.range(first, count, step * BATCH, unroll=1):
             parts = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(BATCH)]
-            lses = [Float32(NEG_INF)] * BATCH
+            lses = [None] * BATCH
             for k in cutlass.range_constexpr(BATCH):
                 s = cutlass.min(base + k * step, count - 1)
                 lses[k] = lse_row[s]

@@ -51,9 +51,21 @@ def test_reference_all_empty_row():
     assert torch.equal(o, torch.zeros(1, 1, 4)) and lse.item() == -math.inf
 
 
+def test_combine_block_is_whole_warps():
+    """Each warp reduces the row's lse over every split (pass 1), so a block of partial warps would
+    give its last warp another max: every head_dim gets whole warps (96 once got 240 threads)."""
+    from foscar.kernels.combine import Combine
+
+    for d in range(32, 1025, 32):
+        kernel = Combine(d)
+        assert kernel.threads % 32 == 0 and kernel.threads == kernel.groups * d // 4 <= 1024, d
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 32"):
+        Combine(100)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("splits", [1, 7, 40])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_combine_kernel_matches_reference(d, splits, out_dtype, rng):

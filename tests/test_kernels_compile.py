@@ -60,20 +60,25 @@ def test_combine_compiles(arch):
 
 @pytest.mark.sass
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("head_dim,gqa", [(128, 4), (128, 16), (64, 1), (256, 2), (256, 16), (128, 7)])
-def test_sink_window_compiles(head_dim, gqa, arch):
-    """The 16-bit sink + window kernel (PagedKVCache's second launch): 16-byte loads of the K and V
-    rows (no bulk copies: one per row made the TMA engine the bottleneck), Tensor Cores for S^T and O^T (D/16 MMAs each per n8 block of query columns), movmatrix for V^T and
-    P^T, the counting atomic and fences of the in-launch merge, no spills."""
+@pytest.mark.parametrize("head_dim,gqa,dtype", [(128, 4, "bf16"), (128, 16, "bf16"), (64, 1, "bf16"), (256, 2, "bf16"),
+                                                 (256, 16, "bf16"), (128, 7, "bf16"), (128, 4, "f16"),
+                                                 (128, 16, "f16")])
+def test_sink_window_compiles(head_dim, gqa, dtype, arch):
+    """The 16-bit sink + window kernel (PagedKVCache's second launch), BF16 and FP16: 16-byte loads of
+    the K and V rows (no bulk copies: one per row made the TMA engine the bottleneck), Tensor Cores in
+    the window's type for S^T and O^T (D/16 MMAs each per n8 block of query columns), movmatrix for
+    V^T and P^T, the counting atomic and fences of the in-launch merge, no spills."""
     import cutlass
 
     from foscar.kernels.sink_window import compile_sink_window
 
-    art = artifacts(compile_sink_window(head_dim, gqa, arch, cutlass.BFloat16))
+    art = artifacts(compile_sink_window(head_dim, gqa, arch, cutlass.BFloat16 if dtype == "bf16" else cutlass.Float16))
     assert art.arch == arch and re.search(rf"^\.target {arch}$", art.ptx, re.M)
     assert "cp.async.bulk" not in art.ptx and "ld.global.v4.b32" in art.ptx
     n_blocks = 1 if gqa <= 8 else 2
-    assert art.ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * (head_dim // 16) * n_blocks
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32"
+    assert art.ptx.count(mma) == 2 * (head_dim // 16) * n_blocks
+    assert f"cvt.rn.{dtype}x2.f32" in art.ptx  # P packed in the window's type
     assert art.ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") == 4 * (head_dim // 16) + 2 * n_blocks
     assert "atom.global.acq_rel.add.u32" in art.ptx  # the count (gpu scope: atom's default)
     assert art.ptx.count("fence.acq_rel.gpu") == 2  # release before the count, acquire before the merge
@@ -81,14 +86,16 @@ def test_sink_window_compiles(head_dim, gqa, arch):
 
 
 def test_sink_window_shared_rows_are_conflict_free():
-    """The padded K / V rows: the 8 rows of a fragment quarter (lanes 4g + tq read 32-bit word tq of
-    row g) fall on 32 distinct banks at every head_dim."""
-    from foscar.kernels.sink_window import ROW_PAD
+    """The kernel's fragment reads of the padded K / V rows (``shared_word_index``, which the kernel's
+    ``shared_word`` uses): the 8 rows x 4 words of a quarter (lane 4g + tq reads the pair at element
+    2*tq of row g, plus the quarter's offsets) fall on 32 distinct banks at every head_dim."""
+    from foscar.kernels.sink_window import ROW_PAD, shared_word_index
 
     for head_dim in (64, 128, 256):
-        words_per_row = (head_dim + ROW_PAD) // 2
-        banks = {(g * words_per_row + tq) % 32 for g in range(8) for tq in range(4)}
-        assert len(banks) == 32, head_dim
+        for row0, element0 in ((0, 0), (8, 8), (16, 16 * 3)):  # quarters of K (g + 8 h_r) and V^T (8 h_c + g)
+            words = {shared_word_index(row0 + g, element0 + 2 * tq, head_dim + ROW_PAD) for g in range(8)
+                     for tq in range(4)}
+            assert len({w % 32 for w in words}) == 32, (head_dim, row0, element0)
 
 
 def test_sink_window_limits_name_the_field():

@@ -165,7 +165,7 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     device = q.device
     batch, hq, d = q.shape
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
-    # before the first launch: the merge's scratch holds MAX_SPLITS + MAX_CHUNKS partials per row
+    # before the first launch
     check_sink_window(d, hq // kv_heads, slots)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")

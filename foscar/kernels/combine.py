@@ -5,7 +5,7 @@ writes an output normalised over its own tokens and that split's log-sum-exp. Th
 
     lse = log(sum_s exp(lse_s))          o = sum_s exp(lse_s - lse) * o_s
 
-Empty splits carry ``lse_s = -inf`` and are skipped (their ``o_s`` may be garbage); a row whose
+Empty splits carry ``lse_s = -inf`` and weigh 0 (their ``o_s`` may be garbage: masked, not multiplied); a row whose
 splits are all empty gets ``o = 0`` and ``lse = -inf``. Same math on both arches and no Tensor
 Cores, so one kernel compiled for sm_90a and sm_100a.
 
@@ -47,8 +47,12 @@ class Combine:
             raise ValueError(f"head_dim must be a multiple of 32, got {head_dim}")
         self.head_dim = head_dim
         self.out_dtype = out_dtype
+        if head_dim > 4 * THREADS:
+            raise ValueError(f"head_dim must be at most {4 * THREADS}, got {head_dim}")
         self.vecs = head_dim // VEC  # threads per split group
-        self.groups = max(1, THREADS // self.vecs)
+        # whole warps (pass 1 reduces over full warps): groups * vecs % 32 == 0, about THREADS threads
+        step = 32 // math.gcd(self.vecs, 32)
+        self.groups = max(step, THREADS // self.vecs // step * step)
         self.threads = self.groups * self.vecs
         self.partial_sum = PartialSum()
 
@@ -92,11 +96,11 @@ class Combine:
         for s in cutlass.range(lane, splits, 32, unroll=1):
             m = cute.arch.fmax(m, mLp[row, s])
         m = cute.arch.warp_reduction_max(m)
-        total = cutlass.Float32(0.0)
+        weights = cutlass.Float32(0.0)
         if m > neg_inf:
             for s in cutlass.range(lane, splits, 32, unroll=1):
-                total += lse_weight(mLp[row, s], m)  # 0 for an empty split
-            total = cute.arch.warp_reduction_sum(total)
+                weights += lse_weight(mLp[row, s], m)  # 0 for an empty split
+            weights = cute.arch.warp_reduction_sum(weights)
 
         # ---- pass 2: this thread's splits, a batch of loads at a time ----
         acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
@@ -107,7 +111,7 @@ class Combine:
         cute.arch.sync_threads()
 
         if group == 0:
-            inv = fsel(total > cutlass.Float32(0.0), cute.arch.rcp_approx(total), cutlass.Float32(0.0))
+            inv = fsel(weights > cutlass.Float32(0.0), cute.arch.rcp_approx(weights), cutlass.Float32(0.0))
             for i in cutlass.range_constexpr(VEC):
                 acc[i] = sSums[0, vec * VEC + i]
                 for g in cutlass.range_constexpr(1, self.groups):
@@ -117,7 +121,7 @@ class Combine:
             # ((VEC), (D / VEC))
             cute.autovec_copy(out, cute.zipped_divide(mO[row, None], (VEC,))[None, vec])
             if vec == 0:
-                mL[row] = merged_lse(m, total)
+                mL[row] = merged_lse(m, weights)
 
 
 def compile_combine(head_dim: int, arch: str = "sm_90a", out_dtype=cutlass.BFloat16):

@@ -10,7 +10,7 @@ all ``R`` query heads of the KV head (each window byte is read once per KV head,
 head), writes the normalized partial ``(o, lse)`` as ``num_splits + chunk``, and the last of the
 (sequence, KV head)'s chunk CTAs merges all ``total`` into the output (``foscar.split_merge``).
 
-Why a kernel of its own, after the decode: its CTAs are small (256 threads, 40-155 KB of shared
+Why a kernel of its own, after the decode: its CTAs are small (256 threads, 37-133 KB of shared
 memory), so several share an SM and hide each other's load and merge latencies. Inside the decode
 grid every CTA carries the decode ring's ~220 KB: window CTAs there held whole SMs for a few
 microseconds of latency (measured: +sw rows up to 1.6x slower).
@@ -46,7 +46,7 @@ from ..hopper.mma import WarpMma
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
 
-__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens", "shared_storage",
+__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens", "shared_storage", "shared_word_index",
            "shared_bytes", "check_sink_window", "compile_sink_window", "sink_window_attend"]
 
 CHUNK = 128  # slots per CTA: 16 per warp
@@ -124,8 +124,10 @@ class SinkWindow:
         self.dtype = dtype
         self.pack = pack_bf16x2 if dtype is cutlass.BFloat16 else pack_f16x2
         self.merger = SplitMerge(head_dim, rows, 32 * WARPS, BAR_MERGE, dtype)
-        # the warps' outputs fit over the K and V rows: 32 R D <= 512 (D + 8) bytes for R <= 16
+        # the warps' outputs fit over the K and V rows (32 R D <= 512 (D + 8) bytes for R <= 16), which
+        # are adjacent: K's rows are a whole number of 128-byte alignment units
         assert WARPS * rows * head_dim * 4 <= 2 * CHUNK * self.PD * 2, (head_dim, rows)
+        assert CHUNK * self.PD * 2 % 128 == 0, head_dim
         assert self.merger.scratch_words == 2 * rows  # shared_storage's merge
 
     def tiled_mma(self):
@@ -167,7 +169,7 @@ class SinkWindow:
         q_row0 = (b * kv_heads + h).to(Int64) * self.R  # first query row of the KV head
         slot = j0 + 16 * warp + mma.g  # this lane's accumulator rows: slots slot and slot + 8
         recent = cutlass.max(n - sink - qlen, Int32(0))
-        valid = (self.slot_valid(slot, n, qlen, sink, ring, recent), self.slot_valid(slot + 8, n, qlen, sink, ring, recent))
+        valid = tuple(self.slot_valid(j, n, qlen, sink, ring, recent) for j in (slot, slot + 8))
         s = self.scores(smem, mma, q, q_row0, scale_log2, valid, warp)
         m = self.column_max(smem, mma, s, warp)
         p_t = self.probabilities(smem, mma, s, m, warp)
@@ -184,8 +186,10 @@ class SinkWindow:
     def load_chunk(self, smem, k_win: cute.Pointer, v_win: cute.Pointer, first, rows_in: Int32, tidx: Int32):
         """All threads: the chunk's K and V rows (``first``: element of its first slot) into the padded
         shared rows, 16 bytes per load, a thread's loads of a tensor in flight together; rows past the
-        sequence's slots become zeros (P is 0 there, but 0 x NaN is not 0). (One bulk copy per row was
-        tried: 256 small copies per CTA made the TMA engine the bottleneck.)"""
+        cache row's ``sink + ring`` slots (the last chunk's tail) become zeros: P is 0 there, but 0 x NaN
+        is not 0. Slots inside the row that hold no token are read as they are: ``PagedKVCache``
+        allocates its window zeroed and writes only finite values, so they are finite. (One bulk copy
+        per row was tried: 256 small copies per CTA made the TMA engine the bottleneck.)"""
         pieces = self.D // 8  # 16-byte pieces per row
         per_thread = CHUNK * pieces // (32 * WARPS)
         for t in cutlass.range_constexpr(2):
@@ -213,7 +217,7 @@ class SinkWindow:
     def shared_word(self, tensor_field, slot, element):
         """The 32-bit shared word of K or V at (chunk slot, even element): two 16-bit values."""
         words = cute.recast_ptr(tensor_field.data_ptr(), dtype=Int32)
-        return cute.make_tensor(words + (slot * self.PD + element) // 2, cute.make_layout((1,)))[0]
+        return cute.make_tensor(words + shared_word_index(slot, element, self.PD), cute.make_layout((1,)))[0]
 
     @cute.jit
     def scores(self, smem, mma: WarpMma, q: cute.Pointer, q_row0: Int64, scale_log2: Float32, valid, warp: Int32):
@@ -241,7 +245,8 @@ class SinkWindow:
             regs = cute.recast_tensor(a, Int32)
             for hr in cutlass.range_constexpr(2):
                 for hc in cutlass.range_constexpr(2):
-                    regs[hr + 2 * hc] = self.shared_word(smem.k, 16 * warp + mma.g + 8 * hr, 16 * kb + 2 * mma.tq + 8 * hc)
+                    slot, element = 16 * warp + mma.g + 8 * hr, 16 * kb + 2 * mma.tq + 8 * hc
+                    regs[hr + 2 * hc] = self.shared_word(smem.k, slot, element)
             for nb in cutlass.range_constexpr(self.NB):
                 mma.gemm(acc[nb], a, q_t[nb][kb])
         s = cute.make_rmem_tensor((4 * self.NB,), Float32)
@@ -309,7 +314,7 @@ class SinkWindow:
             a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # V^T: value e + 2*h_r + 4*h_c, channel g + 8*h_r
             regs = cute.recast_tensor(a, Int32)
             for hr in cutlass.range_constexpr(2):
-                for hc in cutlass.range_constexpr(2):  # lane 4r + c loads slot r, channels 2c, 2c + 1: movmatrix transposes
+                for hc in cutlass.range_constexpr(2):  # lane 4r + c: slot r, channels 2c, 2c + 1; movmatrix transposes
                     word = self.shared_word(smem.v, 16 * warp + 8 * hc + mma.g, 16 * mb + 8 * hr + 2 * mma.tq)
                     regs[hr + 2 * hc] = movmatrix_trans(word)
             for nb in cutlass.range_constexpr(self.NB):
@@ -357,6 +362,11 @@ class SinkWindow:
             cute.make_tensor(o_part + (prow * D + el % D), cute.make_layout((1,)))[0] = o * inv_l
             if el % D == 0:
                 cute.make_tensor(lse_part + prow, cute.make_layout((1,)))[0] = lse
+
+
+def shared_word_index(slot, element, padded_row: int):
+    """Int32 word of a shared K / V row's even ``element`` (rows of ``padded_row`` 16-bit values)."""
+    return (slot * padded_row + element) // 2
 
 
 def fsel_i32(cond, a, b):
