@@ -53,7 +53,6 @@ import numbers
 import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
-from .kernels.quantize import LAYOUT as APPEND_KERNEL_LAYOUT
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, quantize_groups
@@ -127,9 +126,8 @@ class PagedKVCache:
         else:
             self.arch = arch_of_device(self.device) if self.device.type == "cuda" else HOPPER
         if self.use_kernels:
-            if self.arch.layout != APPEND_KERNEL_LAYOUT or not self.arch.cache_decode:
-                raise ValueError(f"use_kernels: the cache's GPU path (append kernel writing the {APPEND_KERNEL_LAYOUT!r} "
-                                 f"bit order, decode with the 16-bit window in place) is not built for "
+            if not self.arch.cache_decode:
+                raise ValueError(f"use_kernels: the cache's GPU decode (the 16-bit window in place) is not built for "
                                  f"{self.arch.name}; use use_kernels=False")
             self.arch.can_implement(scheme, page_size)  # fail now, naming the field, not at the first attend
             from .kernels.sink_window import check_sink_window
@@ -471,7 +469,7 @@ class PagedKVCache:
         if self.use_kernels:
             from .kernels.quantize import quantize_tiles
 
-            quantize_tiles(src, page, slot, codes, params, self.scheme, role)
+            quantize_tiles(src, page, slot, codes, params, self.scheme, role, self.arch.layout)
             return
         quant = self.scheme.k if role == "k" else self.scheme.v
         page = torch.where(page < 0, self.trash_page, page).long()

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from foscar.inspect import ARCHS, artifacts
-from foscar.kernels.quantize import QuantizeConfig, compile_quantize, word_code_coords
-from foscar.layouts import TILE_TOKENS, TileGeometry, pack_tiles, tile_position
+from foscar.kernels.quantize import QuantizeConfig, bw_word_code_coords, compile_quantize, word_code_coords
+from foscar.layouts import PACKERS, TILE_TOKENS, TileGeometry, tile_position
+from foscar.layouts.blackwell import bw_tile_position
 from foscar.quantize import quantize_groups
 from foscar.scheme import Axis, Scheme, TensorQuant
 
@@ -28,17 +29,21 @@ CASES = [  # (scheme, role)
     (Scheme.make(k="token", k_group=32, v="channel", v_group=64, k_bits=2, v_bits=4), "v"),
 ]
 CONFIGS = [QuantizeConfig.of(scheme, role) for scheme, role in CASES]
-COMPILED = CONFIGS[:3] + CONFIGS[6:7]  # + the 2-bit V of a K4V2 scheme
+COMPILED = CONFIGS[:3] + CONFIGS[6:7] + [  # + the 2-bit V of a K4V2 scheme, + Blackwell's bit order
+    QuantizeConfig.of(CASES[0][0], "k", "blackwell"), QuantizeConfig.of(CASES[3][0], "v", "blackwell")]
 
 
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=lambda g: f"{g.role}{g.bits}d{g.head_dim}")
-def test_word_code_coords_inverts_tile_position(geom):
+@pytest.mark.parametrize("coords,position", [(word_code_coords, tile_position), (bw_word_code_coords, bw_tile_position)],
+                         ids=["hopper", "blackwell"])
+def test_word_code_coords_inverts_tile_position(geom, coords, position):
+    """The kernel's word -> (token, channel) map is the inverse of the layout's position, for both orders."""
     seen = set()
     for word in range(geom.words):
         for e in range(2):
             for k in range(geom.regs_per_word):
-                token, channel = word_code_coords(geom, word, e, k)
-                assert tile_position(geom, token, channel) == word * geom.codes_per_word + e * geom.regs_per_word + k
+                token, channel = coords(geom, word, e, k)
+                assert position(geom, token, channel) == word * geom.codes_per_word + e * geom.regs_per_word + k
                 seen.add((token, channel))
     assert len(seen) == TILE_TOKENS * geom.head_dim
 
@@ -51,7 +56,7 @@ def test_config_takes_the_bits_of_its_tensor():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg", COMPILED, ids=lambda c: f"{c.role}{c.bits}d{c.head_dim}{c.axis.value}{c.group}")
+@pytest.mark.parametrize("cfg", COMPILED, ids=lambda c: f"{c.role}{c.bits}d{c.head_dim}{c.axis.value}{c.group}{c.layout}")
 def test_quantize_compiles(cfg, arch):
     art = artifacts(compile_quantize(cfg, arch=arch))
     assert re.search(rf"^\.target {arch}$", art.ptx, re.M)
@@ -63,11 +68,12 @@ def test_quantize_compiles(cfg, arch):
 
 
 def torch_quantize(src, cfg, codes, params, page, slot):
-    """What the kernel must produce, by the CPU torch quantizer (the documented semantics)."""
+    """What the kernel must produce, by the CPU torch quantizer (the documented semantics) and the
+    layout's packer."""
     quant = TensorQuant(cfg.axis, cfg.group, cfg.bits)
     c, scale, offset = quantize_groups(src.cpu(), quant)
     n, kvh, t, d = src.shape
-    words = pack_tiles(c.reshape(n, kvh, t // 64, 64, d), cfg.geometry)
+    words = PACKERS[cfg.layout][0](c.reshape(n, kvh, t // 64, 64, d), cfg.geometry)
     for i in range(n):
         if page[i] < 0:
             continue
@@ -77,12 +83,15 @@ def torch_quantize(src, cfg, codes, params, page, slot):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["hopper", "blackwell"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].name}-{c[1]}")
-def test_quantize_tiles_bit_identical(case, rng):
+def test_quantize_tiles_bit_identical(case, layout, rng):
+    """The append kernel writes either arch's bit order (it is SIMT: the Blackwell order is checked on
+    any CUDA GPU)."""
     from foscar.kernels.quantize import quantize_tiles
 
     scheme, role = case
-    cfg = QuantizeConfig.of(scheme, role)
+    cfg = QuantizeConfig.of(scheme, role, layout)
     kvh, num_pages, page_size, tiles = 3, 7, 256, 9
     src = torch.randn(tiles, kvh, cfg.granule, cfg.head_dim, generator=rng) * 3 + torch.randn(cfg.head_dim, generator=rng) * 4
     src[0] = 0.5  # constant groups: scale 0, codes 0
@@ -99,7 +108,7 @@ def test_quantize_tiles_bit_identical(case, rng):
     want_codes, want_params = codes.clone(), params.clone()
     torch_quantize(src, cfg, want_codes, want_params, page.tolist(), slot.tolist())
     got_codes, got_params = codes.cuda(), params.cuda()
-    quantize_tiles(src.cuda(), page.cuda(), slot.cuda(), got_codes, got_params, scheme, role)
+    quantize_tiles(src.cuda(), page.cuda(), slot.cuda(), got_codes, got_params, scheme, role, layout)
     torch.cuda.synchronize()
     assert torch.equal(got_params.cpu().view(torch.int16), want_params.view(torch.int16))
     assert torch.equal(got_codes.cpu(), want_codes)

@@ -4,7 +4,7 @@ Why this kernel exists: the paged cache manager (``foscar.cache``) keeps the new
 BF16 and moves them into the packed cache a whole *granule* at a time (a granule is
 ``max(64, channel-wise group sizes)`` tokens, so every group and every packed 64-token tile it
 touches is complete). That move must run on the GPU, inside a CUDA graph, and must give exactly
-the cache that ``foscar.quantize.quantize_groups`` + ``foscar.layouts.pack_tiles`` give, so the
+the cache that ``foscar.quantize.quantize_groups`` + the arch's packer (``foscar.layouts.PACKERS``) give, so the
 decode kernels and references see one format whichever path wrote it. It is bit-identical by
 construction, following the rounding rules documented in ``foscar/quantize.py`` step by step:
 
@@ -18,8 +18,8 @@ construction, following the rounding rules documented in ``foscar/quantize.py`` 
 Work split: one CTA (128 threads) per (granule, KV head). Phase 1: one thread per group computes
 ``(scale, offset)``, writes them to the params page and keeps their FP32 values in shared memory.
 Phase 2: one thread per packed 32-bit word gathers the word's codes through the inverse of the
-tile layout (:func:`word_code_coords`), quantizes them and writes the word once: no
-read-modify-write, and a warp's stores are contiguous. Reads of the BF16 tile are gathers, but the
+tile layout (:func:`word_code_coords` for Hopper's order, :func:`bw_word_code_coords` for
+Blackwell's), quantizes them and writes the word once: no read-modify-write, and a warp's stores are contiguous. Reads of the BF16 tile are gathers, but the
 tile (16-64 KB) is L1/L2-resident after phase 1; the cache quantizes one granule per sequence
 every ``granule`` decode steps, so this kernel is far off the decode critical path.
 
@@ -49,11 +49,11 @@ from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
 from ..scheme import Axis, Scheme
 
-__all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "compile_quantize", "quantize_tiles", "granule_of", "LAYOUT"]
+__all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "bw_word_code_coords", "WORD_CODE_COORDS",
+           "compile_quantize", "quantize_tiles", "granule_of"]
 
 THREADS = 128
 SRC_DTYPES = ("bfloat16", "float16")
-LAYOUT = "hopper"  # the bit order this kernel writes (word_code_coords inverts fragment.tile_position)
 
 
 def granule_of(scheme: Scheme) -> int:
@@ -84,6 +84,24 @@ def word_code_coords(geom: TileGeometry, word, e: int, k: int):
     return (row, col) if geom.role == "k" else (col, row)
 
 
+def bw_word_code_coords(geom: TileGeometry, word, e: int, k: int):
+    """(token, channel) of the code in slot ``e * regs_per_word + k`` of packed ``word`` in the
+    Blackwell order: the inverse of ``foscar.layouts.blackwell.bw_tile_position`` (a word is a run of
+    ``E = 32/bits`` consecutive reduction-axis elements of one MMA row; element ``i`` sits in slot
+    ``2*(i % (E/2)) + i // (E/2)``). Python ints or DSL Int32, as :func:`word_code_coords`."""
+    half = geom.regs_per_word  # E / 2
+    chunks_per_row = geom.cols // (2 * half)
+    slot = e * half + k
+    element = (slot % 2) * half + slot // 2
+    row = word // chunks_per_row
+    col = (word % chunks_per_row) * (2 * half) + element
+    return (row, col) if geom.role == "k" else (col, row)
+
+
+# the bit order the kernel writes, per packed layout (foscar.layouts.PACKERS): the inverse of its position
+WORD_CODE_COORDS = {"hopper": word_code_coords, "blackwell": bw_word_code_coords}
+
+
 @dataclass(frozen=True)
 class QuantizeConfig:
     """Everything the compiled kernel depends on (the compile-cache key)."""
@@ -95,6 +113,7 @@ class QuantizeConfig:
     group: int
     granule: int  # tokens per CTA: a multiple of 64 and of a channel-wise group
     src_dtype: str = "bfloat16"
+    layout: str = "hopper"  # the packed bit order written (an arch's layout, WORD_CODE_COORDS)
 
     def __post_init__(self):
         object.__setattr__(self, "axis", Axis(self.axis))
@@ -105,16 +124,18 @@ class QuantizeConfig:
             raise ValueError(f"granule {self.granule} must be a multiple of 64 and of a channel-wise group ({self.group})")
         if self.src_dtype not in SRC_DTYPES:
             raise ValueError(f"src_dtype must be one of {SRC_DTYPES}, got {self.src_dtype!r}")
+        if self.layout not in WORD_CODE_COORDS:
+            raise ValueError(f"layout must be one of {sorted(WORD_CODE_COORDS)}, got {self.layout!r}")
 
     @classmethod
-    def of(cls, scheme: Scheme, role: str) -> "QuantizeConfig":
+    def of(cls, scheme: Scheme, role: str, layout: str = "hopper") -> "QuantizeConfig":
         """The config of one tensor of ``scheme``: its own bits, axis and group (K and V may differ);
-        the granule is the scheme's, shared by both tensors."""
+        the granule is the scheme's, shared by both tensors; ``layout`` the arch's packed bit order."""
         if not isinstance(scheme, Scheme) or role not in ("k", "v"):
             raise TypeError("pass a Scheme and role='k' or 'v'")
         quant = scheme.k if role == "k" else scheme.v
         src = str(scheme.q_dtype).removeprefix("torch.")
-        return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src)
+        return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src, layout)
 
     @property
     def geometry(self) -> TileGeometry:
@@ -237,7 +258,7 @@ class Quantize:
                     packed = cutlass.Int32(0)
                     for e in cutlass.range_constexpr(2):
                         for k in cutlass.range_constexpr(self.ppw):
-                            token, channel = word_code_coords(geom, word, e, k)
+                            token, channel = WORD_CODE_COORDS[cfg.layout](geom, word, e, k)
                             token = token + t * TILE_TOKENS
                             if cutlass.const_expr(cfg.axis is Axis.TOKEN):
                                 grp = token * (D // G) + channel // G
@@ -273,15 +294,16 @@ def compile_quantize(config: QuantizeConfig, arch: str = "sm_90a"):
     )
 
 
-def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, role: str):
+def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, role: str, layout: str = "hopper"):
     """Quantize ``src [tiles, kv_heads, granule, D]`` (CUDA) into pages ``dest_page`` at ``dest_slot``.
 
+    ``layout``: the packed bit order of the arch that decodes the pages (``Arch.layout``).
     No allocation, no host sync: safe inside CUDA-graph capture. Runs on the current torch stream.
     Shapes are checked here (host metadata only); ``foscar.cache`` is the usual caller.
     """
     import torch
 
-    cfg = QuantizeConfig.of(scheme, role)
+    cfg = QuantizeConfig.of(scheme, role, layout)
     tiles, kv_heads, granule, dim = src.shape
     num_pages, _, tiles_per_page, words = codes.shape
     page_size = tiles_per_page * TILE_TOKENS
