@@ -33,7 +33,6 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
     from .jit import cached_compile
     from .kernels.combine import compile_combine
     from .kernels.dequantize import DequantizeConfig, compile_dequantize
-    from .hopper.decode import compile_cache_decode
     from .kernels.sink_window import compile_sink_window
 
     d = scheme.head_dim
@@ -55,11 +54,12 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
         ("sm_90a", "decode (hopper)", lambda: compile_decode(scheme, "sm_90a", page_size)),
         ("sm_90a", "dequantize K", lambda: dequantize_k("sm_90a")),
         ("sm_90a", "combine", lambda: combine("sm_90a")),
-        ("sm_90a", "decode (cache)", lambda: compile_cache_decode(scheme, page_size, "sm_90a")),
+        ("sm_90a", "decode (cache)", lambda: REGISTERED["sm_90a"].compile_cache_decode(scheme, page_size)),
         ("sm_90a", "sink + window", lambda: sink_window("sm_90a")),
         ("sm_100a", "decode (blackwell)", lambda: compile_decode(scheme, "sm_100a", page_size)),
         ("sm_100a", "dequantize K", lambda: dequantize_k("sm_100a")),
         ("sm_100a", "combine", lambda: combine("sm_100a")),
+        ("sm_100a", "decode (cache)", lambda: REGISTERED["sm_100a"].compile_cache_decode(scheme, page_size)),
         ("sm_100a", "sink + window", lambda: sink_window("sm_100a")),
     ]
     builds = [b for b in builds if b[0] in archs]

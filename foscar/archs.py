@@ -77,6 +77,14 @@ class Arch:
         self.can_implement(scheme, page_size)
         return self._kernel().compile_decode(scheme, page_size, partial_output, arch=self.name, **options)
 
+    def compile_cache_decode(self, scheme: Scheme, page_size: int):
+        """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (the quantized splits'
+        partials; cached per process; works without a GPU)."""
+        if not self.cache_decode:
+            raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
+        self.can_implement(scheme, page_size)
+        return self._kernel().compile_cache_decode(scheme, page_size, arch=self.name)
+
     def run_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme,
                    num_splits: int = 1, out=None, lse=None):
         """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out, lse)``."""
@@ -124,7 +132,7 @@ class _Blackwell(Arch):
 HOPPER = _Hopper("sm_90a", "hopper", "foscar.hopper.decode", max_gqa_ratio=16, page_sizes=(64, 128, 256),
                  min_group=16, cache_decode=True)
 BLACKWELL = _Blackwell("sm_100a", "blackwell", "foscar.blackwell.decode", max_gqa_ratio=16,
-                       page_sizes=(64, 128, 256), min_group=32, cache_decode=False)
+                       page_sizes=(64, 128, 256), min_group=32, cache_decode=True)
 ARCHS: dict[str, Arch] = {arch.name: arch for arch in (HOPPER, BLACKWELL)}
 
 

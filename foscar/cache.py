@@ -129,6 +129,10 @@ class PagedKVCache:
             if not self.arch.cache_decode:
                 raise ValueError(f"use_kernels: the cache's GPU decode (the 16-bit window in place) is not built for "
                                  f"{self.arch.name}; use use_kernels=False")
+            device_arch = arch_of_device(self.device)
+            if device_arch is not self.arch:
+                raise ValueError(f"arch={self.arch.name}: the kernels cannot run on {self.device} "
+                                 f"({device_arch.name}); leave arch unset or use use_kernels=False")
             self.arch.can_implement(scheme, page_size)  # fail now, naming the field, not at the first attend
             from .kernels.sink_window import check_sink_window
 

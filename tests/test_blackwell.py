@@ -355,3 +355,26 @@ def test_blackwell_decode_matches_reference_on_sm100(scheme, page_size, lengths)
     decode(q, cache, return_lse=True, out=out, lse=lse)
     acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
     assert acc.ok, acc
+
+
+CACHE_VARIANTS = [VARIANTS[i] for i in (0, 2, 3, 9, 12, 18)]  # both bit widths and orders, every fold case
+
+
+@pytest.mark.sass
+@pytest.mark.parametrize("variant", CACHE_VARIANTS, ids=[_ids(v) for v in CACHE_VARIANTS])
+def test_cache_decode_compiles_for_sm100a(variant):
+    """PagedKVCache's decode launch on Blackwell (foscar.blackwell.fused): the decode CTA's roles
+    unchanged (the same MMAs, bulk copies and commits as the split-output decode kernel), the
+    sequence read in place (64-bit loads of its row and token count), no spills. Compile-verified
+    only: no Blackwell GPU runs it here."""
+    from foscar.archs import BLACKWELL
+    from foscar.inspect import artifacts
+
+    scheme, page_size = _scheme(variant), variant[7]
+    cache = artifacts(BLACKWELL.compile_cache_decode(scheme, page_size))
+    decode = artifacts(BLACKWELL.compile_decode(scheme, page_size, partial_output=True))
+    for pattern in (r"tcgen05\.mma\.cta_group::1\.kind::f8f6f4", r"cp\.async\.bulk\.shared::cluster", r"tcgen05\.commit",
+                    r"setmaxnreg\.(inc|dec)"):
+        assert len(re.findall(pattern, cache.ptx)) == len(re.findall(pattern, decode.ptx)) > 0, pattern
+    assert re.search(r"ld\.global\.(u|b|s)64", cache.ptx)  # seq_rows[b], seq_lengths[row]
+    assert cache.resources().local_bytes == 0

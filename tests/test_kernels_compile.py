@@ -112,3 +112,29 @@ def test_sink_window_limits_name_the_field():
         check_sink_window(96, 4, 448)
     with pytest.raises(ValueError, match=r"sink \+ window \+ granule \(64 \+ 4096 \+ 64\) = 4224"):
         check_sink_window(128, 4, 4224, "sink + window + granule (64 + 4096 + 64)")
+
+
+def test_cache_attend_checks_before_compiling():
+    """PagedKVCache.attend's launcher (either arch) refuses bad splits, counters or window shapes
+    with a ValueError naming them before it asks for the decode kernel."""
+    import torch
+
+    from foscar import Scheme
+    from foscar.kernels.sink_window import run_cache_attend
+
+    def compile_decode():
+        raise AssertionError("compiled before the checks")
+
+    scheme = Scheme.make(2, gqa_ratio=4)
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    window = torch.zeros(4, 2, 448, 128, dtype=torch.bfloat16)
+    counters = torch.zeros(8, dtype=torch.int32)
+    cases = [(dict(num_splits=0), "num_splits must be in"), (dict(num_splits=65), "num_splits must be in"),
+             (dict(counters=counters[:3]), "counters: need int32 with >= batch \\* kv_heads = 4"),
+             (dict(counters=counters.float()), "counters: need int32"),
+             (dict(k_win=torch.zeros(4, 2, 4224, 128)), "the sink \\+ window kernel takes at most 4096")]
+    for change, message in cases:
+        args = dict(q=q, k_win=window, v_win=window, counters=counters, num_splits=4) | change
+        with pytest.raises(ValueError, match=message):
+            run_cache_attend(compile_decode, None, args["q"], None, None, None, None, None, args["k_win"], args["v_win"],
+                             None, None, args["counters"], 64, 256, 1.0, scheme, args["num_splits"], "sm_90a")

@@ -14,15 +14,19 @@ from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr
 from ..scheme import Scheme
 from .kernel import BlackwellConfig
 
-__all__ = ["compile_decode", "run_decode", "DEFAULT_ARCH"]
+__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "DEFAULT_ARCH"]
 
 DEFAULT_ARCH = "sm_100a"
 
 
-def compile_decode(scheme: Scheme, page_size: int, partial_output: bool = False, arch: str = DEFAULT_ARCH):
-    """Compile (or fetch from the in-process cache) the sm_100a decode kernel of ``scheme``."""
+def _check_arch(arch: str):
     if arch != "sm_100a":
         raise ValueError(f"the Blackwell kernel targets sm_100a, got arch={arch!r}")
+
+
+def compile_decode(scheme: Scheme, page_size: int, partial_output: bool = False, arch: str = DEFAULT_ARCH):
+    """Compile (or fetch from the in-process cache) the sm_100a decode kernel of ``scheme``."""
+    _check_arch(arch)
     key = ("blackwell_decode", scheme, int(page_size), bool(partial_output), arch)
     return cached_compile(key, lambda: _build(scheme, page_size, partial_output, arch))
 
@@ -78,3 +82,33 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     if partial:
         combine_splits(o_part, lse_part, out, lse)
     return out, lse
+
+
+def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH):
+    """Compile (or fetch) the decode launch of ``foscar.cache.PagedKVCache`` (``foscar.blackwell.fused``:
+    the quantized splits' partials, read in place from the cache's tensors)."""
+    _check_arch(arch)
+    key = ("blackwell_cache_decode", scheme, int(page_size), arch)
+    return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch))
+
+
+def _build_cache_decode(scheme, page_size, arch):
+    from ..kernels.sink_window import cache_decode_compile_args
+    from .fused import BlackwellCacheDecodeKernel
+
+    cfg = BlackwellConfig(scheme, page_size, True)
+    return compile_for(arch, BlackwellCacheDecodeKernel(cfg), *cache_decode_compile_args(cfg.q_dtype))
+
+
+def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
+                     sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int,
+                     arch: str = DEFAULT_ARCH):
+    """Decode on a cache layer's tensors, pages in the Blackwell word order: the same contract as
+    ``foscar.hopper.decode.run_cache_decode`` (``foscar.kernels.sink_window.run_cache_attend``).
+    Never run here (no Blackwell GPU): compile-verified only."""
+    from ..kernels.sink_window import run_cache_attend
+
+    cfg = BlackwellConfig(scheme, k_codes.shape[2] * 64, True)
+    return run_cache_attend(lambda: compile_cache_decode(scheme, k_codes.shape[2] * 64, arch), cfg.q_dtype, q, k_codes,
+                            k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
+                            sink, window, sm_scale, scheme, num_splits, arch)

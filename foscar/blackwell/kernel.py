@@ -84,7 +84,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from ..device import LOG2E, NEG_INF, fsel, output_offsets
 from ..layouts.fragment import TILE_TOKENS
-from ..pipeline import bulk_copy_g2s, split_range
+from ..pipeline import bulk_copy_g2s
 from ..softmax import finite_reference, normalize
 from ..quantize import check_page_size
 from ..scheme import Scheme
@@ -94,6 +94,7 @@ from .folds import hooks_for
 from .operands import recipe_for
 from .pipeline import tcgen05_fence_after, tcgen05_fence_before
 from .primitives import BAR_FINAL, BAR_PREP, BAR_SOFTMAX, STEP, WG, fabs, hilo, max4, pow2_scale, scalar
+from .sequence import DecodeSequence
 
 # warpgroup roles
 WG_MMA, WG_PREP, WG_SOFTMAX, WG_OUTPUT = 0, 1, 2, 3
@@ -220,22 +221,6 @@ def _swizzle(off, b: int, m: int, s: int):
     return off ^ ((off & mask) >> s)
 
 
-def _tile_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, tile, page_size: int):
-    """(page * kv_heads + h, tile-in-page, first slot) of 64-token tile ``tile`` (clamped in range)."""
-    tile = cutlass.min(tile, n_tiles - 1)
-    tok0 = tile * TILE_TOKENS
-    page = scalar(pt_ptr, b.to(Int64) * max_pages + tok0 // page_size)[0]
-    return page.to(Int64) * kv_heads + h, (tok0 % page_size) // TILE_TOKENS, tok0 % page_size
-
-
-def _geometry(len_ptr, b, split, num_splits):
-    """(length, n_tiles, t_begin, t_end, n_steps) of the CTA's token range: whole 128-token steps
-    per split. Called inside each role (after the dispatch), so nothing is live across it."""
-    length = scalar(len_ptr, b)[0]
-    n_tiles, t_begin, t_end = split_range(length, split, num_splits, STEP // TILE_TOKENS)
-    return length, n_tiles, t_begin, t_end, (t_end - t_begin + 1) // 2
-
-
 def _t2r(tmem_ptr, acc_layout, t, nm: int):
     """TMEM -> registers copy of one accumulator row per thread (lane t of a warpgroup), nm fp32 columns."""
     atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(nm)), Float32)
@@ -268,6 +253,56 @@ class BlackwellDecodeKernel:
     # ------------------------------------------------------------------------------------------
     # host side
     # ------------------------------------------------------------------------------------------
+    def mmas_and_layouts(self):
+        """The tiled MMAs and shared-memory operand layouts: ``(mma_qk, mma_pv, desc_mma, sK_layout,
+        sV_layout, sQ_layout, sP_layout)``.
+
+        A (codes -> FP4/FP8) K-major from smem, B (FP8 hi/lo) K-major, acc F32 in TMEM. The issuing
+        MMAs carry the A format (E2M1 or E4M3) in their instruction descriptor; desc_mma describes the
+        A buffers byte-wise (the padded FP4 form has 1 byte per element)."""
+        cfg = self.cfg
+
+        def mma(a_dtype, n):
+            return sm100_utils.make_trivial_tiled_mma(
+                a_dtype, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32, tcgen05.CtaGroup.ONE, (STEP, n)
+            )
+
+        mma_qk = mma(cfg.k_op.mma_dtype, cfg.NQK)
+        mma_pv = mma(cfg.v_op.mma_dtype, cfg.NM)
+        desc_mma = mma(OPERAND_SMEM_DTYPE, cfg.NM)
+        q_stages = cfg.kh.q_buffers(cfg.OP_STAGES)
+        # (MMA, MMA_M, MMA_K, STAGE): K step [128 tokens x D] bytes, one stage per operand stage
+        sK_layout = sm100_utils.make_smem_layout_a(desc_mma, (STEP, cfg.NM, cfg.D), OPERAND_SMEM_DTYPE, cfg.OP_STAGES)
+        # V^T step [128 channels x 128 tokens] bytes: stage = operand stage * MT + m-tile
+        sV_layout = sm100_utils.make_smem_layout_a(desc_mma, (STEP, cfg.NM, STEP), OPERAND_SMEM_DTYPE, cfg.OP_STAGES * cfg.MT)
+        # Q'^T [NQK x D] (channel-wise K: one per operand stage) and P'^T [NM x 128 tokens]
+        # (stage = P buffer * P_STAGES + token-wise V channel block)
+        sQ_layout = sm100_utils.make_smem_layout_b(mma_qk, (STEP, cfg.NQK, cfg.D), Float8E4M3FN, q_stages)
+        sP_layout = sm100_utils.make_smem_layout_b(mma_pv, (STEP, cfg.NM, STEP), Float8E4M3FN, cfg.P_BUFS * cfg.P_STAGES)
+        return mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout
+
+    def shared_storage(self, sK_layout, sV_layout, sQ_layout, sP_layout):
+        """Shared memory (a ``cute.struct``, built from a dict: this module's annotations are strings
+        (PEP 563) outside jit functions); the small areas' offsets: ``foscar.blackwell.storage``."""
+        cfg = self.cfg
+        n_mbar = 2 * (cfg.RING + cfg.OP_STAGES + cfg.S_STAGES + 2 * cfg.P_BUFS + cfg.O_STAGES)
+        sizes = cfg.smem_words()
+        Align, MemRange = cute.struct.Align, cute.struct.MemRange
+        fields = {
+            "mbar": MemRange[cutlass.Int64, n_mbar],
+            "tmem_addr": MemRange[Int32, 1],
+            "ring": Align[MemRange[Int32, cfg.RING * cfg.STAGE_WORDS], 1024],
+            "sK": Align[MemRange[OPERAND_SMEM_DTYPE, cute.cosize(sK_layout)], 1024],
+            "sV": Align[MemRange[OPERAND_SMEM_DTYPE, cute.cosize(sV_layout)], 1024],
+            "sQ": Align[MemRange[Float8E4M3FN, cute.cosize(sQ_layout)], 1024],
+            "sP": Align[MemRange[Float8E4M3FN, cute.cosize(sP_layout)], 1024],
+            # the small areas, sized in BlackwellConfig.smem_words: sQf q [N, D] fp32 (channel-wise K),
+            # sZ z[d, t] of the step (channel-wise K), sRed softmax x2 by step parity, sRedP prep,
+            # sCorr token-wise V offset terms, sVp channel-wise V (scale, offset) fp16 pairs per P buffer
+            **{name: Align[MemRange[Int32 if name == "sVp" else Float32, size], 16] for name, size in sizes.items()},
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     @cute.jit
     def __call__(
         self,
@@ -287,63 +322,17 @@ class BlackwellDecodeKernel:
         sm_scale: Float32,
         stream: cuda.CUstream,
     ):
-        cfg = self.cfg
-        ##############################################################################
-        # Tiled MMAs: A (codes -> FP4/FP8) K-major from smem, B (FP8 hi/lo) K-major, acc F32 in TMEM.
-        # The issuing MMAs carry the A format (E2M1 or E4M3) in their instruction descriptor;
-        # desc_mma describes the A buffers byte-wise (the padded FP4 form has 1 byte per element).
-        ##############################################################################
-        def mma(a_dtype, n):
-            return sm100_utils.make_trivial_tiled_mma(
-                a_dtype, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32, tcgen05.CtaGroup.ONE, (STEP, n)
-            )
+        mmas = self.mmas_and_layouts()
+        SharedStorage = self.shared_storage(*mmas[3:])
+        self.launch(self.kernel(*mmas, SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, len_ptr, o_ptr,
+                                lse_ptr, kv_heads, max_pages, num_splits, sm_scale * LOG2E),
+                    (num_splits, kv_heads, batch), SharedStorage, stream)
 
-        mma_qk = mma(cfg.k_op.mma_dtype, cfg.NQK)
-        mma_pv = mma(cfg.v_op.mma_dtype, cfg.NM)
-        desc_mma = mma(OPERAND_SMEM_DTYPE, cfg.NM)
-        q_stages = cfg.kh.q_buffers(cfg.OP_STAGES)
-        # (MMA, MMA_M, MMA_K, STAGE): K step [128 tokens x D] bytes, one stage per operand stage
-        sK_layout = sm100_utils.make_smem_layout_a(desc_mma, (STEP, cfg.NM, cfg.D), OPERAND_SMEM_DTYPE, cfg.OP_STAGES)
-        # V^T step [128 channels x 128 tokens] bytes: stage = operand stage * MT + m-tile
-        sV_layout = sm100_utils.make_smem_layout_a(desc_mma, (STEP, cfg.NM, STEP), OPERAND_SMEM_DTYPE, cfg.OP_STAGES * cfg.MT)
-        # Q'^T [NQK x D] (channel-wise K: one per operand stage) and P'^T [NM x 128 tokens]
-        # (stage = P buffer * P_STAGES + token-wise V channel block)
-        sQ_layout = sm100_utils.make_smem_layout_b(mma_qk, (STEP, cfg.NQK, cfg.D), Float8E4M3FN, q_stages)
-        sP_layout = sm100_utils.make_smem_layout_b(mma_pv, (STEP, cfg.NM, STEP), Float8E4M3FN, cfg.P_BUFS * cfg.P_STAGES)
-        n_mbar = 2 * (cfg.RING + cfg.OP_STAGES + cfg.S_STAGES + 2 * cfg.P_BUFS + cfg.O_STAGES)
-        sizes = cfg.smem_words()
-
-        @cute.struct
-        class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, n_mbar]
-            tmem_addr: cute.struct.MemRange[Int32, 1]
-            ring: cute.struct.Align[cute.struct.MemRange[Int32, cfg.RING * cfg.STAGE_WORDS], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[OPERAND_SMEM_DTYPE, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[OPERAND_SMEM_DTYPE, cute.cosize(sV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sQ_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(sP_layout)], 1024]
-            # the small areas of foscar.blackwell.storage, sized in BlackwellConfig.smem_words
-            sQinfo: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sQinfo"]], 16]
-            sKinfo: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sKinfo"]], 16]
-            sQf: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sQf"]], 16]  # q [N, D] fp32 (channel-wise K)
-            sZ: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sZ"]], 16]  # z[d, t] of the step (channel-wise K)
-            sAlpha: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sAlpha"]], 16]
-            sPsum: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sPsum"]], 16]
-            sRed: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sRed"]], 16]  # softmax, x2 by step parity
-            sRedP: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sRedP"]], 16]  # prep
-            sCorr: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sCorr"]], 16]  # token-wise V offset terms
-            sFinal: cute.struct.Align[cute.struct.MemRange[Float32, sizes["sFinal"]], 16]
-            # channel-wise V: the step's (scale, offset) fp16 pairs [group t, channel d], per P buffer
-            sVp: cute.struct.Align[cute.struct.MemRange[Int32, sizes["sVp"]], 16]
-
-        scale_log2 = sm_scale * LOG2E
-        self.kernel(
-            mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout, SharedStorage,
-            q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, len_ptr, o_ptr, lse_ptr,
-            kv_heads, max_pages, num_splits, scale_log2,
-        ).launch(
-            grid=(num_splits, kv_heads, batch),
-            block=(cfg.threads, 1, 1),
+    def launch(self, kernel, grid, SharedStorage, stream):
+        """Launch a traced ``kernel`` (one CTA per (split, KV head, batch entry))."""
+        kernel.launch(
+            grid=grid,
+            block=(self.cfg.threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             min_blocks_per_mp=1,  # .minnctapersm: lets ptxas honour the per-role setmaxnreg
             stream=stream,
@@ -377,10 +366,19 @@ class BlackwellDecodeKernel:
         num_splits: Int32,
         scale_log2: Float32,
     ):
+        split, h, b = cute.arch.block_idx()
+        seq = DecodeSequence(pt_ptr, len_ptr, max_pages, b, split, num_splits)
+        self.run(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout, SharedStorage, q_ptr, kc_ptr,
+                 kp_ptr, vc_ptr, vp_ptr, o_ptr, lse_ptr, kv_heads, scale_log2, seq, split, h, b)
+
+    @cute.jit
+    def run(self, mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout, SharedStorage, q_ptr, kc_ptr,
+            kp_ptr, vc_ptr, vp_ptr, o_ptr, lse_ptr, kv_heads, scale_log2, seq, split, h, b):
+        """The CTA of split ``split``, KV head ``h``, batch entry ``b`` (its sequence: ``seq``,
+        ``foscar.blackwell.sequence``): shared memory, barriers, TMEM, then the four roles."""
         cfg = self.cfg
         NM, D = cfg.NM, cfg.D
         tidx, _, _ = cute.arch.thread_idx()
-        split, h, b = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         role = warp // 4
         t = tidx % WG  # thread within its warpgroup
@@ -431,34 +429,31 @@ class BlackwellDecodeKernel:
 
         # ================================================================ roles
         # Nothing dynamic is computed before the dispatch: the TMEM address and the CTA's token range
-        # (``_geometry``) are (re)computed inside each role, so no value stays live across it (ptxas
-        # spilled such values when one role ran at its setmaxnreg ceiling).
+        # (``seq.geometry()``) are (re)computed inside each role, so no value stays live across it
+        # (ptxas spilled such values when one role ran at its setmaxnreg ceiling).
         if role == WG_PREP:
             cute.arch.setmaxregister_increase(REGS[WG_PREP])
             self.prep(
                 sm, storage, sK_layout, sV_layout, ring, opnd, ring_words,
-                q_ptr, len_ptr, b, h, split, kv_heads, num_splits, scale_log2, t, lane, wq, nd,
+                q_ptr, seq, b, h, kv_heads, scale_log2, t, lane, wq, nd,
             )
 
         if role == WG_MMA:
             cute.arch.setmaxregister_decrease(REGS[WG_MMA])
             if warp == 1:
-                self.produce(ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, len_ptr, b, h, split, kv_heads,
-                             max_pages, num_splits, lane)
+                self.produce(ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, seq, h, kv_heads, lane)
             if warp == 0:
                 self.issue_mma(mma_qk, mma_pv, desc_mma, sm, tmem_holder, s_layout, acc_layout,
-                               opnd, s_ch, p_ch, o_ch, len_ptr, b, split, num_splits)
+                               opnd, s_ch, p_ch, o_ch, seq)
 
         if role == WG_SOFTMAX:
             cute.arch.setmaxregister_increase(REGS[WG_SOFTMAX])
-            self.softmax(sm, ring, opnd, s_ch, p_ch, st_ch, ring_words, len_ptr, b, split, num_splits,
-                         t, lane, wq, tmem_holder, acc_layout, nd)
+            self.softmax(sm, ring, opnd, s_ch, p_ch, st_ch, ring_words, seq, t, lane, wq, tmem_holder, acc_layout, nd)
 
         if role == WG_OUTPUT:
             cute.arch.setmaxregister_increase(REGS[WG_OUTPUT])
             self.output(
-                sm, st_ch, o_ch, tmem_holder, acc_layout, o_ptr, lse_ptr, len_ptr,
-                b, h, split, kv_heads, num_splits, t, wq, nd,
+                sm, st_ch, o_ch, tmem_holder, acc_layout, o_ptr, lse_ptr, seq, b, h, split, kv_heads, t, wq, nd,
             )
 
         cute.arch.sync_threads()
@@ -467,28 +462,37 @@ class BlackwellDecodeKernel:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, len_ptr, b, h, split, kv_heads,
-                max_pages, num_splits, lane):
+    def produce(self, ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, seq, h, kv_heads, lane):
         """Producer warp (warp 1): one lane issues the 1-D bulk copies of each 64-token tile (K codes,
         V codes, K params, V params: each contiguous in global memory) into the ring.
         Local tile i = 2*step + half uses ring stage i % RING; a tile past the CTA's range repeats
         the last tile of the sequence (finite codes, masked by the softmax)."""
-        cfg = self.cfg
         if lane == 0:
-            _length, n_tiles, t_begin, _t_end, n_steps = _geometry(len_ptr, b, split, num_splits)
-            for i in cutlass.range(0, 2 * n_steps, 1, unroll=1):
-                head, sub, slot0 = _tile_head(pt_ptr, b, max_pages, kv_heads, h, n_tiles, t_begin + i, cfg.page_size)
-                st = pl.stage(i, cfg.RING)
-                pl.wait_empty(ring, cfg.RING, i)
-                cute.arch.mbarrier_arrive_and_expect_tx(pl.full(ring, cfg.RING, st), cfg.STAGE_BYTES)
-                dst = ring_words + cute.assume(st * cfg.STAGE_WORDS, divby=4)
-                tile = head * cfg.SUB + sub
-                k_codes = cute.assume(tile * cfg.K_TW, divby=4)
-                v_codes = k_codes if cfg.V_TW == cfg.K_TW else cute.assume(tile * cfg.V_TW, divby=4)
-                bulk_copy_g2s(dst + cfg.K_CODES, kc_ptr + k_codes, 4 * cfg.K_TW, pl.full(ring, cfg.RING, st))
-                bulk_copy_g2s(dst + cfg.V_CODES, vc_ptr + v_codes, 4 * cfg.V_TW, pl.full(ring, cfg.RING, st))
-                bulk_copy_g2s(dst + cfg.K_PARAMS, kp_ptr + 2 * self.params_row(cfg.kfold, head, slot0), 4 * cfg.KPW, pl.full(ring, cfg.RING, st))
-                bulk_copy_g2s(dst + cfg.V_PARAMS, vp_ptr + 2 * self.params_row(cfg.vfold, head, slot0), 4 * cfg.VPW, pl.full(ring, cfg.RING, st))
+            self.produce_tiles(ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, seq, h, kv_heads)
+
+    @cute.jit
+    def produce_tiles(self, ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, seq, h, kv_heads):
+        cfg = self.cfg
+        _length, n_tiles, t_begin, _t_end, n_steps = seq.geometry()
+        for i in cutlass.range(0, 2 * n_steps, 1, unroll=1):
+            head, sub, slot0 = self.tile_head(seq, kv_heads, h, n_tiles, t_begin + i)
+            st = pl.stage(i, cfg.RING)
+            pl.wait_empty(ring, cfg.RING, i)
+            cute.arch.mbarrier_arrive_and_expect_tx(pl.full(ring, cfg.RING, st), cfg.STAGE_BYTES)
+            dst = ring_words + cute.assume(st * cfg.STAGE_WORDS, divby=4)
+            tile = head * cfg.SUB + sub
+            k_codes = cute.assume(tile * cfg.K_TW, divby=4)
+            v_codes = k_codes if cfg.V_TW == cfg.K_TW else cute.assume(tile * cfg.V_TW, divby=4)
+            bulk_copy_g2s(dst + cfg.K_CODES, kc_ptr + k_codes, 4 * cfg.K_TW, pl.full(ring, cfg.RING, st))
+            bulk_copy_g2s(dst + cfg.V_CODES, vc_ptr + v_codes, 4 * cfg.V_TW, pl.full(ring, cfg.RING, st))
+            bulk_copy_g2s(dst + cfg.K_PARAMS, kp_ptr + 2 * self.params_row(cfg.kfold, head, slot0), 4 * cfg.KPW,
+                          pl.full(ring, cfg.RING, st))
+            bulk_copy_g2s(dst + cfg.V_PARAMS, vp_ptr + 2 * self.params_row(cfg.vfold, head, slot0), 4 * cfg.VPW,
+                          pl.full(ring, cfg.RING, st))
+
+    def tile_head(self, seq, kv_heads, h, n_tiles, tile):
+        """``seq.tile_head`` (a call on the kernel: the DSL takes only the kernel's methods in loops)."""
+        return seq.tile_head(kv_heads, h, n_tiles, tile, self.cfg.page_size)
 
     def params_row(self, fold, head, slot0):
         """Index of a tile's first (scale, offset) pair (the fold case's params layout); every row
@@ -498,14 +502,14 @@ class BlackwellDecodeKernel:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def issue_mma(self, mma_qk, mma_pv, desc_mma, sm, tmem_holder, s_layout, acc_layout,
-                  opnd, s_ch, p_ch, o_ch, len_ptr, b, split, num_splits):
+                  opnd, s_ch, p_ch, o_ch, seq):
         """MMA warp (warp 0). Iteration i issues QK of step i, then PV of step i-1, so the next
         step's S is in TMEM while the softmax warpgroup works on the previous one. The smem
         descriptors are built here (after the role dispatch) and indexed by the dynamic stage, so
         ptxas derives them from a base per step instead of keeping every MMA's descriptor live."""
         cfg = self.cfg
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
-        n_steps = _geometry(len_ptr, b, split, num_splits)[4]
+        n_steps = seq.geometry()[4]
         sK, sV, sQ, sP = sm.sK, sm.sV, sm.sQ, sm.sP
         tCrK = desc_mma.make_fragment_A(sK)  # descriptors (MMA, 1, KB_D, OP_STAGES)
         tCrV = desc_mma.make_fragment_A(sV)  # (MMA, 1, KB_S, OP_STAGES*MT)
@@ -558,7 +562,7 @@ class BlackwellDecodeKernel:
     @cute.jit
     def prep(
         self, sm, storage, sK_layout, sV_layout, ring, opnd,
-        ring_words, q_ptr, len_ptr, b, h, split, kv_heads, num_splits, scale_log2, t, lane, wq, nd: cutlass.Constexpr,
+        ring_words, q_ptr, seq, b, h, kv_heads, scale_log2, t, lane, wq, nd: cutlass.Constexpr,
     ):
         """Preparation warpgroup: Q'^T hi/lo and the K corrections (fold hooks), then per step the
         A operands from packed words."""
@@ -586,19 +590,18 @@ class BlackwellDecodeKernel:
                 sm.sQinfo[sm_.q_scale(r)] = sc
         self.kh.prep_sums(sm, q_ptr, q_base, scale_log2, t)
         cute.arch.barrier(barrier_id=BAR_PREP, number_of_threads=WG)
-        self.prep_operands(sm, storage, sK_layout, sV_layout, ring, opnd, ring_words, len_ptr, b, split, num_splits,
-                           scale_log2, t, lane, wq, nd)
+        self.prep_operands(sm, storage, sK_layout, sV_layout, ring, opnd, ring_words, seq, scale_log2, t, lane, wq, nd)
 
     @cute.jit
-    def prep_operands(self, sm, storage, sK_layout, sV_layout, ring, opnd, ring_words, len_ptr, b, split, num_splits,
-                      scale_log2, t, lane, wq, nd: cutlass.Constexpr):
+    def prep_operands(self, sm, storage, sK_layout, sV_layout, ring, opnd, ring_words, seq, scale_log2, t, lane, wq,
+                      nd: cutlass.Constexpr):
         """Per step: the K hook's per-step work (channel-wise K: Q' and C), then the K and V^T A
         operands from the packed words of the ring, each tensor with its own recipe (bits)."""
         cfg = self.cfg
         ku32 = cute.recast_ptr(storage.sK.data_ptr(), dtype=Int32)
         vu32 = cute.recast_ptr(storage.sV.data_ptr(), dtype=Int32)
         ksw, vsw = sK_layout.inner, sV_layout.inner
-        n_steps = _geometry(len_ptr, b, split, num_splits)[4]
+        n_steps = seq.geometry()[4]
         for step in cutlass.range(0, n_steps, 1, unroll=1):
             so = pl.stage(step, cfg.OP_STAGES)
             pl.wait_full(ring, cfg.RING, 2 * step)  # both tiles of the step in the ring
@@ -642,15 +645,15 @@ class BlackwellDecodeKernel:
     # softmax warpgroup (thread = token of the step), in stages
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def softmax(self, sm, ring, opnd, s_ch, p_ch, st_ch, ring_words, len_ptr, b, split, num_splits,
-                t, lane, wq, tmem_holder, acc_layout, nd: cutlass.Constexpr):
+    def softmax(self, sm, ring, opnd, s_ch, p_ch, st_ch, ring_words, seq, t, lane, wq, tmem_holder, acc_layout,
+                nd: cutlass.Constexpr):
         """Per step: S with the K fold applied (hook), the column max, the V params (hook), the online
         softmax update with P'^T hi/lo and the V terms (hook); then the final reductions."""
         cfg = self.cfg
         N = cfg.N
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
         t2r, thr_t2r = _t2r(tmem_ptr, acc_layout, t, cfg.NM)
-        length, _n_tiles, t_begin, t_end, n_steps = _geometry(len_ptr, b, split, num_splits)
+        length, _n_tiles, t_begin, t_end, n_steps = seq.geometry()
         RED = sm_.red_words(cfg.P_STAGES)  # sRed half (by step parity: one barrier per step suffices)
         m_run = cute.make_rmem_tensor((N,), Float32)
         l_run = cute.make_rmem_tensor((N,), Float32)  # per-thread partial (one token per step)
@@ -750,8 +753,8 @@ class BlackwellDecodeKernel:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def output(
-        self, sm, st_ch, o_ch, tmem_holder, acc_layout, o_ptr, lse_ptr, len_ptr,
-        b, h, split, kv_heads, num_splits, t, wq, nd: cutlass.Constexpr,
+        self, sm, st_ch, o_ch, tmem_holder, acc_layout, o_ptr, lse_ptr, seq, b, h, split, kv_heads, t, wq,
+        nd: cutlass.Constexpr,
     ):
         """Output warpgroup: thread t owns channels d = t + 128*mt (t < head_dim), all N query rows;
         the V hook applies its scales and offsets to the PV accumulators."""
@@ -759,7 +762,7 @@ class BlackwellDecodeKernel:
         N = cfg.N
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
         t2r, thr_t2r = _t2r(tmem_ptr, acc_layout, t, cfg.NM)
-        n_steps = _geometry(len_ptr, b, split, num_splits)[4]
+        n_steps = seq.geometry()[4]
         accO = cute.make_rmem_tensor((cfg.MT * N,), Float32)
         for x in cutlass.range_constexpr(cfg.MT * N):
             accO[x] = Float32(0.0)
@@ -777,10 +780,10 @@ class BlackwellDecodeKernel:
             pl.release(o_ch, cfg.O_STAGES, step)  # O stage free for the PV of step + O_STAGES
             pl.release(st_ch, cfg.P_BUFS, step)
         cute.arch.barrier(barrier_id=BAR_FINAL, number_of_threads=2 * WG)
-        self.epilogue(sm, accO, o_ptr, lse_ptr, b, h, split, kv_heads, num_splits, t)
+        self.epilogue(sm, accO, o_ptr, lse_ptr, b, h, split, kv_heads, seq.partials(), t)
 
     @cute.jit
-    def epilogue(self, sm, accO, o_ptr, lse_ptr, b, h, split, kv_heads, num_splits, t):
+    def epilogue(self, sm, accO, o_ptr, lse_ptr, b, h, split, kv_heads, partials, t):
         """Add the V hook's offset term of the channel, normalise by l, write o and the LSE."""
         cfg = self.cfg
         N, D, R = cfg.N, cfg.D, cfg.R
@@ -788,7 +791,7 @@ class BlackwellDecodeKernel:
         for r in cutlass.range_constexpr(N):
             if r < R:
                 inv_l, lse = normalize(sm.sFinal[sm_.final_l(r)], sm.sFinal[sm_.final_m(r)])
-                obase, lidx = output_offsets(cfg.split, (b * Hq + h * R + r).to(Int64), split, num_splits, D)
+                obase, lidx = output_offsets(cfg.split, (b * Hq + h * R + r).to(Int64), split, partials, D)
                 if t == 0:
                     scalar(lse_ptr, lidx)[0] = lse
                 if t < cfg.DM:

@@ -124,26 +124,11 @@ def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARC
 
 
 def _build_cache_decode(scheme, page_size, arch, consumers):
-    import cuda.bindings.driver as cuda
-
-    from cutlass import Float16, Float32, Int32, Int64
+    from ..kernels.sink_window import cache_decode_compile_args
     from .fused import HopperCacheDecodeKernel
 
     cfg = DecodeConfig(scheme, page_size, True, consumers)
-    q_type = cfg.q_dtype
-    i32 = Int32(1)
-    return compile_for(
-        arch,
-        HopperCacheDecodeKernel(cfg),
-        fake_ptr(q_type),  # q
-        fake_ptr(Int32), fake_ptr(Float16), fake_ptr(Int32), fake_ptr(Float16),  # k codes, params, v codes, params
-        fake_ptr(Int32),  # page table
-        fake_ptr(Int64), fake_ptr(Int64),  # sequence rows, sequence lengths
-        fake_ptr(Float32), fake_ptr(Float32),  # partials o, lse
-        i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, num_splits, total, sink, window
-        Float32(1.0),
-        cuda.CUstream(0),
-    )
+    return compile_for(arch, HopperCacheDecodeKernel(cfg), *cache_decode_compile_args(cfg.q_dtype))
 
 
 def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
@@ -155,40 +140,9 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     (>= B * kv_heads, zero; left zero). Two launches: the quantized splits' partials, then the 16-bit
     slots' kernel (``foscar.kernels.sink_window``) that merges them with its own. Returns ``(out, lse)``:
     q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
-    import torch
-    from cutlass import Float16, Float32, Int32, Int64
+    from ..kernels.sink_window import run_cache_attend
 
-    from ..decode import MAX_SPLITS
-    from ..kernels.quantize import granule_of
-    from ..kernels.sink_window import check_sink_window, sink_window_attend, window_ctas
-
-    device = q.device
-    batch, hq, d = q.shape
-    kv_heads, slots = k_win.shape[1], k_win.shape[2]
-    # before the first launch
-    check_sink_window(d, hq // kv_heads, slots)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    if counters.dtype != torch.int32 or counters.numel() < batch * kv_heads:
-        raise ValueError(f"counters: need int32 with >= batch * kv_heads = {batch * kv_heads} elements, got "
-                         f"{counters.dtype} with {counters.numel()}")
-    compiled = compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, consumers)
-    total = num_splits + window_ctas(slots)
-    out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    lse = torch.empty(batch, hq, dtype=torch.float32, device=device)
-    o_part = torch.empty(batch, hq, total, d, dtype=torch.float32, device=device)
-    lse_part = torch.empty(batch, hq, total, dtype=torch.float32, device=device)
-    q_type = DecodeConfig.cute_dtype(q.dtype)
-    compiled(
-        gmem_ptr(q, q_type),
-        gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
-        gmem_ptr(page_table, Int32),
-        gmem_ptr(seq_rows, Int64), gmem_ptr(seq_lengths, Int64),
-        gmem_ptr(o_part, Float32), gmem_ptr(lse_part, Float32),
-        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(num_splits), Int32(total), Int32(sink),
-        Int32(window), Float32(float(sm_scale)),
-        current_stream(device),
-    )
-    sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters, num_splits, sink,
-                       window, granule_of(scheme), sm_scale, arch)
-    return out, lse
+    return run_cache_attend(lambda: compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, consumers),
+                            DecodeConfig.cute_dtype(q.dtype), q, k_codes, k_params, v_codes, v_params, page_table,
+                            k_win, v_win, seq_rows, seq_lengths, counters, sink, window, sm_scale, scheme, num_splits,
+                            arch)
