@@ -26,17 +26,15 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
     """Compile every kernel of ``scheme`` for ``archs``; print one line per kernel (and one per
     warp role's loop for the decode kernels). Returns the number of kernels that did not build."""
     from .compile_cache import cache_dir, enabled
-    import cutlass
-
     from .decode import compile_decode
     from .inspect import Artifacts, artifacts, decode_loop_stats
-    from .jit import cached_compile
+    from .jit import cached_compile, half_type
     from .kernels.combine import compile_combine
     from .kernels.dequantize import DequantizeConfig, compile_dequantize
     from .kernels.sink_window import compile_sink_window
 
     d = scheme.head_dim
-    q_type = cutlass.BFloat16 if scheme.q_dtype == torch.bfloat16 else cutlass.Float16
+    q_type = half_type(scheme.q_dtype)
 
     # the run paths' cache keys (foscar/kernels/*.py), so the main job and later runs share entries
     def dequantize_k(arch):

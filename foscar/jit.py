@@ -78,6 +78,14 @@ def kernel_count() -> int:
     return _misses
 
 
+def half_type(torch_dtype):
+    """The CuTe type of a 16-bit torch dtype (bfloat16, else float16): what the kernels take for q,
+    their outputs and the 16-bit window."""
+    import cutlass
+
+    return cutlass.BFloat16 if torch_dtype == torch.bfloat16 else cutlass.Float16
+
+
 def fake_ptr(dtype):
     """A global-memory pointer of CuTe type ``dtype`` to compile against (no GPU, no tensor)."""
     from cutlass.cute.runtime import make_ptr

@@ -10,7 +10,7 @@ itself must be packed in the Blackwell word order (``foscar.layouts.blackwell``)
 from __future__ import annotations
 
 from ..inspect import compile_for
-from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr
+from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
 from ..scheme import Scheme
 from .kernel import BlackwellConfig
 
@@ -65,7 +65,7 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     page_size = k_codes.shape[2] * 64
     partial = num_splits > 1
     compiled = compile_decode(scheme, page_size, partial, arch)
-    cfg = BlackwellConfig(scheme, page_size, partial)
+    q_type = half_type(q.dtype)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device) if lse is None else lse
     if partial:
@@ -74,8 +74,8 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     else:
         o_part, lse_part = out, lse
     compiled(
-        gmem_ptr(q, cfg.q_dtype), gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
-        gmem_ptr(page_table, Int32), gmem_ptr(lengths, Int32), gmem_ptr(o_part, Float32 if partial else cfg.q_dtype), gmem_ptr(lse_part, Float32),
+        gmem_ptr(q, q_type), gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
+        gmem_ptr(page_table, Int32), gmem_ptr(lengths, Int32), gmem_ptr(o_part, Float32 if partial else q_type), gmem_ptr(lse_part, Float32),
         Int32(batch), Int32(k_codes.shape[1]), Int32(page_table.shape[1]), Int32(num_splits), Float32(float(sm_scale)),
         current_stream(q.device),
     )
@@ -108,7 +108,6 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     Never run here (no Blackwell GPU): compile-verified only."""
     from ..kernels.sink_window import run_cache_attend
 
-    cfg = BlackwellConfig(scheme, k_codes.shape[2] * 64, True)
-    return run_cache_attend(lambda: compile_cache_decode(scheme, k_codes.shape[2] * 64, arch), cfg.q_dtype, q, k_codes,
+    return run_cache_attend(lambda: compile_cache_decode(scheme, k_codes.shape[2] * 64, arch), half_type(q.dtype), q, k_codes,
                             k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
                             sink, window, sm_scale, scheme, num_splits, arch)

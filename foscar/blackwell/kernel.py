@@ -79,10 +79,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32, Int64, Uint32
+from cutlass import Float8E4M3FN, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 
 from ..device import LOG2E, NEG_INF, fsel, output_offsets
+from ..jit import half_type
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import bulk_copy_g2s
 from ..softmax import finite_reference, normalize
@@ -112,8 +113,6 @@ class BlackwellConfig:
     V may differ in bits (FP8 K operands with FP4 V operands, or the reverse)."""
 
     def __init__(self, scheme: Scheme, page_size: int, split: bool):
-        import torch
-
         check_page_size(scheme, page_size)
         if not 1 <= scheme.gqa_ratio <= 16:
             raise NotImplementedError("the Blackwell kernel supports gqa_ratio 1..16")
@@ -154,7 +153,7 @@ class BlackwellConfig:
             raise NotImplementedError(f"{scheme.name}: needs {self.S_COLS + self.O_COLS} TMEM columns")
         self.S_STAGES, self.O_STAGES = ss, os_
         self.tmem_cols = max(32, 1 << (ss * self.S_COLS + os_ * self.O_COLS - 1).bit_length())
-        self.q_dtype = BFloat16 if scheme.q_dtype == torch.bfloat16 else Float16
+        self.q_dtype = half_type(scheme.q_dtype)
         self.threads = 4 * WG
         # ---- ring of bulk-copied 64-token tiles (int32 words): K codes | V codes | K params | V params.
         # Channel-wise V params are consumed by the output warpgroup, which runs a step behind the

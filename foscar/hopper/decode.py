@@ -14,7 +14,7 @@ fp32 ``[B, Hq]`` (natural log); True writes normalized fp32 partials ``o [B, Hq,
 from __future__ import annotations
 
 from ..inspect import compile_for
-from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr
+from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
 from ..scheme import Scheme
 from .kernel import DecodeConfig, default_consumers
 
@@ -91,7 +91,7 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
         lse_part = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=device)
     else:
         o_part, lse_part = out, lse
-    q_type = DecodeConfig.cute_dtype(q.dtype)
+    q_type = half_type(q.dtype)
     stream = current_stream(device)
     compiled(
         gmem_ptr(q, q_type),
@@ -143,6 +143,6 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     from ..kernels.sink_window import run_cache_attend
 
     return run_cache_attend(lambda: compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, consumers),
-                            DecodeConfig.cute_dtype(q.dtype), q, k_codes, k_params, v_codes, v_params, page_table,
+                            half_type(q.dtype), q, k_codes, k_params, v_codes, v_params, page_table,
                             k_win, v_win, seq_rows, seq_lengths, counters, sink, window, sm_scale, scheme, num_splits,
                             arch)

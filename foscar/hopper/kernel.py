@@ -66,10 +66,11 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass import Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
 
 from ..device import LOG2E, NEG_INF, fsel, movmatrix_trans, output_offsets, reduce_over_rows
+from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..pipeline import bulk_copy_g2s, split_range, stage_and_phase
 from ..scheme import Scheme
@@ -136,7 +137,7 @@ class DecodeConfig:
         self.KB_D = self.D // 16  # k16 blocks over head_dim (QK reduction)
         self.MB_V = self.D // 16  # m16 channel blocks of V^T
         self.KB_T = TILE_TOKENS // 16  # k16 blocks of a tile's tokens in the packed V layout
-        self.q_dtype = self.cute_dtype(scheme.q_dtype)
+        self.q_dtype = half_type(scheme.q_dtype)
         # consecutive tiles of one channel-wise K group: a warp takes them in a run and scales Q once
         self.TPG = plan.k.tiles_per_group
         # warp specialization: producer warpgroup 0, consumer warpgroups 1..NC (NW warps)
@@ -164,12 +165,6 @@ class DecodeConfig:
         self.MERGE_ROW = self.D + MERGE_PAD
         self.MERGE_WARP = self.N * self.MERGE_ROW + 2 * self.N
         self.RING_WORDS = max(self.STAGES * self.STAGE_WORDS, self.NW * self.MERGE_WARP)
-
-    @staticmethod
-    def cute_dtype(torch_dtype):
-        import torch
-
-        return BFloat16 if torch_dtype == torch.bfloat16 else Float16
 
 
 class HopperDecodeKernel:

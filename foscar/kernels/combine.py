@@ -22,7 +22,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
+from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr, half_type
 from ..device import fsel
 from ..softmax import lse_weight, merged_lse
 from ..split_merge import VEC, PartialSum
@@ -156,7 +156,7 @@ def combine_splits(o_partial, lse_partial, out, lse):
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
     if out.numel() == 0:
         return out, lse
-    out_type = cutlass.BFloat16 if out.dtype == torch.bfloat16 else cutlass.Float16
+    out_type = half_type(out.dtype)
     arch = device_arch(o_partial.device)
     compiled = cached_compile(("combine", D, out_type, arch), lambda: compile_combine(D, arch, out_type))
 

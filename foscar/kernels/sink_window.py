@@ -395,13 +395,11 @@ def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part,
     [max_seqs], ``o_part [B, Hq, total, D]`` / ``lse_part [B, Hq, total]`` (fp32), ``counters``
     int32 (>= B * kv_heads, zero; left zero). Writes ``out`` (q's dtype ``[B, Hq, D]``) and ``lse``
     (fp32 ``[B, Hq]``)."""
-    import torch
-
-    from ..jit import cached_compile, current_stream, gmem_ptr
+    from ..jit import cached_compile, current_stream, gmem_ptr, half_type
 
     batch, hq, d = q.shape
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
-    dtype = cutlass.BFloat16 if q.dtype == torch.bfloat16 else cutlass.Float16
+    dtype = half_type(q.dtype)
     gqa = hq // kv_heads
     compiled = cached_compile(("sink_window", d, gqa, dtype, arch), lambda: compile_sink_window(d, gqa, arch, dtype))
     compiled(gmem_ptr(q, dtype), gmem_ptr(k_win, dtype), gmem_ptr(v_win, dtype), gmem_ptr(seq_rows, Int64),
