@@ -103,14 +103,15 @@ def time_layers(layer_fns, reps: int = 30) -> float:
 
 
 # ----------------------------------------------------------------------------- baselines
-def read_ceiling_us(nbytes=4 * 2**30):
-    """Time the Triton read kernel of ``benchmarks.ceiling`` over ``nbytes``."""
+def read_ceiling_us(nbytes=4 * 2**30, copies=1):
+    """Time the Triton read kernel of ``benchmarks.ceiling`` over ``nbytes``; with ``copies`` > 1 one
+    call reads one of that many buffers (so a small read comes from HBM, not L2, as a decode call's)."""
     from .ceiling import read_layer
 
-    x = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
     grid = torch.cuda.get_device_properties(0).multi_processor_count * 8
     out = torch.empty(grid, dtype=torch.int32, device="cuda")
-    return time_layers([read_layer(x, out, grid)], reps=20), nbytes
+    xs = [torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda") for _ in range(copies)]
+    return time_layers([read_layer(x, out, grid) for x in xs], reps=20), nbytes
 
 
 class FlashInferDecode:

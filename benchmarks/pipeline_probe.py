@@ -6,7 +6,9 @@ Times, in one process on the same caches, the decode kernel and a variant of it 
 warps only wait for each of their tiles' ``full`` barrier, read one word and release the stage
 (same producer warps, ring, grid and split plan, CUDA-graph replays over >= 4x L2). The second is
 the delivery ceiling of the copy pipeline (benchmarks/NOTES.md section 6); its outputs are not
-attention and are not checked. Qwen3-8B geometry (32 q heads, 8 KV heads, head_dim 128), page 128.
+attention and are not checked. A third row reads the call's bytes as one contiguous buffer with the
+Triton read kernel of ``benchmarks.ceiling`` (same replay scheme): the ceiling at this call size,
+launch and ramp included. Qwen3-8B geometry (32 q heads, 8 KV heads, head_dim 128), page 128.
 """
 
 from __future__ import annotations
@@ -22,20 +24,13 @@ from cutlass import Float32, Int32
 
 from cutlass import Int64
 
-from foscar.device import inline_ptx
+from foscar.device import cp_async_16, inline_ptx
 from foscar.hopper.kernel import PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, default_consumers, mPT_load
 from foscar.layouts.fragment import TILE_TOKENS
 from foscar.pipeline import bulk_copy_g2s, stage_and_phase
 
-from .decode import time_layers
+from .decode import copies_for, read_ceiling_us, time_layers
 from .hopper_sweep import VARIANTS, cache_sets, planned_splits
-
-
-@dsl_user_op
-def cp_async_16(dst: cute.Pointer, src: cute.Pointer, *, loc=None, ip=None):
-    """``cp.async.cg`` of 16 bytes from global ``src`` to shared ``dst`` (L2 only, LSU path)."""
-    inline_ptx(None, [dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip)], "cp.async.cg.shared.global [$0], [$1], 16;",
-               "r,l,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
@@ -166,11 +161,11 @@ def compile_pipeline_only(scheme, page_size: int = 128, arch: str = "sm_90a", co
 def probe_layers(scheme, batch, context, copies=("tile",)):
     """Decode closures, {copies: probe closures}, bytes per call and splits, over the same cache clones."""
     from foscar.hopper.decode import run_decode
-    from foscar.jit import current_stream, gmem_ptr
+    from foscar.jit import current_stream, gmem_ptr, half_type
 
     q, sets, nbytes = cache_sets(scheme, batch, context)
     splits = planned_splits(batch, sets[0].k_codes.shape[1], sets[0].max_tokens)
-    q_type = DecodeConfig.cute_dtype(scheme.q_dtype)
+    q_type = half_type(scheme.q_dtype)
     b, hq, d = q.shape
     o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
@@ -213,6 +208,8 @@ def main(argv=None):
         for shape in args.configs.split(","):
             batch, context = map(int, shape.split("x"))
             fns, probes, nbytes, splits = probe_layers(scheme, batch, context, copies)
+            us, _ = read_ceiling_us(nbytes, copies_for(nbytes))
+            rows.append((name, shape, splits, "same-bytes read", us, nbytes / us / 1e6))
             us = time_layers(fns, reps=args.reps)
             rows.append((name, shape, splits, "decode", us, nbytes / us / 1e6))
             for kind, closures in probes.items():

@@ -76,3 +76,15 @@ def movmatrix_trans(x, *, loc=None, ip=None):
     4*r + c holds row r, columns 2c, 2c+1): afterwards lane 4*r + c holds column r, rows 2c, 2c+1.
     Turns an m16n8 accumulator quarter (rows = tokens) into the k16n8 B operand quarter of the next MMA."""
     return Int32(inline_ptx(T.i32(), [Int32(x)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", True, loc, ip))
+
+
+@dsl_user_op
+def cp_async_16(dst, src, src_bytes=None, *, loc=None, ip=None):
+    """``cp.async.cg`` of 16 bytes from global ``src`` to shared ``dst`` (LSU path, L2 only, no register
+    staging); with ``src_bytes`` (Int32, 0..16) only that many are read and the rest of the 16 are zeros."""
+    operands = [dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip)]
+    if src_bytes is None:
+        inline_ptx(None, operands, "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}", True, loc, ip)
+    else:
+        inline_ptx(None, operands + [Int32(src_bytes)], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                   "r,l,r,~{memory}", True, loc, ip)

@@ -64,8 +64,9 @@ def test_combine_compiles(arch):
                                                  (256, 16, "bf16"), (128, 7, "bf16"), (128, 4, "f16"),
                                                  (128, 16, "f16")])
 def test_sink_window_compiles(head_dim, gqa, dtype, arch):
-    """The 16-bit sink + window kernel (PagedKVCache's second launch), BF16 and FP16: 16-byte loads of
-    the K and V rows (no bulk copies: one per row made the TMA engine the bottleneck), Tensor Cores in
+    """The 16-bit sink + window kernel (PagedKVCache's second launch), BF16 and FP16: 16-byte cp.async
+    copies of the K and V rows, zero-filling past the cache row, in two groups (no bulk copies: one per
+    row made the TMA engine the bottleneck), Tensor Cores in
     the window's type for S^T and O^T (D/16 MMAs each per n8 block of query columns), movmatrix for
     V^T and P^T, the counting atomic and fences of the in-launch merge, no spills."""
     import cutlass
@@ -74,7 +75,10 @@ def test_sink_window_compiles(head_dim, gqa, dtype, arch):
 
     art = artifacts(compile_sink_window(head_dim, gqa, arch, cutlass.BFloat16 if dtype == "bf16" else cutlass.Float16))
     assert art.arch == arch and re.search(rf"^\.target {arch}$", art.ptx, re.M)
-    assert "cp.async.bulk" not in art.ptx and "ld.global.v4.b32" in art.ptx
+    assert "cp.async.bulk" not in art.ptx
+    copies = 2 * 128 * (head_dim // 8) // 256  # 16-byte pieces of a chunk's K and V rows per thread
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", art.ptx)) == copies
+    assert art.ptx.count("cp.async.commit_group") == 2 and re.search(r"cp\.async\.wait_group\s+1;", art.ptx)
     n_blocks = 1 if gqa <= 8 else 2
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32"
     assert art.ptx.count(mma) == 2 * (head_dim // 16) * n_blocks

@@ -25,9 +25,9 @@ FP32 accumulate; ``foscar.hopper.mma.WarpMma``): warp ``w`` owns slots ``16w .. 
     S^T [16 slots    x N] = K   [16 slots x 16 ch]    . Q^T [16 ch x N]      (D/16 k16 blocks)
     O^T [16 channels x N] = V^T [16 ch x 16 slots]    . P^T [16 slots x N]   (D/16 m16 blocks)
 
-with N = R padded to 8 or 16 query columns. The chunk's K and V rows come in by 16-byte loads of all
-threads into shared rows padded by 16 bytes, so the 8 rows of an 8x8 fragment quarter sit on distinct
-banks and every fragment register is one conflict-free 32-bit shared load; V^T's quarters are
+with N = R padded to 8 or 16 query columns. The chunk's K and V rows come in by 16-byte ``cp.async``
+copies of all threads (two groups: V's land while the scores are computed) into shared rows padded
+by 16 bytes, so the 8 rows of an 8x8 fragment quarter sit on distinct banks and every fragment register is one conflict-free 32-bit shared load; V^T's quarters are
 transposed in registers (``movmatrix``), and so is P from the S^T accumulator into P^T. The
 softmax max and sum of a query column meet across the warps in shared memory; the warps' P V
 partial sums meet there too, over the K and V rows once every warp is done with them.
@@ -41,7 +41,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from ..device import LOG2E, NEG_INF, fsel, movmatrix_trans, pack_bf16x2, pack_f16x2, reduce_over_rows
+from ..device import LOG2E, NEG_INF, cp_async_16, fsel, movmatrix_trans, pack_bf16x2, pack_f16x2, reduce_over_rows
 from ..hopper.mma import WarpMma
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
@@ -163,17 +163,23 @@ class SinkWindow:
         qlen = quantized_tokens(n, sink, window, granule)
         j0 = chunk * CHUNK
         rows_in = cutlass.min(CHUNK, sink + ring - j0)  # the chunk's slots in the cache
-        self.load_chunk(smem, k_win, v_win, ((row * kv_heads + h) * (sink + ring) + j0) * D, rows_in, tidx)
-        cute.arch.sync_threads()  # the chunk's rows in shared memory
+        first = ((row * kv_heads + h) * (sink + ring) + j0) * D  # element of the chunk's first slot
+        self.copy_rows(smem.k, k_win, first, rows_in, tidx)  # cp.async group: K rows
+        self.copy_rows(smem.v, v_win, first, rows_in, tidx)  # cp.async group: V rows, in flight during S
 
         mma = WarpMma(self.tiled_mma(), lane, self.NB)
         q_row0 = (b * kv_heads + h).to(Int64) * self.R  # first query row of the KV head
+        q_t = self.query_fragments(mma, q, q_row0)
         slot = j0 + 16 * warp + mma.g  # this lane's accumulator rows: slots slot and slot + 8
         recent = cutlass.max(n - sink - qlen, Int32(0))
         valid = tuple(self.slot_valid(j, n, qlen, sink, ring, recent) for j in (slot, slot + 8))
-        s = self.scores(smem, mma, q, q_row0, scale_log2, valid, warp)
+        cute.arch.cp_async_wait_group(1)
+        cute.arch.sync_threads()  # every thread's K pieces have landed
+        s = self.scores(smem, mma, q_t, scale_log2, valid, warp)
         m = self.column_max(smem, mma, s, warp)
         p_t = self.probabilities(smem, mma, s, m, warp)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # and the V pieces
         o_t = self.weighted_values(mma, smem, p_t, warp)
         cute.arch.sync_threads()  # every warp done with K and V: their rows take the warps' outputs
         self.stash(smem, mma, o_t, warp)
@@ -184,29 +190,22 @@ class SinkWindow:
             self.merger.merge(smem.merge.data_ptr(), o_part, lse_part, out, lse, q_row0, total, tidx)
 
     @cute.jit
-    def load_chunk(self, smem, k_win: cute.Pointer, v_win: cute.Pointer, first, rows_in: Int32, tidx: Int32):
-        """All threads: the chunk's K and V rows (``first``: element of its first slot) into the padded
-        shared rows, 16 bytes per load, a thread's loads of a tensor in flight together; rows past the
-        cache row's ``sink + ring`` slots (the last chunk's tail) become zeros: P is 0 there, but 0 x NaN
-        is not 0. Slots inside the row that hold no token are read as they are: ``PagedKVCache``
-        allocates its window zeroed and writes only finite values, so they are finite. (One bulk copy
-        per row was tried: 256 small copies per CTA made the TMA engine the bottleneck.)"""
+    def copy_rows(self, rows, src: cute.Pointer, first, rows_in: Int32, tidx: Int32):
+        """All threads: one cp.async group of the chunk's K or V rows (``first``: element of its first
+        slot) into the padded shared ``rows``, 16 bytes per copy, no register staging; rows past the
+        cache row's ``sink + ring`` slots (the last chunk's tail) are zero-filled: P is 0 there, but
+        0 x NaN is not 0. Slots inside the row that hold no token are read as they are:
+        ``PagedKVCache`` allocates its window zeroed and writes only finite values, so they are finite.
+        (One bulk copy per row was tried: 256 small copies per CTA made the TMA engine the bottleneck.)"""
         pieces = self.D // 8  # 16-byte pieces per row
-        per_thread = CHUNK * pieces // (32 * WARPS)
-        for t in cutlass.range_constexpr(2):
-            src = cute.recast_ptr(k_win if t == 0 else v_win, dtype=Int32)
-            dst = cute.recast_ptr((smem.k if t == 0 else smem.v).data_ptr(), dtype=Int32)
-            regs = [cute.make_rmem_tensor((4,), Int32) for _ in range(per_thread)]
-            for x in cutlass.range_constexpr(per_thread):
-                r, c = (tidx + x * 32 * WARPS) // pieces, (tidx + x * 32 * WARPS) % pieces
-                word = (first + cutlass.min(r, rows_in - 1) * self.D) // 2 + 4 * c
-                cute.autovec_copy(cute.make_tensor(src + cute.assume(word, divby=4), cute.make_layout((4,))), regs[x])
-            for x in cutlass.range_constexpr(per_thread):
-                r, c = (tidx + x * 32 * WARPS) // pieces, (tidx + x * 32 * WARPS) % pieces
-                for i in cutlass.range_constexpr(4):
-                    regs[x][i] = cutlass.select_(r < rows_in, regs[x][i], Int32(0))
-                word = r * (self.PD // 2) + 4 * c
-                cute.autovec_copy(regs[x], cute.make_tensor(dst + cute.assume(word, divby=4), cute.make_layout((4,))))
+        src_words = cute.recast_ptr(src, dtype=Int32)
+        dst_words = cute.recast_ptr(rows.data_ptr(), dtype=Int32)
+        for x in cutlass.range_constexpr(CHUNK * pieces // (32 * WARPS)):
+            r, c = (tidx + x * 32 * WARPS) // pieces, (tidx + x * 32 * WARPS) % pieces
+            word = (first + cutlass.min(r, rows_in - 1) * self.D) // 2 + 4 * c
+            cp_async_16(dst_words + cute.assume(r * (self.PD // 2) + 4 * c, divby=4),
+                        src_words + cute.assume(word, divby=4), fsel_i32(r < rows_in, 16, 0))
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def slot_valid(self, j: Int32, n: Int32, qlen: Int32, sink: Int32, ring: Int32, recent: Int32):
@@ -221,12 +220,12 @@ class SinkWindow:
         return cute.make_tensor(words + shared_word_index(slot, element, self.PD), cute.make_layout((1,)))[0]
 
     @cute.jit
-    def scores(self, smem, mma: WarpMma, q: cute.Pointer, q_row0: Int64, scale_log2: Float32, valid, warp: Int32):
-        """S^T of the warp's 16 slots (log2 domain; -inf where a slot holds no token): NB accumulator
-        fragments, value ``e + 2*h_r`` = slot ``16w + g + 8*h_r``, query column ``8*nb + 2*tq + e``."""
+    def query_fragments(self, mma: WarpMma, q: cute.Pointer, q_row0: Int64):
+        """Q^T as B fragments, [nb][kb]: value e + 2*hh = channel 16*kb + 2*tq + e + 8*hh of query column
+        8*nb + g (zeros past the R rows)."""
         D, R = self.D, self.R
         q_words = cute.recast_ptr(q, dtype=Int32)
-        q_t = []  # [nb][kb]: B fragments of Q^T, value e + 2*hh = channel 16*kb + 2*tq + e + 8*hh of column 8*nb + g
+        q_t = []
         for nb in cutlass.range_constexpr(self.NB):
             col = 8 * nb + mma.g
             qrow = q_row0 + cutlass.min(col, R - 1)
@@ -240,6 +239,13 @@ class SinkWindow:
                     regs[hh] = cutlass.select_(col < R, word, Int32(0))
                 frags.append(frag)
             q_t.append(frags)
+        return q_t
+
+    @cute.jit
+    def scores(self, smem, mma: WarpMma, q_t, scale_log2: Float32, valid, warp: Int32):
+        """S^T of the warp's 16 slots (log2 domain; -inf where a slot holds no token): NB accumulator
+        fragments, value ``e + 2*h_r`` = slot ``16w + g + 8*h_r``, query column ``8*nb + 2*tq + e``."""
+        D = self.D
         acc = [mma.zero_accumulator() for _ in range(self.NB)]
         for kb in cutlass.range_constexpr(D // 16):
             a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # K: value e + 2*h_r + 4*h_c, slot g + 8*h_r
