@@ -71,12 +71,12 @@ def test_sink_window_compiles(head_dim, gqa, dtype, arch):
     V^T and P^T, the counting atomic and fences of the in-launch merge, no spills."""
     import cutlass
 
-    from foscar.kernels.sink_window import compile_sink_window
+    from foscar.kernels.sink_window import CHUNK, WARPS, compile_sink_window
 
     art = artifacts(compile_sink_window(head_dim, gqa, arch, cutlass.BFloat16 if dtype == "bf16" else cutlass.Float16))
     assert art.arch == arch and re.search(rf"^\.target {arch}$", art.ptx, re.M)
     assert "cp.async.bulk" not in art.ptx
-    copies = 2 * 128 * (head_dim // 8) // 256  # 16-byte pieces of a chunk's K and V rows per thread
+    copies = 2 * CHUNK * (head_dim // 8) // (32 * WARPS)  # 16-byte pieces of a chunk's K and V rows per thread
     assert len(re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", art.ptx)) == copies
     assert art.ptx.count("cp.async.commit_group") == 2 and re.search(r"cp\.async\.wait_group\s+1;", art.ptx)
     n_blocks = 1 if gqa <= 8 else 2

@@ -164,15 +164,16 @@ class SinkWindow:
         j0 = chunk * CHUNK
         rows_in = cutlass.min(CHUNK, sink + ring - j0)  # the chunk's slots in the cache
         first = ((row * kv_heads + h) * (sink + ring) + j0) * D  # element of the chunk's first slot
-        self.copy_rows(smem.k, k_win, first, rows_in, tidx)  # cp.async group: K rows
-        self.copy_rows(smem.v, v_win, first, rows_in, tidx)  # cp.async group: V rows, in flight during S
+        recent = cutlass.max(n - sink - qlen, Int32(0))
+        holds = lambda j: self.slot_valid(j, n, qlen, sink, ring, recent)  # noqa: E731
+        self.copy_rows(smem.k, k_win, first, rows_in, j0, holds, tidx)  # cp.async group: K rows
+        self.copy_rows(smem.v, v_win, first, rows_in, j0, holds, tidx)  # cp.async group: V rows, in flight during S
 
         mma = WarpMma(self.tiled_mma(), lane, self.NB)
         q_row0 = (b * kv_heads + h).to(Int64) * self.R  # first query row of the KV head
         q_t = self.query_fragments(mma, q, q_row0)
         slot = j0 + 16 * warp + mma.g  # this lane's accumulator rows: slots slot and slot + 8
-        recent = cutlass.max(n - sink - qlen, Int32(0))
-        valid = tuple(self.slot_valid(j, n, qlen, sink, ring, recent) for j in (slot, slot + 8))
+        valid = tuple(holds(j) for j in (slot, slot + 8))
         cute.arch.cp_async_wait_group(1)
         cute.arch.sync_threads()  # every thread's K pieces have landed
         s = self.scores(smem, mma, q_t, scale_log2, valid, warp)
@@ -190,13 +191,13 @@ class SinkWindow:
             self.merger.merge(smem.merge.data_ptr(), o_part, lse_part, out, lse, q_row0, total, tidx)
 
     @cute.jit
-    def copy_rows(self, rows, src: cute.Pointer, first, rows_in: Int32, tidx: Int32):
-        """All threads: one cp.async group of the chunk's K or V rows (``first``: element of its first
-        slot) into the padded shared ``rows``, 16 bytes per copy, no register staging; rows past the
-        cache row's ``sink + ring`` slots (the last chunk's tail) are zero-filled: P is 0 there, but
-        0 x NaN is not 0. Slots inside the row that hold no token are read as they are:
-        ``PagedKVCache`` allocates its window zeroed and writes only finite values, so they are finite.
-        (One bulk copy per row was tried: 256 small copies per CTA made the TMA engine the bottleneck.)"""
+    def copy_rows(self, rows, src: cute.Pointer, first, rows_in: Int32, j0: Int32, holds, tidx: Int32):
+        """All threads: one cp.async group of the chunk's K or V rows (``first``: element of slot ``j0``,
+        its first) into the padded shared ``rows``, 16 bytes per copy, no register staging. A row whose
+        slot holds no token (``holds(slot)`` false: past the sequence, a ring slot not yet or no longer
+        in use, the last chunk's tail past the cache row) is not read but zero-filled by its copies:
+        its P is 0, and zeros keep 0 x V finite. (One bulk copy per row was tried: 256 small copies per
+        CTA made the TMA engine the bottleneck.)"""
         pieces = self.D // 8  # 16-byte pieces per row
         src_words = cute.recast_ptr(src, dtype=Int32)
         dst_words = cute.recast_ptr(rows.data_ptr(), dtype=Int32)
@@ -204,7 +205,7 @@ class SinkWindow:
             r, c = (tidx + x * 32 * WARPS) // pieces, (tidx + x * 32 * WARPS) % pieces
             word = (first + cutlass.min(r, rows_in - 1) * self.D) // 2 + 4 * c
             cp_async_16(dst_words + cute.assume(r * (self.PD // 2) + 4 * c, divby=4),
-                        src_words + cute.assume(word, divby=4), fsel_i32(r < rows_in, 16, 0))
+                        src_words + cute.assume(word, divby=4), fsel_i32(holds(j0 + r), 16, 0))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
