@@ -65,7 +65,7 @@ def test_combine_compiles(arch):
                                                  (128, 16, "f16")])
 def test_sink_window_compiles(head_dim, gqa, dtype, arch):
     """The 16-bit sink + window kernel (PagedKVCache's second launch), BF16 and FP16: 16-byte cp.async
-    copies of the K and V rows, zero-filling past the cache row, in two groups (no bulk copies: one per
+    copies of the K and V rows, zero-filling rows that hold no token, in two groups (no bulk copies: one per
     row made the TMA engine the bottleneck), Tensor Cores in
     the window's type for S^T and O^T (D/16 MMAs each per n8 block of query columns), movmatrix for
     V^T and P^T, the counting atomic and fences of the in-launch merge, no spills."""

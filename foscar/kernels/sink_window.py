@@ -27,9 +27,10 @@ FP32 accumulate; ``foscar.hopper.mma.WarpMma``): warp ``w`` owns slots ``16w .. 
 
 with N = R padded to 8 or 16 query columns. The chunk's K and V rows come in by 16-byte ``cp.async``
 copies of all threads (two groups: V's land while the scores are computed) into shared rows padded
-by 16 bytes, so the 8 rows of an 8x8 fragment quarter sit on distinct banks and every fragment register is one conflict-free 32-bit shared load; V^T's quarters are
-transposed in registers (``movmatrix``), and so is P from the S^T accumulator into P^T. The
-softmax max and sum of a query column meet across the warps in shared memory; the warps' P V
+by 16 bytes (rows whose slot holds no token zero-filled, not read), so the 8 rows of an 8x8
+fragment quarter sit on distinct banks and every fragment register is one conflict-free 32-bit
+shared load; V^T's quarters are transposed in registers (``movmatrix``), and so is P from the S^T
+accumulator into P^T. The softmax max and sum of a query column meet across the warps in shared memory; the warps' P V
 partial sums meet there too, over the K and V rows once every warp is done with them.
 """
 
@@ -41,7 +42,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from ..device import LOG2E, NEG_INF, cp_async_16, fsel, movmatrix_trans, pack_bf16x2, pack_f16x2, reduce_over_rows
+from ..device import (LOG2E, NEG_INF, cp_async_16, fsel, movmatrix_trans, pack_bf16x2, pack_f16x2,
+                      reduce_over_rows)
 from ..hopper.mma import WarpMma
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
