@@ -53,7 +53,6 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
         ("sm_90a", "dequantize K", lambda: dequantize_k("sm_90a")),
         ("sm_90a", "combine", lambda: combine("sm_90a")),
         ("sm_90a", "decode (cache)", lambda: REGISTERED["sm_90a"].compile_cache_decode(scheme, page_size)),
-        ("sm_90a", "sink + window", lambda: sink_window("sm_90a")),
         ("sm_100a", "decode (blackwell)", lambda: compile_decode(scheme, "sm_100a", page_size)),
         ("sm_100a", "dequantize K", lambda: dequantize_k("sm_100a")),
         ("sm_100a", "combine", lambda: combine("sm_100a")),

@@ -32,7 +32,7 @@ class Arch:
     max_gqa_ratio: int  # query heads per KV head the kernel takes (its query tile's columns)
     page_sizes: tuple[int, ...]
     min_group: int  # smallest group (either axis) the kernel reads
-    cache_decode: bool  # has PagedKVCache's decode (quantized splits, then the 16-bit sink + window launch that merges)
+    cache_decode: bool  # has PagedKVCache's decode (packed pages + 16-bit sink + window, splits merged in-launch)
 
     def construction(self, bits: int) -> Construction:
         """How this arch's kernel turns ``bits``-bit codes into Tensor Core operands."""
@@ -95,7 +95,8 @@ class Arch:
                          seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
                          num_splits: int):
         """Decode over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates): the quantized
-        splits' launch, then the 16-bit sink + window launch that merges; returns ``(out, lse)``."""
+        splits and the 16-bit sink + window, merged (Hopper: one launch, ``foscar.hopper.fused``; Blackwell:
+        the quantized splits, then ``foscar.kernels.sink_window``); returns ``(out, lse)``."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         return self._kernel().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,

@@ -23,13 +23,14 @@ entries point at, so every page index a kernel may read is valid. BF16 parts
 ``k_bf16 [layers, max_seqs, kv_heads, S + W + T, D]``. Pages are shared by all layers: a sequence
 owns a list of page indices, used at the same index in every layer's pool.
 
-Decode (:meth:`PagedKVCache.attend`) is two launches and no torch op but the optional rotation of q
-(``Arch.run_cache_decode``): the FOSCAR kernel over the quantized pages, reading this cache's page
-table and lengths in place and writing partial outputs per split (``foscar.hopper.fused``; the pages
-are packed in the bit order of the cache's arch, ``foscar.archs``; the GPU path -- append kernel
-and cache decode -- is Hopper's, and a cache whose arch lacks it says so when built), then
-``foscar.kernels.sink_window``, which attends the small 16-bit part once per KV head and merges it
-with the splits by log-sum-exp in the same launch. Append (:meth:`append`) of one
+Decode (:meth:`PagedKVCache.attend`) is one launch on Hopper and no torch op but the optional
+rotation of q (``Arch.run_cache_decode``): the FOSCAR kernel over the quantized pages and the 16-bit
+sink + window slots, reading this cache's page table, lengths and 16-bit slots in place, the slots
+as 16-slot tiles of the same ring (each read once per KV head), the splits merged by log-sum-exp in
+the same launch (``foscar.hopper.fused``; the pages are packed in the bit order of the cache's arch,
+``foscar.archs``; the GPU path -- append kernel and cache decode -- is Hopper's, and a cache whose
+arch lacks it says so when built). Blackwell's (compile-verified) is two launches: the quantized
+splits, then ``foscar.kernels.sink_window``, which attends the 16-bit part and merges. Append (:meth:`append`) of one
 token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush
 runs every step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no
 host sync or page allocation happens inside. Pages must then be reserved up front
@@ -37,7 +38,7 @@ host sync or page allocation happens inside. Pages must then be reserved up fron
 
 On CPU tensors (CI) the same logic runs in torch: the torch quantizer (``foscar.quantize``), a
 dequantize-then-attend for the quantized part, and an fp32 attention over the BF16 part merged by
-log-sum-exp (what the two GPU launches do).
+log-sum-exp (what the GPU launch does).
 
 Optional Hadamard rotation (QuaRot/OSCAR): K and Q are multiplied per head by the normalized
 Sylvester Hadamard matrix ``H`` (orthogonal, so ``(qH)(kH)^T = qk^T``): outliers spread over all
@@ -160,7 +161,7 @@ class PagedKVCache:
         self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64)  # host mirror of lengths
         self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
         self._index_cache: dict[tuple, torch.Tensor] = {}
-        # the sink + window launch's per-(sequence, KV head) completion counters (foscar.split_merge):
+        # the attend launch's per-(sequence, KV head) completion counters (foscar.split_merge):
         # zero between launches, shared by the layers (their launches are ordered on the stream)
         self._counters = torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=dev)
         self._heads = torch.arange(kv_heads, device=dev)

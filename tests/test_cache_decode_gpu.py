@@ -66,10 +66,8 @@ def poison_attend_buffers(cache, batch, q, rotate: bool):
     (after emptying the allocator's cache): the caching allocator hands freed blocks of a size to the
     next requests of that size, so an element the kernels fail to write most likely reads NaN and
     fails the comparison. (Best effort: ``attend`` allocates its buffers itself.)"""
-    from foscar.kernels.sink_window import window_ctas
-
     hq, d = q.shape[1], q.shape[2]
-    total = cache.num_splits(batch) + window_ctas(cache.k_bf16[0].shape[2])
+    total = cache.num_splits(batch) if cache.num_splits(batch) > 1 else 0  # partials only with several splits
     shapes = [((batch, hq, d), q.dtype)] * (2 if rotate else 1)  # the rotated q takes one such block first
     shapes += [((batch, hq), torch.float32), ((batch, hq, total, d), torch.float32), ((batch, hq, total), torch.float32)]
     torch.cuda.synchronize()
@@ -81,11 +79,25 @@ def poison_attend_buffers(cache, batch, q, rotate: bool):
 @pytest.mark.parametrize("scheme,page_size,max_len,kv_heads,rotate", CASES,
                          ids=[f"{c[0].name}-p{c[1]}-max{c[2]}-h{c[3]}{'-rot' if c[4] else ''}" for c in CASES])
 def test_one_launch_decode_matches_float64(scheme, page_size, max_len, kv_heads, rotate, rng):
+    check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("case", [0, 1, 7], ids=lambda i: CASES[i][0].name)
+def test_one_launch_decode_any_split_count(case, splits, rng):
+    """One split (the CTA writes the output itself), two, and an odd count: the window tiles
+    ``x, x + splits, ...`` of each split and the merge."""
+    check_cache_decode(*CASES[case], rng, splits=splits)
+
+
+def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits=None):
     lengths = lengths_for(PagedKVCache(scheme, 1, 1, 1, 1, 4096, page_size, SINK, WINDOW, device="meta",
                                        use_kernels=False).granule)
     cache = PagedKVCache(scheme, 2, kv_heads, num_pages=len(lengths) * max_len // page_size + 8,
                          max_seqs=len(lengths) + 1, max_seq_len=max_len, page_size=page_size, sink=SINK, window=WINDOW,
                          rotate=rotate, device="cuda")
+    if splits is not None:
+        cache.num_splits = lambda batch: splits
     spare = cache.allocate()  # freed: the ids attended are not 0..B-1
     ids = [cache.allocate() for _ in lengths]
     cache.free(spare)

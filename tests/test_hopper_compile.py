@@ -6,6 +6,7 @@ import re
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import pytest
+import torch
 
 pytest.importorskip("cutlass")
 
@@ -122,7 +123,7 @@ def test_every_ring_stage_belongs_to_one_consumer_warp():
         for consumers in {default_consumers(scheme), 1, 2, 3}:
             cfg = DecodeConfig(scheme, page_size, True, consumers)
             assert cfg.STAGES % (cfg.TPG * cfg.NW) == 0 and cfg.STAGES >= cfg.TPG * cfg.NW, (scheme.name, consumers)
-            assert cfg.STAGES * cfg.STAGE_BYTES <= 220 * 1024
+            assert cfg.STAGES * cfg.STAGE_WORDS * 4 <= 220 * 1024
 
 
 def test_pipeline_probe_compiles_without_compute():
@@ -139,3 +140,44 @@ def test_pipeline_probe_compiles_without_compute():
         assert ("cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive" in ptx) == lsu, copies
         assert "mbarrier.try_wait.parity" in ptx
         assert "mma" not in ptx
+
+
+CACHE_VARIANTS = [  # (scheme, page size): the cache decode's window tiles over each V case, 1 and 2 n8 blocks, FP16
+    (Scheme.make(2, "token", 128, "token", 128, 128, 4), 128),
+    (Scheme.make(2, "channel", 128, "token", 128, 128, 4), 128),
+    (Scheme.make(4, "token", 128, "channel", 128, 256, 2), 128),
+    (Scheme.make(4, "token", 64, "token", 64, 64, 16), 64),
+    (Scheme.make(2, "token", 128, "token", 128, 128, 4, torch.float16), 128),
+]
+
+
+@pytest.mark.sass
+@pytest.mark.parametrize("scheme,page_size", CACHE_VARIANTS, ids=[f"{s.name}-p{p}" for s, p in CACHE_VARIANTS])
+def test_cache_decode_fuses_window_tiles(scheme, page_size):
+    """PagedKVCache's decode (foscar/hopper/fused.py) is one launch: the packed tiles' bulk copies and
+    FP16 MMAs, and the 16-bit window tiles through the same ring -- cp.async copies of 16 slots' K and
+    V rows per producer lane's share, completing the stage by cp.async.mbarrier.arrive, and D/16 MMAs
+    each for S^T and O^T in the window's type per n8 block -- then the in-launch merge (the counting
+    atomic between two fences). No more spills than the plain decode (the producer's copy loop is a
+    runtime loop: 40 registers)."""
+    from foscar.archs import HOPPER
+    from foscar.inspect import artifacts
+    from foscar.window_tiles import BLOCK
+
+    art = artifacts(HOPPER.compile_cache_decode(scheme, page_size))
+    ptx = art.ptx
+    dtype = "bf16" if scheme.q_dtype == torch.bfloat16 else "f16"
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx  # packed tiles
+    assert "cp.async.mbarrier.arrive.shared::cta.b64" in ptx and "cp.async.bulk.tensor" not in ptx
+    # one cp.async per tensor in the producer's runtime copy loop
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx)) == 2
+    n_blocks = 1 if scheme.gqa_ratio <= 8 else 2
+    window_mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32"
+    if dtype == "bf16":  # FP16 windows share the packed tiles' MMA type
+        assert ptx.count(window_mma) == 2 * (scheme.head_dim // 16) * n_blocks
+    assert ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") >= 4 * (scheme.head_dim // 16) + 2 * n_blocks
+    assert "atom.global.acq_rel.add.u32" in ptx and ptx.count("fence.acq_rel.gpu") == 2
+    assert BLOCK == 16
+    # the window tiles add no spill to the decode's (some variants spill a few words with 3 warpgroups)
+    plain = artifacts(HOPPER.compile_decode(scheme, page_size, True))
+    assert art.resources().local_bytes <= plain.resources().local_bytes

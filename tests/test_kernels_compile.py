@@ -89,11 +89,12 @@ def test_sink_window_compiles(head_dim, gqa, dtype, arch):
     _no_local_memory(art)
 
 
-def test_sink_window_shared_rows_are_conflict_free():
-    """The kernel's fragment reads of the padded K / V rows (``shared_word_index``, which the kernel's
-    ``shared_word`` uses): the 8 rows x 4 words of a quarter (lane 4g + tq reads the pair at element
-    2*tq of row g, plus the quarter's offsets) fall on 32 distinct banks at every head_dim."""
-    from foscar.kernels.sink_window import ROW_PAD, shared_word_index
+def test_window_shared_rows_are_conflict_free():
+    """The fragment reads of the padded K / V rows of the 16-bit window (``foscar.window_tiles``:
+    ``WindowOperands.row_word``, for the window kernel and the Hopper cache decode's window tiles):
+    the 8 rows x 4 words of a quarter (lane 4g + tq reads the pair at element 2*tq of row g, plus the
+    quarter's offsets) fall on 32 distinct banks at every head_dim."""
+    from foscar.window_tiles import ROW_PAD, shared_word_index
 
     for head_dim in (64, 128, 256):
         for row0, element0 in ((0, 0), (8, 8), (16, 16 * 3)):  # quarters of K (g + 8 h_r) and V^T (8 h_c + g)

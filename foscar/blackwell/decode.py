@@ -104,7 +104,7 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
                      sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int,
                      arch: str = DEFAULT_ARCH):
     """Decode on a cache layer's tensors, pages in the Blackwell word order: the same contract as
-    ``foscar.hopper.decode.run_cache_decode`` (``foscar.kernels.sink_window.run_cache_attend``).
+    ``foscar.kernels.sink_window.run_cache_attend``.
     Never run here (no Blackwell GPU): compile-verified only."""
     from ..kernels.sink_window import run_cache_attend
 

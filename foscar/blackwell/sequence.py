@@ -12,7 +12,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Int32, Int64
 
-from ..kernels.sink_window import quantized_tokens
+from ..window_tiles import quantized_tokens
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import split_range
 from .primitives import STEP, scalar

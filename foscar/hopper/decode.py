@@ -117,18 +117,35 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
 
 def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH, consumers: int | None = None):
     """Compile (or fetch) the decode launch of ``foscar.cache.PagedKVCache`` (``foscar.hopper.fused``:
-    the quantized splits' partials, read in place from the cache's tensors)."""
+    packed pages, 16-bit sink + window slots and the split merge in one launch, reading the cache's
+    tensors in place)."""
     consumers = default_consumers(scheme) if consumers is None else consumers
     key = ("hopper_cache_decode", scheme, int(page_size), int(consumers), arch)
     return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch, consumers))
 
 
 def _build_cache_decode(scheme, page_size, arch, consumers):
-    from ..kernels.sink_window import cache_decode_compile_args
-    from .fused import HopperCacheDecodeKernel
+    import cuda.bindings.driver as cuda
+    from cutlass import Float16, Float32, Int32, Int64
 
-    cfg = DecodeConfig(scheme, page_size, True, consumers)
-    return compile_for(arch, HopperCacheDecodeKernel(cfg), *cache_decode_compile_args(cfg.q_dtype))
+    from .fused import HopperCacheDecodeKernel, cache_decode_config
+
+    cfg = cache_decode_config(scheme, page_size, consumers)
+    q_type, i32 = cfg.q_dtype, Int32(1)
+    return compile_for(
+        arch, HopperCacheDecodeKernel(cfg),
+        fake_ptr(q_type),  # q
+        fake_ptr(Int32), fake_ptr(Float16), fake_ptr(Int32), fake_ptr(Float16),  # k codes, params, v codes, params
+        fake_ptr(Int32),  # page table
+        fake_ptr(Int64), fake_ptr(Int64),  # sequence rows, sequence lengths
+        fake_ptr(q_type), fake_ptr(q_type),  # k_win, v_win
+        fake_ptr(Float32), fake_ptr(Float32),  # partials o, lse
+        fake_ptr(q_type), fake_ptr(Float32),  # out, lse
+        fake_ptr(Int32),  # counters
+        i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, num_splits, sink, ring, window
+        Float32(1.0),  # sm_scale
+        cuda.CUstream(0),
+    )
 
 
 def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
@@ -137,12 +154,35 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     """Decode on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``,
     packed pages, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win [max_seqs, kv_heads,
     sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs], ``counters`` int32
-    (>= B * kv_heads, zero; left zero). Two launches: the quantized splits' partials, then the 16-bit
-    slots' kernel (``foscar.kernels.sink_window``) that merges them with its own. Returns ``(out, lse)``:
+    (>= B * kv_heads, zero; left zero). One launch (``foscar.hopper.fused``). Returns ``(out, lse)``:
     q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
-    from ..kernels.sink_window import run_cache_attend
+    import torch
+    from cutlass import Float16, Float32, Int32, Int64
 
-    return run_cache_attend(lambda: compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, consumers),
-                            half_type(q.dtype), q, k_codes, k_params, v_codes, v_params, page_table,
-                            k_win, v_win, seq_rows, seq_lengths, counters, sink, window, sm_scale, scheme, num_splits,
-                            arch)
+    from ..kernels.sink_window import check_cache_launch
+
+    device = q.device
+    batch, hq, d = q.shape
+    kv_heads, slots = k_win.shape[1], k_win.shape[2]
+    check_cache_launch(num_splits, counters, batch * kv_heads)  # before anything compiles or launches
+    compiled = compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, consumers)
+    q_type = half_type(q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=device)
+    parts = num_splits if num_splits > 1 else 0  # one split writes out and lse directly
+    o_part = torch.empty(batch, hq, parts, d, dtype=torch.float32, device=device)
+    lse_part = torch.empty(batch, hq, parts, dtype=torch.float32, device=device)
+    compiled(
+        gmem_ptr(q, q_type),
+        gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
+        gmem_ptr(page_table, Int32),
+        gmem_ptr(seq_rows, Int64), gmem_ptr(seq_lengths, Int64),
+        gmem_ptr(k_win, q_type), gmem_ptr(v_win, q_type),
+        gmem_ptr(o_part, Float32), gmem_ptr(lse_part, Float32),
+        gmem_ptr(out, q_type), gmem_ptr(lse, Float32),
+        gmem_ptr(counters, Int32),
+        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(num_splits), Int32(sink),
+        Int32(slots - sink), Int32(window), Float32(float(sm_scale)),
+        current_stream(device),
+    )
+    return out, lse

@@ -12,6 +12,7 @@ V (``O^T += V^T . P^T``):
   ``setup()``; ``load_params(vpar, rows, valid)`` (zero past the sequence end); ``pack_p`` the P^T
   B-fragment register of (tb, nb, hr) for P copy ``ps`` (scaled or not) and its correction;
   ``accumulate`` the tile's MMAs into O^T; ``rescale`` O's state when the running max moved;
+  ``rescale_direct`` the same before a tile that adds its P V to O^T itself (a 16-bit window tile);
   ``output`` an O^T element with the correction the case adds at the end.
 
 Thread coordinates: lane ``4*g + tq``; accumulator rows are tokens ``16*tb + g + 8*hr`` (index
@@ -244,6 +245,9 @@ class VTokenHooks(_Hooks):
                 for i in range(4):
                     row[nb][i] = row[nb][i] * alpha[i % 2 + 2 * nb]
 
+    def rescale_direct(self, mma: WarpMma, st, accO, alpha):
+        self.rescale(mma, st, accO, alpha)
+
     def accumulate(self, mma: WarpMma, st, tp, acc_p, accO, pB, vw, alpha):
         cfg = self.cfg
         for j in range(self.fold.channel_blocks):
@@ -316,7 +320,13 @@ class VChannelHooks(_Hooks):
             pg[x] = reduce_over_rows(pg[x], operator.add)  # Psum per token group and column
 
     def rescale(self, mma: WarpMma, st, accO, alpha):
-        return None
+        return None  # accumulate rescales O in the FMA that adds a tile
+
+    def rescale_direct(self, mma: WarpMma, st, accO, alpha):
+        for row in accO:
+            for nb in range(mma.NB):
+                for i in range(4):
+                    row[nb][i] = row[nb][i] * alpha[i % 2 + 2 * nb]
 
     def accumulate(self, mma: WarpMma, st, tp, pg, accO, pB, vw, alpha):
         cfg, ng = self.cfg, self.fold.tile_groups

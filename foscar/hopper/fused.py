@@ -1,14 +1,24 @@
-"""The decode launch of ``foscar.cache.PagedKVCache`` (sm_90a): the quantized splits' partials.
+"""The decode launch of ``foscar.cache.PagedKVCache`` (sm_90a): packed pages, the 16-bit sink +
+window slots and the split merge, in one launch.
 
-Grid ``(num_splits, kv_heads, batch)``: each CTA is split ``x`` of the sequence's packed pages,
-exactly the decode kernel's CTA (``foscar.hopper.kernel``: producer warpgroup + consumer warps, an
-fp32 partial out), writing partial ``x`` of ``total`` per query row; ``foscar.kernels.sink_window``
-runs next, writes the 16-bit sink + window slots' partials ``num_splits ..`` and merges them all.
+Grid ``(num_splits, kv_heads, batch)``: each CTA is the decode kernel's CTA (``foscar.hopper.kernel``:
+producer warpgroup + consumer warps over a shared-memory ring) for split ``x`` of the sequence's
+packed tiles and for the sequence's window tiles ``x, x + num_splits, ...``: blocks of 16 sink +
+window slots (``foscar.window_tiles``) that travel through the same ring, before the packed tiles
+(after them, each CTA ended on a burst of 16-bit reads with nothing left to overlap: 128 x 8K
+11-15% slower than two launches). A window tile is copied by the 32 lanes of a producer warp
+(16-byte ``cp.async`` into padded rows, slots holding no token zero-filled; the stage completes on
+``cp.async.mbarrier.arrive``) and attended by the consumer warp that owns its stage, into that
+warp's own online softmax and O^T, in the window's 16-bit type (BF16 or FP16 MMAs). So every
+window byte is read once per KV head, within the same launch, and no second launch runs.
+
+One split writes the output directly; with several, each CTA writes its normalized fp32 partial
+and the last CTA of the (sequence, KV head) merges them (``foscar.split_merge``: the cache's
+completion counters, left at zero).
 
 The cache's tensors are read in place: the page table by the sequence's row (``seq_rows[b]``), the
 quantized length computed from the sequence's token count (``seq_lengths[row]``) as
-``PagedKVCache.quantized_tokens`` does, so no torch gather or length arithmetic runs per call:
-a call is this launch and the window kernel's, CUDA-graph capturable.
+``PagedKVCache.quantized_tokens`` does: a call is one launch, CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -17,26 +27,124 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 
-from ..device import LOG2E
+from ..device import LOG2E, cp_async_arrive
+from ..jit import half_type
 from ..kernels.quantize import granule_of
-from ..kernels.sink_window import quantized_tokens
 from ..layouts.fragment import THREADS
-from ..pipeline import split_range
-from .kernel import PRODUCER_REGS, DecodeConfig, HopperDecodeKernel
+from ..pipeline import split_range, stage_and_phase
+from ..softmax import finite_reference
+from ..split_merge import SplitMerge
+from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token
+from .kernel import BAR_CONSUMERS, PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel
+from .mma import WarpMma
 
-__all__ = ["HopperCacheDecodeKernel"]
+__all__ = ["HopperCacheDecodeKernel", "cache_decode_config"]
+
+
+def cache_decode_config(scheme, page_size: int, consumers: int) -> DecodeConfig:
+    """The split-output config whose ring stages also hold a window tile."""
+    window = WindowOperands(scheme.head_dim, scheme.gqa_ratio, half_type(scheme.q_dtype))
+    return DecodeConfig(scheme, page_size, True, consumers, window)
+
+
+class CacheWindow:
+    """One CTA's window tiles (built in the kernel from its runtime values): tile ``i`` is block
+    ``split + num_splits * i`` of the sequence's 16-slot blocks and local tile ``i`` of the ring, before
+    the packed tiles; their count is rounded up to whole runs of ``TPG`` (so the packed runs stay
+    aligned to channel-wise K groups), the extra tiles' slots all past the cache row."""
+
+    def __init__(self, cfg: DecodeConfig, k_win, v_win, q_ptr, q_row0, first, n, qlen, sink, ring, split, num_splits):
+        self.cfg, self.ops = cfg, cfg.window
+        self.k_win, self.v_win, self.q_ptr, self.q_row0 = k_win, v_win, q_ptr, q_row0
+        self.first = first  # element of the (sequence, KV head)'s slot 0 in k_win / v_win
+        self.n, self.qlen, self.sink, self.ring = n, qlen, sink, ring
+        self.slots = sink + ring
+        self.split, self.num_splits = split, num_splits
+        self.recent = cutlass.max(n - sink - qlen, Int32(0))
+        blocks = (self.slots + BLOCK - 1) // BLOCK
+        tiles = (cutlass.max(blocks - split, 0) + num_splits - 1) // num_splits
+        self.tiles = (tiles + cfg.TPG - 1) // cfg.TPG * cfg.TPG
+
+    def holds(self, j):
+        return slot_holds_token(j, self.n, self.qlen, self.sink, self.ring, self.recent)
+
+    def slot0(self, i):
+        """First slot of window tile ``i``."""
+        return BLOCK * (self.split + self.num_splits * i)
+
+    @cute.jit
+    def produce(self, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer, pw: Int32, lane: Int32):
+        """Producer warp ``pw`` (all lanes): the window tiles ``pw``, ``pw + 4``, ..."""
+        cfg = self.cfg
+        for i in cutlass.range(pw, self.tiles, PRODUCER_WARPS, unroll=1):
+            s, phase = stage_and_phase(i, cfg.STAGES)
+            if lane == 0:
+                cute.arch.mbarrier_wait(empty + s, phase ^ 1)
+            cute.arch.sync_warp()  # the stage is free for every lane's copies
+            j0 = self.slot0(i)
+            dst = ring + cute.assume(s * cfg.STAGE_WORDS, divby=4)
+            first = self.first + j0.to(Int64) * cfg.D
+            rows_in = cutlass.max(cutlass.min(BLOCK, self.slots - j0), 1)  # (clamped reads of a tile past the row)
+            # a runtime loop: the producer's 40 registers do not hold an unrolled one's addresses
+            self.ops.copy_rows(((dst + cfg.WIN_K, self.k_win), (dst + cfg.WIN_V, self.v_win)), first, rows_in, j0,
+                               self.holds, lane, 32, BLOCK, unrolled=False)
+            cp_async_arrive(full + s)
+            cute.arch.sync_warp()  # every lane's pending arrival is counted before the producer's own
+            if lane == 0:
+                cute.arch.mbarrier_arrive(full + s)
+
+    @cute.jit
+    def attend(self, kernel: HopperDecodeKernel, mma: WarpMma, ring: cute.Pointer, full: cute.Pointer,
+               empty: cute.Pointer, vst, m_run: cute.Tensor, l_run: cute.Tensor, accO, i: Int32, scale_log2: Float32,
+               lane: Int32):
+        """Window tile ``i`` (local tile ``i``) into the warp's online softmax and O^T (the V case's state rescaled like
+        after a packed tile; its corrections get nothing: these slots are exact)."""
+        cfg, ops, vf = self.cfg, self.ops, kernel.v_hooks
+        wmma = WarpMma(ops.tiled_mma(), lane, cfg.NB)  # the window's 16-bit type, same fragment geometry
+        q_t = ops.query_fragments(wmma, self.q_ptr, self.q_row0)
+        j0 = self.slot0(i)
+        valid = tuple(self.holds(j0 + wmma.g + 8 * hr) for hr in range(2))
+        stage, phase = stage_and_phase(i, cfg.STAGES)
+        cute.arch.mbarrier_wait(full + stage, phase)
+        sbuf = ring + cute.assume(stage * cfg.STAGE_WORDS, divby=4)
+        sc = ops.scores(wmma, sbuf + cfg.WIN_K, 0, q_t, scale_log2, valid)
+        alpha, moved = kernel.online_softmax(mma, sc, m_run, l_run, token_blocks=1, may_be_empty=True)
+        vf.rescale_corrections(mma, vst, alpha)
+        rescale = vf.rescale_direct  # (a method of a local object is not called inside a runtime `if`)
+        if moved:
+            rescale(mma, vst, accO, alpha)
+        p = cute.make_rmem_tensor((4 * cfg.NB,), Float32)
+        for nb in cutlass.range_constexpr(cfg.NB):
+            for x in cutlass.range_constexpr(4):
+                cs = x % 2 + 2 * nb
+                p[4 * nb + x] = cute.arch.exp2(sc[4 * nb + x] - finite_reference(m_run[cs]))
+                l_run[cs] = l_run[cs] + p[4 * nb + x]
+        p_t = ops.probability_fragments(wmma, p)
+        for md in cutlass.range_constexpr(cfg.MB_V):
+            a = ops.value_fragment(wmma, sbuf + cfg.WIN_V, 0, md)
+            for nb in cutlass.range_constexpr(cfg.NB):
+                wmma.gemm(accO[md][nb], a, p_t[nb])
+        cute.arch.mbarrier_arrive(empty + stage)
 
 
 class HopperCacheDecodeKernel(HopperDecodeKernel):
-    """See the module docstring; ``cfg`` is a split-output :class:`DecodeConfig`."""
+    """See the module docstring; ``cfg`` from :func:`cache_decode_config`."""
 
     def __init__(self, cfg: DecodeConfig):
-        if not cfg.split:
-            raise ValueError("the cache decode kernel writes split partials: build its DecodeConfig with split=True")
+        if not cfg.split or cfg.window is None:
+            raise ValueError("the cache decode kernel needs a split-output DecodeConfig with window tiles "
+                             "(cache_decode_config)")
         super().__init__(cfg)
         self.granule = granule_of(cfg.scheme)
+        self.merger = SplitMerge(cfg.D, cfg.R, cfg.NW * 32, BAR_CONSUMERS, cfg.q_dtype)
+
+    def cache_storage(self):
+        return self.shared_storage(
+            merge_scratch=cute.struct.Align[cute.struct.MemRange[Float32, self.merger.scratch_words], 16],
+            last=cute.struct.MemRange[Int32, 1],  # SplitMerge.arrive's answer
+        )
 
     @cute.jit
     def __call__(
@@ -49,23 +157,28 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         pt_ptr: cute.Pointer,  # int32 [max_seqs, max_pages]
         seq_rows: cute.Pointer,  # int64 [B]: the sequences' rows
         seq_lengths: cute.Pointer,  # int64 [max_seqs]: tokens per sequence (this layer)
-        o_part: cute.Pointer,  # fp32 [B, Hq, total, D]: this launch writes partials 0 .. num_splits - 1
-        lse_part: cute.Pointer,  # fp32 [B, Hq, total]
+        k_win: cute.Pointer,  # [max_seqs, kv_heads, sink + ring, D] q dtype: the 16-bit slots
+        v_win: cute.Pointer,
+        o_part: cute.Pointer,  # fp32 [B, Hq, num_splits, D] (num_splits > 1)
+        lse_part: cute.Pointer,  # fp32 [B, Hq, num_splits]
+        out: cute.Pointer,  # [B, Hq, D] q dtype
+        lse: cute.Pointer,  # fp32 [B, Hq]
+        counters: cute.Pointer,  # int32 [>= B * kv_heads], zero (left zero)
         batch: Int32,
         kv_heads: Int32,
         max_pages: Int32,
         num_splits: Int32,
-        total: Int32,
         sink: Int32,
+        ring: Int32,
         window: Int32,
         sm_scale: Float32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
-        SharedStorage = self.shared_storage()
+        SharedStorage = self.cache_storage()
         self.kernel(self.tiled_mma(), SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
-                    seq_lengths, o_part, lse_part, kv_heads, max_pages, num_splits, total, sink, window,
-                    sm_scale * LOG2E).launch(
+                    seq_lengths, k_win, v_win, o_part, lse_part, out, lse, counters, kv_heads, max_pages, num_splits,
+                    sink, ring, window, sm_scale * LOG2E).launch(
             grid=(num_splits, kv_heads, batch),
             block=(cfg.threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
@@ -76,9 +189,10 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr, q_ptr: cute.Pointer,
                kc_ptr: cute.Pointer, kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer,
-               pt_ptr: cute.Pointer, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, o_part: cute.Pointer,
-               lse_part: cute.Pointer, kv_heads: Int32, max_pages: Int32, num_splits: Int32, total: Int32, sink: Int32,
-               window: Int32, scale_log2: Float32):
+               pt_ptr: cute.Pointer, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, k_win: cute.Pointer,
+               v_win: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer,
+               lse: cute.Pointer, counters: cute.Pointer, kv_heads: Int32, max_pages: Int32, num_splits: Int32,
+               sink: Int32, ring: Int32, window: Int32, scale_log2: Float32):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
@@ -91,13 +205,28 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         n = Int32(cute.make_tensor(seq_lengths + row, cute.make_layout((1,)))[0])
         qlen = quantized_tokens(n, sink, window, self.granule)
         _n_tiles, t_begin, t_end = split_range(qlen, split, num_splits, cfg.TPG)
+        q_row0 = (b * kv_heads + h).to(Int64) * cfg.R  # first query row of the KV head
+        first = (row * kv_heads + h) * (sink + ring) * cfg.D  # element of the window's slot 0
+        # (built in each branch: a Python object cannot be carried through a runtime `if`)
+        window_of = lambda: CacheWindow(cfg, k_win, v_win, q_ptr, q_row0, first, n, qlen, sink, ring,  # noqa: E731
+                                        split, num_splits)
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            pw, lane = cute.arch.make_warp_uniform(tidx // 32), tidx % 32
+            window_of().produce(storage.ring.data_ptr(), full, empty, pw, lane)  # the window tiles first
             self.produce(storage.ring.data_ptr(), full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, Int32(row), h,
-                         kv_heads, max_pages, t_begin, t_end, cute.arch.make_warp_uniform(tidx // 32), tidx % 32)
+                         kv_heads, max_pages, t_begin, t_end, pw, lane, ring_first=window_of().tiles)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self.consume(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, o_part, lse_part, qlen, b, h, split,
-                         kv_heads, total, t_begin, t_end, scale_log2, cute.arch.make_warp_uniform(tidx // 32 - 4),
-                         tidx % 32)
+            warp, lane = cute.arch.make_warp_uniform(tidx // 32 - 4), tidx % 32
+            merge = self.attend_tiles(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, qlen, b, h, kv_heads,
+                                      t_begin, t_end, scale_log2, warp, lane, window=window_of())
+            tc = warp * 32 + lane
+            if num_splits == 1:
+                self.merge_and_store(merge, out, lse, b, h, split, kv_heads, num_splits, tc, split_output=False)
+            else:
+                self.merge_and_store(merge, o_part, lse_part, b, h, split, kv_heads, num_splits, tc, split_output=True)
+                if self.merger.arrive(counters + (b * kv_heads + h), storage.last.data_ptr(), num_splits, tc):
+                    self.merger.merge(storage.merge_scratch.data_ptr(), o_part, lse_part, out, lse, q_row0,
+                                      num_splits, tc)

@@ -75,6 +75,7 @@ from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..pipeline import bulk_copy_g2s, split_range, stage_and_phase
 from ..scheme import Scheme
 from ..softmax import finite_reference, normalize
+from ..window_tiles import BLOCK
 from .folds import hooks_for, q_index
 from .mma import TOKEN_BLOCKS, FragmentOperand, WarpMma
 
@@ -118,7 +119,7 @@ class DecodeConfig:
     The variant's limits (gqa ratio, page sizes, group sizes) are ``foscar.archs.HOPPER.can_implement``'s,
     checked before this is built; what only the geometry tells (the ring fits) is checked here."""
 
-    def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int):
+    def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int, window=None):
         if consumers not in (1, 2, 3):
             raise ValueError(f"consumers must be 1, 2 or 3 warpgroups, got {consumers}")
         plan = scheme.plan("sm_90a")
@@ -152,14 +153,20 @@ class DecodeConfig:
         self.K_PARAMS = self.K_TW + self.V_TW
         self.V_PARAMS = self.K_PARAMS + self.KPW
         self.STAGE_WORDS = self.V_PARAMS + self.VPW
-        self.STAGE_BYTES = 4 * self.STAGE_WORDS
+        self.TILE_BYTES = 4 * self.STAGE_WORDS  # what a packed tile's copies bring
+        # a stage may instead hold a window tile (``window``: foscar.window_tiles.WindowOperands of the
+        # 16-bit sink + window slots, foscar.hopper.fused): BLOCK slots' padded K rows | V rows
+        self.window = window
+        if window is not None:
+            self.WIN_K, self.WIN_V = 0, window.rows_words(BLOCK)
+            self.STAGE_WORDS = max(self.STAGE_WORDS, 2 * window.rows_words(BLOCK))
         # Every stage belongs to one consumer warp (STAGES is a multiple of TPG*NW and warp w takes
         # the runs w, w+NW, ...): a warp waits on a stage's `full` parity right after its own
         # previous use of it, never two phases ahead of the fill (which would read as complete).
         per_round = self.TPG * self.NW
-        rounds = min(MAX_STAGES, SMEM_BYTES // self.STAGE_BYTES) // per_round
+        rounds = min(MAX_STAGES, SMEM_BYTES // (4 * self.STAGE_WORDS)) // per_round
         if rounds < 1:
-            raise ValueError(f"ring stages of {self.STAGE_BYTES} B: {per_round} do not fit in {SMEM_BYTES} B")
+            raise ValueError(f"ring stages of {4 * self.STAGE_WORDS} B: {per_round} do not fit in {SMEM_BYTES} B")
         self.STAGES = rounds * per_round
         # merge area (fp32 words, over the ring): per warp O^T rows (N x (D + pad)), then m and l
         self.MERGE_ROW = self.D + MERGE_PAD
@@ -229,13 +236,15 @@ class HopperDecodeKernel:
         """One warp, m16 x n8 x k16, FP16 operands, FP32 accumulators: both GEMMs."""
         return cute.make_tiled_mma(warp_mma.MmaF16BF16Op(Float16, Float32, (16, 8, 16)))
 
-    def shared_storage(self):
-        """Shared memory: the stage ring (the warps' merge area after the loop) and its mbarriers."""
+    def shared_storage(self, **extra):
+        """Shared memory: the stage ring (the warps' merge area after the loop), its mbarriers, and
+        the ``extra`` fields a subclass names."""
         cfg = self.cfg
         fields = {  # built as a dict: this module's annotations are strings (PEP 563) outside jit functions
             "ring": cute.struct.Align[cute.struct.MemRange[Int32, cfg.RING_WORDS], 1024],
             "full": cute.struct.MemRange[Int64, cfg.STAGES],
             "empty": cute.struct.MemRange[Int64, cfg.STAGES],
+            **extra,
         }
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -304,7 +313,10 @@ class HopperDecodeKernel:
     @cute.jit
     def produce(self, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer, kc_ptr: cute.Pointer,
                 kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer, pt_ptr: cute.Pointer, b: Int32,
-                h: Int32, kv_heads: Int32, max_pages: Int32, t_begin: Int32, t_end: Int32, pw: Int32, lane: Int32):
+                h: Int32, kv_heads: Int32, max_pages: Int32, t_begin: Int32, t_end: Int32, pw: Int32, lane: Int32,
+                ring_first=None):
+        """``ring_first``: the local tile (ring position) of the first packed tile, when other tiles
+        come first (``foscar.hopper.fused``); else 0."""
         cfg = self.cfg
         P = PRODUCER_WARPS
         SUB = cfg.SUB
@@ -321,9 +333,12 @@ class HopperDecodeKernel:
             for tile in cutlass.range(first, tile_hi, P, unroll=1):
                 page = cute.arch.shuffle_sync(my_page, offset=tile // SUB - chunk)
                 if lane == 0:
-                    s, phase = stage_and_phase(tile - t_begin, cfg.STAGES)
+                    local = tile - t_begin
+                    if cutlass.const_expr(ring_first is not None):
+                        local = local + ring_first
+                    s, phase = stage_and_phase(local, cfg.STAGES)
                     cute.arch.mbarrier_wait(empty + s, phase ^ 1)
-                    cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.STAGE_BYTES)
+                    cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.TILE_BYTES)
                     head = page.to(Int64) * kv_heads + h  # (page, kv_head) index
                     slot0 = (tile % SUB) * TILE_TOKENS  # first slot of the tile in its page
                     dst = ring + cute.assume(s * cfg.STAGE_WORDS, divby=4)
@@ -346,6 +361,16 @@ class HopperDecodeKernel:
                 q_ptr: cute.Pointer, o_ptr: cute.Pointer, lse_ptr: cute.Pointer, length: Int32, b: Int32, h: Int32,
                 split: Int32, kv_heads: Int32, num_splits: Int32, t_begin: Int32, t_end: Int32,
                 scale_log2: Float32, warp: Int32, lane: Int32):
+        merge = self.attend_tiles(tiled_mma, ring, full, empty, q_ptr, length, b, h, kv_heads, t_begin, t_end,
+                                  scale_log2, warp, lane)
+        self.merge_and_store(merge, o_ptr, lse_ptr, b, h, split, kv_heads, num_splits, warp * 32 + lane)
+
+    @cute.jit
+    def attend_tiles(self, tiled_mma: cute.TiledMma, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer,
+                     q_ptr: cute.Pointer, length: Int32, b: Int32, h: Int32, kv_heads: Int32, t_begin: Int32,
+                     t_end: Int32, scale_log2: Float32, warp: Int32, lane: Int32, window=None):
+        """The warp's tiles (``window``'s, if given, before the packed ones: ``foscar.hopper.fused``);
+        then every warp's (O, m, l) in the merge area over the ring, which this returns."""
         cfg = self.cfg
         mma = WarpMma(tiled_mma, lane, cfg.NB)
         kf, vf = self.k_hooks, self.v_hooks
@@ -363,13 +388,25 @@ class HopperDecodeKernel:
         vf.setup_output(mma, vst)
 
         n_local = cutlass.max(t_end - t_begin, 0)
-        n_runs = (n_local + cfg.TPG - 1) // cfg.TPG
+        n_front = 0
+        if cutlass.const_expr(window is not None):
+            n_front = window.tiles  # local tiles 0 .. n_front - 1: the window's, before the packed ones
+            attend_window = window.attend  # (a method of a local object is not called inside a runtime loop)
+        n_tiles = n_front + n_local
+        n_runs = (n_tiles + cfg.TPG - 1) // cfg.TPG
         my_runs = (cutlass.max(n_runs - warp, 0) + cfg.NW - 1) // cfg.NW
         for step in cutlass.range(0, my_runs * cfg.TPG, 1, unroll=1):
             local_tile = cfg.TPG * (warp + cfg.NW * (step // cfg.TPG)) + step % cfg.TPG
-            if local_tile < n_local:
-                self.attend_tile(mma, ring, full, empty, kst, vst, qv, m_run, l_run, accO, length, t_begin, local_tile,
-                                 step, scale_log2, lane)
+            if cutlass.const_expr(window is None):
+                if local_tile < n_local:
+                    self.attend_tile(mma, ring, full, empty, kst, vst, qv, m_run, l_run, accO, length, t_begin,
+                                     local_tile, step, scale_log2, lane)
+            else:
+                if local_tile < n_front:
+                    attend_window(self, mma, ring, full, empty, vst, m_run, l_run, accO, local_tile, scale_log2, lane)
+                elif local_tile < n_tiles:
+                    self.attend_tile(mma, ring, full, empty, kst, vst, qv, m_run, l_run, accO, length, t_begin,
+                                     local_tile - n_front, step, scale_log2, lane, ring_tile=local_tile)
 
         # ---------------------------------------------------------------- this warp's (O, m, l)
         for cs in cutlass.range_constexpr(mma.NS):
@@ -390,7 +427,7 @@ class HopperDecodeKernel:
                 merge[mine + cfg.N * cfg.MERGE_ROW + cols[cs]] = m_run[cs]
                 merge[mine + cfg.N * cfg.MERGE_ROW + cfg.N + cols[cs]] = l_run[cs]
         cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=cfg.NW * 32)
-        self.merge_and_store(merge, o_ptr, lse_ptr, b, h, split, kv_heads, num_splits, warp * 32 + lane)
+        return merge
 
     # ------------------------------------------------------------------------------------------
     # consumer stages
@@ -398,12 +435,13 @@ class HopperDecodeKernel:
     @cute.jit
     def attend_tile(self, mma: WarpMma, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer, kst, vst, qv,
                     m_run: cute.Tensor, l_run: cute.Tensor, accO, length: Int32, t_begin: Int32, local_tile: Int32,
-                    step: Int32, scale_log2: Float32, lane: Int32):
-        """One 64-token tile of this warp: stage -> registers, S^T, online softmax, P^T, O^T."""
+                    step: Int32, scale_log2: Float32, lane: Int32, ring_tile=None):
+        """One 64-token tile of this warp: stage -> registers, S^T, online softmax, P^T, O^T.
+        ``ring_tile``: its ring position, when other tiles come first; else ``local_tile``."""
         cfg = self.cfg
         kf, vf = self.k_hooks, self.v_hooks
         valid = length - (t_begin + local_tile) * TILE_TOKENS  # valid tokens in this tile (>= 1)
-        ring_stage, ring_phase = stage_and_phase(local_tile, cfg.STAGES)
+        ring_stage, ring_phase = stage_and_phase(local_tile if ring_tile is None else ring_tile, cfg.STAGES)
         cute.arch.mbarrier_wait(full + ring_stage, ring_phase)
         sbuf = ring + cute.assume(ring_stage * cfg.STAGE_WORDS, divby=4)  # the tile's stage
         # virtual warp u of the packed tile: K token block u, V channel blocks u, u+4, ...
@@ -458,18 +496,20 @@ class HopperDecodeKernel:
                     sc[(tb * mma.NB + nb) * 4 + i] = fsel(rows[2 * tb + i // 2] < valid, vals[i], Float32(NEG_INF))
         return sc
 
-    def online_softmax(self, mma: WarpMma, sc, m_run, l_run):
-        """Fold the tile's scores into the running max and sum of this warp's tokens; returns
-        (alpha per column slot, whether any column's max moved in the warp: O needs rescaling)."""
+    def online_softmax(self, mma: WarpMma, sc, m_run, l_run, token_blocks: int = TOKEN_BLOCKS, may_be_empty=False):
+        """Fold the scores of ``token_blocks`` m16 blocks into the running max and sum of this warp's
+        tokens; returns (alpha per column slot, whether any column's max moved in the warp: O needs
+        rescaling). ``may_be_empty``: the blocks may hold no token (every score -inf), so the max
+        may stay -inf."""
         alpha = cute.make_rmem_tensor((mma.NS,), Float32)
         for cs in range(mma.NS):
             nb, e = cs // 2, cs % 2
             mx = sc[nb * 4 + e]
-            for t in range(1, 2 * TOKEN_BLOCKS):
+            for t in range(1, 2 * token_blocks):
                 mx = cute.arch.fmax(mx, sc[((t // 2) * mma.NB + nb) * 4 + e + 2 * (t % 2)])
             mx = reduce_over_rows(mx, cute.arch.fmax)
             m_new = cute.arch.fmax(m_run[cs], mx)
-            alpha[cs] = cute.arch.exp2(m_run[cs] - m_new)
+            alpha[cs] = cute.arch.exp2(m_run[cs] - (finite_reference(m_new) if may_be_empty else m_new))
             m_run[cs] = m_new
             l_run[cs] = l_run[cs] * alpha[cs]
         moved = alpha[0] != Float32(1.0)
@@ -497,10 +537,12 @@ class HopperDecodeKernel:
 
     @cute.jit
     def merge_and_store(self, merge: cute.Tensor, o_ptr: cute.Pointer, lse_ptr: cute.Pointer, b: Int32, h: Int32,
-                        split: Int32, kv_heads: Int32, num_splits: Int32, tc: Int32):
+                        split: Int32, kv_heads: Int32, num_splits: Int32, tc: Int32, split_output=None):
         """Merge the NW warps' (O, m, l) from shared memory, one output element per consumer thread
-        and pass (coalesced along the channel), and write O (normalized) and lse."""
+        and pass (coalesced along the channel), and write O (normalized) and lse: fp32 partials
+        when ``split_output`` (default: the config's ``split``), else the final output."""
         cfg = self.cfg
+        partial = cfg.split if split_output is None else split_output
         N, D, R, NW = cfg.N, cfg.D, cfg.R, cfg.NW
         Hq = kv_heads * R
         ml = N * cfg.MERGE_ROW  # offset of m (then l) in a warp's area
@@ -520,12 +562,12 @@ class HopperDecodeKernel:
                     lt = lt + merge[w * cfg.MERGE_WARP + ml + N + col] * wt
                     ot = ot + merge[w * cfg.MERGE_WARP + col * cfg.MERGE_ROW + d] * wt
                 inv_l, lse = normalize(lt, m_all, fastmath=False)
-                obase, lidx = output_offsets(cfg.split, (b * Hq + h * R + col).to(Int64), split, num_splits, D)
+                obase, lidx = output_offsets(partial, (b * Hq + h * R + col).to(Int64), split, num_splits, D)
                 if d == 0:
                     cute.make_tensor(lse_ptr + lidx, cute.make_layout((1,)))[0] = lse
                 val = ot * inv_l
                 out = cute.make_tensor(o_ptr + (obase + d), cute.make_layout((1,)))
-                out[0] = val if cutlass.const_expr(cfg.split) else val.to(cfg.q_dtype)
+                out[0] = val if cutlass.const_expr(partial) else val.to(cfg.q_dtype)
 
 
 def mPT_load(pt_ptr, idx):

@@ -1,36 +1,26 @@
-"""The 16-bit sink + recent-window slots of ``foscar.cache.PagedKVCache``: a light kernel that
-attends them once per KV head, after the decode launch, and merges its partials with the decode's.
+"""The 16-bit sink + recent-window slots of ``foscar.cache.PagedKVCache`` as a launch of their own:
+a light kernel that attends them once per KV head, after the Blackwell cache-decode launch, and
+merges its partials with the decode's. (Hopper's cache decode attends these slots inside its own
+launch, as tiles of its ring: ``foscar.hopper.fused``. Both build on ``foscar.window_tiles``.)
 
 The cache keeps the first ``sink`` tokens of a sequence and its most recent ones in unquantized
 slots of the model's dtype (``[max_seqs, kv_heads, L, D]``, ``L = sink + ring``) and the rest,
 ``qlen`` tokens, in packed pages. This kernel runs after the decode launch
-(``foscar.hopper.fused``), which wrote partials ``0 .. num_splits - 1`` of ``o_part [B, Hq, total, D]``
+(``foscar.blackwell.fused``), which wrote partials ``0 .. num_splits - 1`` of ``o_part [B, Hq, total, D]``
 / ``lse_part``: CTA ``(chunk, kv_head, b)`` attends ``CHUNK`` slots of its (sequence, KV head) for
 all ``R`` query heads of the KV head (each window byte is read once per KV head, not once per query
 head), writes the normalized partial ``(o, lse)`` as ``num_splits + chunk``, and the last of the
 (sequence, KV head)'s chunk CTAs merges all ``total`` into the output (``foscar.split_merge``).
 
-Why a kernel of its own, after the decode: its CTAs are small (256 threads, 37-133 KB of shared
-memory), so several share an SM and hide each other's load and merge latencies. Inside the decode
-grid every CTA carries the decode ring's ~220 KB: window CTAs there held whole SMs for a few
-microseconds of latency (measured: +sw rows up to 1.6x slower).
+Why a kernel of its own, not CTAs of the decode grid: its CTAs are small (256 threads, 37-133 KB of
+shared memory), so several share an SM and hide each other's load and merge latencies. Inside the
+decode grid every CTA carries the decode ring's ~220 KB: window CTAs there held whole SMs for a few
+microseconds of latency (measured on Hopper: +sw rows up to 1.6x slower).
 
-Slot ``j`` of a sequence of ``n`` tokens is valid when ``j < sink`` and ``j < n`` (sink), or
-``j >= sink`` and ``(j - sink - qlen) mod ring < max(n - sink - qlen, 0)`` (the ring of recent
-tokens, ``foscar.cache``).
-
-Tensor Cores, swap-AB as in the decode kernel (``mma.sync.m16n8k16``, the window's 16-bit type in,
-FP32 accumulate; ``foscar.hopper.mma.WarpMma``): warp ``w`` owns slots ``16w .. 16w + 15`` of the chunk,
-
-    S^T [16 slots    x N] = K   [16 slots x 16 ch]    . Q^T [16 ch x N]      (D/16 k16 blocks)
-    O^T [16 channels x N] = V^T [16 ch x 16 slots]    . P^T [16 slots x N]   (D/16 m16 blocks)
-
-with N = R padded to 8 or 16 query columns. The chunk's K and V rows come in by 16-byte ``cp.async``
-copies of all threads (two groups: V's land while the scores are computed) into shared rows padded
-by 16 bytes (rows whose slot holds no token zero-filled, not read), so the 8 rows of an 8x8
-fragment quarter sit on distinct banks and every fragment register is one conflict-free 32-bit
-shared load; V^T's quarters are transposed in registers (``movmatrix``), and so is P from the S^T
-accumulator into P^T. The softmax max and sum of a query column meet across the warps in shared memory; the warps' P V
+Warp ``w`` owns slots ``16w .. 16w + 15`` of the chunk (``foscar.window_tiles``: which slots hold a
+token, the swap-AB Tensor Core operands from padded shared rows). The chunk's K and V rows come in
+by ``cp.async`` copies of all threads in two groups (V's land while the scores are computed). The
+softmax max and sum of a query column meet across the warps in shared memory; the warps' P V
 partial sums meet there too, over the K and V rows once every warp is done with them.
 """
 
@@ -40,22 +30,20 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import warp as warp_mma
 
-from ..device import (LOG2E, NEG_INF, cp_async_16, fsel, movmatrix_trans, pack_bf16x2, pack_f16x2,
-                      reduce_over_rows)
+from ..device import LOG2E, reduce_over_rows
 from ..hopper.mma import WarpMma
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
+from ..window_tiles import ROW_PAD, WindowOperands, quantized_tokens, query_columns, slot_holds_token
 
-__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "quantized_tokens", "shared_storage", "shared_word_index",
-           "shared_bytes", "check_sink_window", "compile_sink_window", "sink_window_attend", "run_cache_attend",
+__all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "shared_storage", "shared_bytes", "check_sink_window",
+           "compile_sink_window", "sink_window_attend", "run_cache_attend", "check_cache_launch",
            "cache_decode_compile_args"]
 
 CHUNK = 128  # slots per CTA: 16 per warp
 MAX_CHUNKS = 32  # sink + window slots up to 4096
 WARPS = 8
-ROW_PAD = 8  # 16-bit elements of padding per shared K / V row (16 bytes: rows 4 banks apart)
 BAR_MERGE = 1  # named barrier of the merge (all threads)
 SMEM_BUDGET = 227 * 1024  # dynamic shared memory per CTA on sm_90 / sm_100
 
@@ -63,17 +51,6 @@ SMEM_BUDGET = 227 * 1024  # dynamic shared memory per CTA on sm_90 / sm_100
 def window_ctas(slots: int) -> int:
     """CTAs per (sequence, KV head) for ``slots`` window slots."""
     return -(-slots // CHUNK)
-
-
-def quantized_tokens(n, sink, window, granule: int):
-    """Tokens of an ``n``-token sequence that live in packed pages (``PagedKVCache.quantized_tokens``),
-    on the device: ``granule * max(0, (n - sink - window) // granule)``."""
-    return cutlass.max(n - sink - window, Int32(0)) // granule * granule
-
-
-def query_columns(rows: int) -> int:
-    """N: the R query rows padded to whole n8 blocks."""
-    return 8 if rows <= 8 else 16
 
 
 def shared_storage(head_dim: int, rows: int, dtype=cutlass.BFloat16):
@@ -120,22 +97,18 @@ class SinkWindow:
 
     def __init__(self, head_dim: int, rows: int, dtype):
         check_sink_window(head_dim, rows, slots=1)
+        self.ops = WindowOperands(head_dim, rows, dtype)
         self.D, self.R = head_dim, rows
-        self.PD = head_dim + ROW_PAD  # elements per shared K / V row
+        self.PD = self.ops.PD
         self.N = query_columns(rows)
         self.NB = self.N // 8
         self.dtype = dtype
-        self.pack = pack_bf16x2 if dtype is cutlass.BFloat16 else pack_f16x2
         self.merger = SplitMerge(head_dim, rows, 32 * WARPS, BAR_MERGE, dtype)
         # the warps' outputs fit over the K and V rows (32 R D <= 512 (D + 8) bytes for R <= 16), which
         # are adjacent: K's rows are a whole number of 128-byte alignment units
         assert WARPS * rows * head_dim * 4 <= 2 * CHUNK * self.PD * 2, (head_dim, rows)
         assert CHUNK * self.PD * 2 % 128 == 0, head_dim
         assert self.merger.scratch_words == 2 * rows  # shared_storage's merge
-
-    def tiled_mma(self):
-        """One warp, m16 x n8 x k16, the window's 16-bit operands, FP32 accumulators: both GEMMs."""
-        return cute.make_tiled_mma(warp_mma.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)))
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k_win: cute.Pointer, v_win: cute.Pointer, seq_rows: cute.Pointer,
@@ -155,11 +128,13 @@ class SinkWindow:
                seq_rows: cute.Pointer, seq_lengths: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer,
                out: cute.Pointer, lse: cute.Pointer, counters: cute.Pointer, kv_heads: Int32, num_splits: Int32,
                chunks: Int32, sink: Int32, ring: Int32, window: Int32, granule: Int32, scale_log2: Float32):
-        D = self.D
+        D, ops = self.D, self.ops
         tidx, _, _ = cute.arch.thread_idx()
         chunk, h, b = cute.arch.block_idx()
         warp, lane = cute.arch.make_warp_uniform(tidx // 32), tidx % 32
         smem = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        k_rows = cute.recast_ptr(smem.k.data_ptr(), dtype=Int32)
+        v_rows = cute.recast_ptr(smem.v.data_ptr(), dtype=Int32)
         row = cute.make_tensor(seq_rows + b, cute.make_layout((1,)))[0]  # the sequence's row (Int64)
         n = Int32(cute.make_tensor(seq_lengths + row, cute.make_layout((1,)))[0])
         qlen = quantized_tokens(n, sink, window, granule)
@@ -167,23 +142,25 @@ class SinkWindow:
         rows_in = cutlass.min(CHUNK, sink + ring - j0)  # the chunk's slots in the cache
         first = ((row * kv_heads + h) * (sink + ring) + j0) * D  # element of the chunk's first slot
         recent = cutlass.max(n - sink - qlen, Int32(0))
-        holds = lambda j: self.slot_valid(j, n, qlen, sink, ring, recent)  # noqa: E731
-        self.copy_rows(smem.k, k_win, first, rows_in, j0, holds, tidx)  # cp.async group: K rows
-        self.copy_rows(smem.v, v_win, first, rows_in, j0, holds, tidx)  # cp.async group: V rows, in flight during S
+        holds = lambda j: slot_holds_token(j, n, qlen, sink, ring, recent)  # noqa: E731
+        ops.copy_rows(((k_rows, k_win),), first, rows_in, j0, holds, tidx, 32 * WARPS, CHUNK)
+        cute.arch.cp_async_commit_group()  # K rows
+        ops.copy_rows(((v_rows, v_win),), first, rows_in, j0, holds, tidx, 32 * WARPS, CHUNK)
+        cute.arch.cp_async_commit_group()  # V rows, in flight during S
 
-        mma = WarpMma(self.tiled_mma(), lane, self.NB)
+        mma = WarpMma(ops.tiled_mma(), lane, self.NB)
         q_row0 = (b * kv_heads + h).to(Int64) * self.R  # first query row of the KV head
-        q_t = self.query_fragments(mma, q, q_row0)
+        q_t = ops.query_fragments(mma, q, q_row0)
         slot = j0 + 16 * warp + mma.g  # this lane's accumulator rows: slots slot and slot + 8
         valid = tuple(holds(j) for j in (slot, slot + 8))
         cute.arch.cp_async_wait_group(1)
         cute.arch.sync_threads()  # every thread's K pieces have landed
-        s = self.scores(smem, mma, q_t, scale_log2, valid, warp)
+        s = ops.scores(mma, k_rows, 16 * warp, q_t, scale_log2, valid)
         m = self.column_max(smem, mma, s, warp)
         p_t = self.probabilities(smem, mma, s, m, warp)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # and the V pieces
-        o_t = self.weighted_values(mma, smem, p_t, warp)
+        o_t = self.weighted_values(mma, v_rows, p_t, warp)
         cute.arch.sync_threads()  # every warp done with K and V: their rows take the warps' outputs
         self.stash(smem, mma, o_t, warp)
         cute.arch.sync_threads()
@@ -191,79 +168,6 @@ class SinkWindow:
         self.store(smem, o_part, lse_part, q_row0, num_splits + chunk, total, tidx)
         if self.merger.arrive(counters + (b * kv_heads + h), smem.last.data_ptr(), chunks, tidx):
             self.merger.merge(smem.merge.data_ptr(), o_part, lse_part, out, lse, q_row0, total, tidx)
-
-    @cute.jit
-    def copy_rows(self, rows, src: cute.Pointer, first, rows_in: Int32, j0: Int32, holds, tidx: Int32):
-        """All threads: one cp.async group of the chunk's K or V rows (``first``: element of slot ``j0``,
-        its first) into the padded shared ``rows``, 16 bytes per copy, no register staging. A row whose
-        slot holds no token (``holds(slot)`` false: past the sequence, a ring slot not yet or no longer
-        in use, the last chunk's tail past the cache row) is not read but zero-filled by its copies:
-        its P is 0, and zeros keep 0 x V finite. (One bulk copy per row was tried: 256 small copies per
-        CTA made the TMA engine the bottleneck.)"""
-        pieces = self.D // 8  # 16-byte pieces per row
-        src_words = cute.recast_ptr(src, dtype=Int32)
-        dst_words = cute.recast_ptr(rows.data_ptr(), dtype=Int32)
-        for x in cutlass.range_constexpr(CHUNK * pieces // (32 * WARPS)):
-            r, c = (tidx + x * 32 * WARPS) // pieces, (tidx + x * 32 * WARPS) % pieces
-            word = (first + cutlass.min(r, rows_in - 1) * self.D) // 2 + 4 * c
-            cp_async_16(dst_words + cute.assume(r * (self.PD // 2) + 4 * c, divby=4),
-                        src_words + cute.assume(word, divby=4), fsel_i32(holds(j0 + r), 16, 0))
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def slot_valid(self, j: Int32, n: Int32, qlen: Int32, sink: Int32, ring: Int32, recent: Int32):
-        """Whether window slot ``j`` holds a token (module docstring)."""
-        rel = (j - sink - qlen) % ring
-        rel = rel + fsel_i32(rel < 0, ring, 0)  # floor mod
-        return (j < sink + ring) & cutlass.select_(j < sink, j < n, rel < recent)
-
-    def shared_word(self, tensor_field, slot, element):
-        """The 32-bit shared word of K or V at (chunk slot, even element): two 16-bit values."""
-        words = cute.recast_ptr(tensor_field.data_ptr(), dtype=Int32)
-        return cute.make_tensor(words + shared_word_index(slot, element, self.PD), cute.make_layout((1,)))[0]
-
-    @cute.jit
-    def query_fragments(self, mma: WarpMma, q: cute.Pointer, q_row0: Int64):
-        """Q^T as B fragments, [nb][kb]: value e + 2*hh = channel 16*kb + 2*tq + e + 8*hh of query column
-        8*nb + g (zeros past the R rows)."""
-        D, R = self.D, self.R
-        q_words = cute.recast_ptr(q, dtype=Int32)
-        q_t = []
-        for nb in cutlass.range_constexpr(self.NB):
-            col = 8 * nb + mma.g
-            qrow = q_row0 + cutlass.min(col, R - 1)
-            frags = []
-            for kb in cutlass.range_constexpr(D // 16):
-                frag = mma.fragment_B()
-                regs = cute.recast_tensor(frag, Int32)
-                for hh in cutlass.range_constexpr(2):
-                    word = cute.make_tensor(q_words + (qrow * D + 16 * kb + 2 * mma.tq + 8 * hh) // 2,
-                                            cute.make_layout((1,)))[0]
-                    regs[hh] = cutlass.select_(col < R, word, Int32(0))
-                frags.append(frag)
-            q_t.append(frags)
-        return q_t
-
-    @cute.jit
-    def scores(self, smem, mma: WarpMma, q_t, scale_log2: Float32, valid, warp: Int32):
-        """S^T of the warp's 16 slots (log2 domain; -inf where a slot holds no token): NB accumulator
-        fragments, value ``e + 2*h_r`` = slot ``16w + g + 8*h_r``, query column ``8*nb + 2*tq + e``."""
-        D = self.D
-        acc = [mma.zero_accumulator() for _ in range(self.NB)]
-        for kb in cutlass.range_constexpr(D // 16):
-            a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # K: value e + 2*h_r + 4*h_c, slot g + 8*h_r
-            regs = cute.recast_tensor(a, Int32)
-            for hr in cutlass.range_constexpr(2):
-                for hc in cutlass.range_constexpr(2):
-                    slot, element = 16 * warp + mma.g + 8 * hr, 16 * kb + 2 * mma.tq + 8 * hc
-                    regs[hr + 2 * hc] = self.shared_word(smem.k, slot, element)
-            for nb in cutlass.range_constexpr(self.NB):
-                mma.gemm(acc[nb], a, q_t[nb][kb])
-        s = cute.make_rmem_tensor((4 * self.NB,), Float32)
-        for nb in cutlass.range_constexpr(self.NB):
-            for i in cutlass.range_constexpr(4):
-                s[4 * nb + i] = fsel(valid[i // 2], acc[nb][i] * scale_log2, Float32(NEG_INF))
-        return s
 
     @cute.jit
     def column_max(self, smem, mma: WarpMma, s, warp: Int32):
@@ -306,27 +210,15 @@ class SinkWindow:
                 at = warp * N + mma.column(2 * nb + e)
                 if first_row:
                     csum[at] = x
-        p_t = []
-        for nb in cutlass.range_constexpr(self.NB):
-            frag = mma.fragment_B()  # value e + 2*hh: slot 2*tq + e + 8*hh, column 8*nb + g
-            regs = cute.recast_tensor(frag, Int32)
-            for hh in cutlass.range_constexpr(2):
-                regs[hh] = movmatrix_trans(self.pack(p[4 * nb + 2 * hh], p[4 * nb + 2 * hh + 1]))
-            p_t.append(frag)
-        return p_t
+        return self.ops.probability_fragments(mma, p)
 
     @cute.jit
-    def weighted_values(self, mma: WarpMma, smem, p_t, warp: Int32):
+    def weighted_values(self, mma: WarpMma, v_rows: cute.Pointer, p_t, warp: Int32):
         """O^T = V^T P^T over the warp's 16 slots: D/16 x NB accumulator fragments (index
         ``mb * NB + nb``), value ``e + 2*h_r`` = channel ``16*mb + g + 8*h_r``, column ``8*nb + 2*tq + e``."""
         o_t = []
         for mb in cutlass.range_constexpr(self.D // 16):
-            a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # V^T: value e + 2*h_r + 4*h_c, channel g + 8*h_r
-            regs = cute.recast_tensor(a, Int32)
-            for hr in cutlass.range_constexpr(2):
-                for hc in cutlass.range_constexpr(2):  # lane 4r + c: slot r, channels 2c, 2c + 1; movmatrix transposes
-                    word = self.shared_word(smem.v, 16 * warp + 8 * hc + mma.g, 16 * mb + 8 * hr + 2 * mma.tq)
-                    regs[hr + 2 * hc] = movmatrix_trans(word)
+            a = self.ops.value_fragment(mma, v_rows, 16 * warp, mb)
             for nb in cutlass.range_constexpr(self.NB):
                 acc = mma.zero_accumulator()
                 mma.gemm(acc, a, p_t[nb])
@@ -372,16 +264,6 @@ class SinkWindow:
             cute.make_tensor(o_part + (prow * D + el % D), cute.make_layout((1,)))[0] = o * inv_l
             if el % D == 0:
                 cute.make_tensor(lse_part + prow, cute.make_layout((1,)))[0] = lse
-
-
-def shared_word_index(slot, element, padded_row: int):
-    """Int32 word of a shared K / V row's even ``element`` (rows of ``padded_row`` 16-bit values)."""
-    return (slot * padded_row + element) // 2
-
-
-def fsel_i32(cond, a, b):
-    """Int32 ``cond ? a : b``, branch-free."""
-    return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
 
 
 def compile_sink_window(head_dim: int, gqa_ratio: int, arch: str = "sm_90a", dtype=cutlass.BFloat16):
@@ -432,7 +314,6 @@ def run_cache_attend(compile_decode, q_type, q, k_codes, k_params, v_codes, v_pa
     import torch
     from cutlass import Float16
 
-    from ..decode import MAX_SPLITS
     from ..jit import current_stream, gmem_ptr
     from .quantize import granule_of
 
@@ -441,11 +322,7 @@ def run_cache_attend(compile_decode, q_type, q, k_codes, k_params, v_codes, v_pa
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
     # before the first launch
     check_sink_window(d, hq // kv_heads, slots)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    if counters.dtype != torch.int32 or counters.numel() < batch * kv_heads:
-        raise ValueError(f"counters: need int32 with >= batch * kv_heads = {batch * kv_heads} elements, got "
-                         f"{counters.dtype} with {counters.numel()}")
+    check_cache_launch(num_splits, counters, batch * kv_heads)
     compiled = compile_decode()
     total = num_splits + window_ctas(slots)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
@@ -465,6 +342,20 @@ def run_cache_attend(compile_decode, q_type, q, k_codes, k_params, v_codes, v_pa
     sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters, num_splits, sink,
                        window, granule_of(scheme), sm_scale, arch)
     return out, lse
+
+
+def check_cache_launch(num_splits: int, counters, heads: int):
+    """A cache attend's launch values (raises a ValueError naming the argument): ``num_splits`` and the
+    completion ``counters`` (int32, one per (sequence, KV head): ``heads`` of them)."""
+    import torch
+
+    from ..decode import MAX_SPLITS
+
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if counters.dtype != torch.int32 or counters.numel() < heads:
+        raise ValueError(f"counters: need int32 with >= batch * kv_heads = {heads} elements, got "
+                         f"{counters.dtype} with {counters.numel()}")
 
 
 def cache_decode_compile_args(q_type):
