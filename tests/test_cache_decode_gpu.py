@@ -1,9 +1,9 @@
-"""The cache decode (foscar.hopper.fused: the quantized splits, then foscar.kernels.sink_window: the
-16-bit sink/window chunks and the in-launch merge) against the float64 attention over what the cache
-holds (``PagedKVCache.dense``), every element, tolerance 2x a BF16 torch computation's error.
+"""The cache decode (foscar.hopper.fused: packed tiles, the 16-bit sink/window tiles and the split merge in
+one launch; and foscar.kernels.sink_window, the Blackwell path's window launch) against the float64
+attention over what the cache holds (``PagedKVCache.dense``), every element, tolerance 2x a BF16 torch computation's error.
 Ragged lengths cover every part boundary: inside the sink, inside the first window, one granule
-quantized, long; sequence ids out of order; one split and many; GQA 1..16 (one and two n8 blocks of
-query columns in the window kernel's MMAs, and ratios that fill neither), head_dim 64/128/256, FP16,
+quantized, long; sequence ids out of order; one split and many (forced 1, 2, 5 too); GQA 1..16 (one and two n8 blocks
+of query columns in the window MMAs, and ratios that fill neither), head_dim 64/128/256, FP16,
 rotation, mixed widths."""
 
 import math
@@ -121,3 +121,43 @@ def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits
     assert math.isfinite(err) and err <= tol, (err, tol)
     assert lse_err <= max(tol, 1e-3), lse_err
     assert not cache._counters.any(), "the last CTA of every (sequence, KV head) resets its counter"
+
+
+@pytest.mark.parametrize("case", [0, 8, 14], ids=lambda i: CASES[i][0].name)
+def test_window_kernel_matches_float64(case, rng):
+    """``foscar.kernels.sink_window`` -- the Blackwell cache decode's second launch, which Hopper's one-launch
+    decode no longer runs -- on this GPU: sequences held entirely in the 16-bit slots (no packed part),
+    the decode launch's partial given as empty, against float64 over the cache."""
+    from foscar.kernels.sink_window import sink_window_attend, window_ctas
+
+    scheme, page_size, _, kv_heads, _ = CASES[case]
+    cache = PagedKVCache(scheme, 1, kv_heads, num_pages=8, max_seqs=5, max_seq_len=4096, page_size=page_size,
+                         sink=SINK, window=WINDOW, device="cuda")
+    d, dtype = scheme.head_dim, scheme.q_dtype
+    lengths = [1, SINK - 3, SINK + 100, SINK + WINDOW]  # none reaches the packed pages
+    ids = [cache.allocate() for _ in lengths][::-1]
+    for seq, n in zip(ids[::-1], lengths):
+        k = torch.randn(1, kv_heads, n, d, generator=rng) + 2 * torch.randn(d, generator=rng)
+        v = torch.randn(1, kv_heads, n, d, generator=rng)
+        cache.append(0, [seq], k.to("cuda", dtype), v.to("cuda", dtype))
+    assert all(cache.quantized_tokens(n) == 0 for n in lengths)
+    batch, hq = len(ids), kv_heads * scheme.gqa_ratio
+    q = torch.randn(batch, hq, d, generator=rng).to("cuda", dtype)
+    total = 1 + window_ctas(cache.k_bf16.shape[3])
+    o_part = torch.full((batch, hq, total, d), float("nan"), device="cuda")
+    o_part[:, :, 0] = 0.0
+    lse_part = torch.full((batch, hq, total), float("nan"), device="cuda")
+    lse_part[:, :, 0] = -math.inf  # the decode's split: empty
+    out = torch.full((batch, hq, d), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((batch, hq), float("nan"), device="cuda")
+    sm_scale = 0.7 * d**-0.5
+    rows = torch.tensor(ids, dtype=torch.int64, device="cuda")
+    sink_window_attend(q, cache.k_bf16[0], cache.v_bf16[0], rows, cache.lengths[0], o_part, lse_part, out, lse,
+                       cache._counters, 1, SINK, WINDOW, cache.granule, sm_scale, "sm_90a")
+    torch.cuda.synchronize()
+    ref, ref_lse, low = reference(cache, 0, ids, q, sm_scale, dtype)
+    tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
+    err = float((out.double() - ref).abs().max())
+    assert math.isfinite(err) and err <= tol, (err, tol)
+    assert float((lse.double() - ref_lse).abs().max()) <= max(tol, 1e-3)
+    assert not cache._counters.any()
