@@ -88,13 +88,3 @@ def cp_async_16(dst, src, src_bytes=None, *, loc=None, ip=None):
     else:
         inline_ptx(None, operands + [Int32(src_bytes)], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
                    "r,l,r,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def cp_async_arrive(mbar, *, loc=None, ip=None):
-    """``cp.async.mbarrier.arrive`` (without ``.noinc``) on the shared mbarrier ``mbar``: one more
-    pending arrival now, and its arrival once every ``cp.async`` this thread issued before has
-    landed. So a ring stage filled by many threads' ``cp_async_16`` copies completes like a bulk-copied
-    one: on the producer's one arrival (made after these; ``sync_warp`` between) and the copies."""
-    inline_ptx(None, [mbar.toint(loc=loc, ip=ip)], "cp.async.mbarrier.arrive.shared::cta.b64 [$0];", "r,~{memory}",
-               True, loc, ip)

@@ -156,7 +156,7 @@ CACHE_VARIANTS = [  # (scheme, page size): the cache decode's window tiles over 
 def test_cache_decode_fuses_window_tiles(scheme, page_size):
     """PagedKVCache's decode (foscar/hopper/fused.py) is one launch: the packed tiles' bulk copies and
     FP16 MMAs, and the 16-bit window tiles through the same ring -- cp.async copies of 16 slots' K and
-    V rows per producer lane's share, completing the stage by cp.async.mbarrier.arrive, and D/16 MMAs
+    V rows per producer lane's share, each lane arriving by cp.async.mbarrier.arrive.noinc, and D/16 MMAs
     each for S^T and O^T in the window's type per n8 block -- then the in-launch merge (the counting
     atomic between two fences). No more spills than the plain decode (the producer's copy loop is a
     runtime loop: 40 registers)."""
@@ -168,7 +168,12 @@ def test_cache_decode_fuses_window_tiles(scheme, page_size):
     ptx = art.ptx
     dtype = "bf16" if scheme.q_dtype == torch.bfloat16 else "f16"
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx  # packed tiles
-    assert "cp.async.mbarrier.arrive.shared::cta.b64" in ptx and "cp.async.bulk.tensor" not in ptx
+    # each producer lane arrives once its window copies land; a packed tile's producer arrives for all 32
+    assert re.search(r"cp\.async\.mbarrier\.arrive\.noinc\.shared(::cta)?\.b64", ptx)
+    arrives = [line.strip() for line in ptx.splitlines() if "mbarrier.arrive" in line]
+    after_tx = [b for a, b in zip(arrives, arrives[1:]) if a.startswith("mbarrier.arrive.expect_tx")]
+    assert after_tx and all(re.match(r"mbarrier\.arrive\.shared\.b64 \S+, \[%r\d+\+\d+\], %r\d+;", b) for b in after_tx)
+    assert "cp.async.bulk.tensor" not in ptx
     # one cp.async per tensor in the producer's runtime copy loop
     assert len(re.findall(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx)) == 2
     n_blocks = 1 if scheme.gqa_ratio <= 8 else 2

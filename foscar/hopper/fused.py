@@ -7,8 +7,9 @@ packed tiles and for the sequence's window tiles ``x, x + num_splits, ...``: blo
 window slots (``foscar.window_tiles``) that travel through the same ring, before the packed tiles
 (after them, each CTA ended on a burst of 16-bit reads with nothing left to overlap: 128 x 8K
 11-15% slower than two launches). A window tile is copied by the 32 lanes of a producer warp
-(16-byte ``cp.async`` into padded rows, slots holding no token zero-filled; the stage completes on
-``cp.async.mbarrier.arrive``) and attended by the consumer warp that owns its stage, into that
+(16-byte ``cp.async`` into padded rows, slots holding no token zero-filled; each lane arrives on the
+stage's ``full`` barrier once its copies land, ``cp.async.mbarrier.arrive.noinc``: the barrier counts
+32 arrivals, and a packed tile's producer makes all 32) and attended by the consumer warp that owns its stage, into that
 warp's own online softmax and O^T, in the window's 16-bit type (BF16 or FP16 MMAs). So every
 window byte is read once per KV head, within the same launch, and no second launch runs.
 
@@ -29,7 +30,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from ..device import LOG2E, cp_async_arrive
+from ..device import LOG2E
 from ..jit import half_type
 from ..kernels.quantize import granule_of
 from ..layouts.fragment import THREADS
@@ -80,9 +81,7 @@ class CacheWindow:
         cfg = self.cfg
         for i in cutlass.range(pw, self.tiles, PRODUCER_WARPS, unroll=1):
             s, phase = stage_and_phase(i, cfg.STAGES)
-            if lane == 0:
-                cute.arch.mbarrier_wait(empty + s, phase ^ 1)
-            cute.arch.sync_warp()  # the stage is free for every lane's copies
+            cute.arch.mbarrier_wait(empty + s, phase ^ 1)  # every lane: its own copies wait for the stage
             j0 = self.slot0(i)
             dst = ring + cute.assume(s * cfg.STAGE_WORDS, divby=4)
             first = self.first + j0.to(Int64) * cfg.D
@@ -90,10 +89,7 @@ class CacheWindow:
             # a runtime loop: the producer's 40 registers do not hold an unrolled one's addresses
             self.ops.copy_rows(((dst + cfg.WIN_K, self.k_win), (dst + cfg.WIN_V, self.v_win)), first, rows_in, j0,
                                self.holds, lane, 32, BLOCK, unrolled=False)
-            cp_async_arrive(full + s)
-            cute.arch.sync_warp()  # every lane's pending arrival is counted before the producer's own
-            if lane == 0:
-                cute.arch.mbarrier_arrive(full + s)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + s)  # this lane's arrival, once its copies land
 
     @cute.jit
     def attend(self, kernel: HopperDecodeKernel, mma: WarpMma, ring: cute.Pointer, full: cute.Pointer,

@@ -157,6 +157,10 @@ class DecodeConfig:
         # a stage may instead hold a window tile (``window``: foscar.window_tiles.WindowOperands of the
         # 16-bit sink + window slots, foscar.hopper.fused): BLOCK slots' padded K rows | V rows
         self.window = window
+        # arrivals that complete a stage's fill: the producer's one (its bulk copies complete the bytes),
+        # or, with window tiles, one per producer lane (a window tile's lanes arrive when their cp.async
+        # copies land: cp.async.mbarrier.arrive.noinc); a packed tile's producer then arrives for all 32
+        self.FULL_ARRIVALS = 1 if window is None else 32
         if window is not None:
             self.WIN_K, self.WIN_V = 0, window.rows_words(BLOCK)
             self.STAGE_WORDS = max(self.STAGE_WORDS, 2 * window.rows_words(BLOCK))
@@ -298,11 +302,12 @@ class HopperDecodeKernel:
 
     @cute.jit
     def init_ring_barriers(self, full: cute.Pointer, empty: cute.Pointer, tidx: Int32):
-        """The ring's mbarriers (``foscar.pipeline``): ``full`` counts the producer's one arrival,
-        ``empty`` the 32 lanes of the warp that owns the stage; then the whole CTA syncs."""
+        """The ring's mbarriers (``foscar.pipeline``): ``full`` counts the producer's arrivals
+        (``FULL_ARRIVALS``), ``empty`` the 32 lanes of the warp that owns the stage; then the whole CTA
+        syncs."""
         if tidx == 0:
             for s in cutlass.range_constexpr(self.cfg.STAGES):
-                cute.arch.mbarrier_init(full + s, 1)
+                cute.arch.mbarrier_init(full + s, self.cfg.FULL_ARRIVALS)
                 cute.arch.mbarrier_init(empty + s, 32)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -339,6 +344,8 @@ class HopperDecodeKernel:
                     s, phase = stage_and_phase(local, cfg.STAGES)
                     cute.arch.mbarrier_wait(empty + s, phase ^ 1)
                     cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.TILE_BYTES)
+                    if cutlass.const_expr(cfg.FULL_ARRIVALS > 1):  # the arrivals a window tile's lanes make
+                        cute.arch.mbarrier_arrive(full + s, arrive_count=cfg.FULL_ARRIVALS - 1)
                     head = page.to(Int64) * kv_heads + h  # (page, kv_head) index
                     slot0 = (tile % SUB) * TILE_TOKENS  # first slot of the tile in its page
                     dst = ring + cute.assume(s * cfg.STAGE_WORDS, divby=4)
