@@ -71,6 +71,21 @@ class Arch:
                 "Scheme.k / Scheme.v (bits, group), Scheme.head_dim, Scheme.gqa_ratio or page_size"
             ) from err
 
+    def _fuses_window(self, scheme: Scheme, page_size: int) -> bool:
+        """Whether the cache decode attends the 16-bit sink + window slots in its own launch (no limit
+        of its own on their count) rather than with ``foscar.kernels.sink_window``."""
+        return False
+
+    def check_cache(self, scheme: Scheme, page_size: int, slots: int, what: str = "sink + window + granule"):
+        """Raise a ValueError naming the field if :class:`~foscar.cache.PagedKVCache`'s GPU decode
+        cannot take ``scheme`` at ``page_size`` with ``slots`` 16-bit slots per (sequence, KV head)
+        (``what`` names them); compiles nothing."""
+        self.can_implement(scheme, page_size)
+        if not self._fuses_window(scheme, page_size):
+            from .kernels.sink_window import check_sink_window
+
+            check_sink_window(scheme.head_dim, scheme.gqa_ratio, slots, what)
+
     def compile_decode(self, scheme: Scheme, page_size: int, partial_output: bool = False, **options):
         """The compiled decode kernel (cached per process; works without a GPU). ``options`` go to
         the arch's own ``compile_decode`` (Hopper: ``consumers``)."""
@@ -78,8 +93,10 @@ class Arch:
         return self._kernel().compile_decode(scheme, page_size, partial_output, arch=self.name, **options)
 
     def compile_cache_decode(self, scheme: Scheme, page_size: int):
-        """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (the quantized splits'
-        partials; cached per process; works without a GPU)."""
+        """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (Hopper: packed pages,
+        window slots and merge in one, or the quantized splits' partials where
+        ``foscar.hopper.fused.fuses_window`` says no; Blackwell: the quantized splits' partials; cached
+        per process; works without a GPU)."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         self.can_implement(scheme, page_size)
@@ -95,8 +112,9 @@ class Arch:
                          seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
                          num_splits: int):
         """Decode over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates): the quantized
-        splits and the 16-bit sink + window, merged (Hopper: one launch, ``foscar.hopper.fused``; Blackwell:
-        the quantized splits, then ``foscar.kernels.sink_window``); returns ``(out, lse)``."""
+        splits and the 16-bit sink + window, merged (Hopper: one launch, ``foscar.hopper.fused``, or two
+        where it does not fit; Blackwell: the quantized splits, then ``foscar.kernels.sink_window``);
+        returns ``(out, lse)``."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         return self._kernel().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,
@@ -117,6 +135,12 @@ class _Hopper(Arch):
         from .hopper.kernel import DecodeConfig, default_consumers
 
         return DecodeConfig(scheme, page_size, True, default_consumers(scheme))
+
+    def _fuses_window(self, scheme, page_size):
+        from .hopper.fused import fuses_window
+        from .hopper.kernel import default_consumers
+
+        return fuses_window(scheme, page_size, default_consumers(scheme))
 
 
 class _Blackwell(Arch):

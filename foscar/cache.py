@@ -134,11 +134,9 @@ class PagedKVCache:
             if device_arch is not self.arch:
                 raise ValueError(f"arch={self.arch.name}: the kernels cannot run on {self.device} "
                                  f"({device_arch.name}); leave arch unset or use use_kernels=False")
-            self.arch.can_implement(scheme, page_size)  # fail now, naming the field, not at the first attend
-            from .kernels.sink_window import check_sink_window
-
-            check_sink_window(scheme.head_dim, scheme.gqa_ratio, sink + window + granule,
-                              f"sink + window + granule ({sink} + {window} + {granule})")
+            # fail now, naming the field, not at the first attend
+            self.arch.check_cache(scheme, page_size, sink + window + granule,
+                                  f"sink + window + granule ({sink} + {window} + {granule})")
         self.num_layers, self.kv_heads, self.num_pages, self.max_seqs = num_layers, kv_heads, num_pages, max_seqs
         self.page_size, self.sink, self.window, self.max_seq_len = page_size, sink, window, max_seq_len
         self.ring = window + granule  # recent-part slots
@@ -514,7 +512,7 @@ class PagedKVCache:
             raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
         sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
         q = self._rotate(q).contiguous()  # the kernels read q densely (a q sliced from a fused QKV is not)
-        if self.use_kernels:  # the quantized splits' partials, then the 16-bit slots' launch that merges them
+        if self.use_kernels:  # packed pages + 16-bit slots, merged (Arch.run_cache_decode: one launch on Hopper)
             out, lse = self.arch.run_cache_decode(
                 q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
                 self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, self.lengths[layer], self._counters,

@@ -1,5 +1,6 @@
 """The cache decode (foscar.hopper.fused: packed tiles, the 16-bit sink/window tiles and the split merge in
-one launch; and foscar.kernels.sink_window, the Blackwell path's window launch) against the float64
+one launch, or two where the window tiles do not fit the ring; and foscar.kernels.sink_window, the
+Blackwell path's window launch) against the float64
 attention over what the cache holds (``PagedKVCache.dense``), every element, tolerance 2x a BF16 torch computation's error.
 Ragged lengths cover every part boundary: inside the sink, inside the first window, one granule
 quantized, long; sequence ids out of order; one split and many (forced 1, 2, 5 too); GQA 1..16 (one and two n8 blocks
@@ -42,6 +43,8 @@ CASES = [  # (scheme, page_size, max_seq_len, kv_heads, rotate)
     (Scheme.make(2, "token", 128, "token", 128, 256, 6), 128, 8192, 1, False),
     (Scheme.make(4, "token", 128, "token", 128, 256, 11), 128, 8192, 1, False),
     (Scheme.make(2, "token", 128, "token", 128, 256, 16), 128, 8192, 2, False),  # the most shared memory taken
+    # no ring of window-sized stages fits (4 x 4 stages of 16.5 KB): two launches, the window kernel merging
+    (Scheme.make(2, "channel", 256, "token", 128, 256, 8), 256, 8192, 2, False),
 ]
 
 
@@ -66,8 +69,10 @@ def poison_attend_buffers(cache, batch, q, rotate: bool):
     (after emptying the allocator's cache): the caching allocator hands freed blocks of a size to the
     next requests of that size, so an element the kernels fail to write most likely reads NaN and
     fails the comparison. (Best effort: ``attend`` allocates its buffers itself.)"""
+    from foscar.hopper.decode import cache_partials
+
     hq, d = q.shape[1], q.shape[2]
-    total = cache.num_splits(batch) if cache.num_splits(batch) > 1 else 0  # partials only with several splits
+    total = cache_partials(cache.scheme, cache.page_size, cache.num_splits(batch), cache.sink + cache.ring)
     shapes = [((batch, hq, d), q.dtype)] * (2 if rotate else 1)  # the rotated q takes one such block first
     shapes += [((batch, hq), torch.float32), ((batch, hq, total, d), torch.float32), ((batch, hq, total), torch.float32)]
     torch.cuda.synchronize()
@@ -83,10 +88,10 @@ def test_one_launch_decode_matches_float64(scheme, page_size, max_len, kv_heads,
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("case", [0, 1, 7], ids=lambda i: CASES[i][0].name)
+@pytest.mark.parametrize("case", [0, 1, 7, 15], ids=lambda i: CASES[i][0].name)
 def test_one_launch_decode_any_split_count(case, splits, rng):
     """One split (the CTA writes the output itself), two, and an odd count: the window tiles
-    ``x, x + splits, ...`` of each split and the merge."""
+    ``x, x + splits, ...`` of each split and the merge (the last case: the two-launch path)."""
     check_cache_decode(*CASES[case], rng, splits=splits)
 
 
@@ -125,8 +130,8 @@ def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits
 
 @pytest.mark.parametrize("case", [0, 8, 14], ids=lambda i: CASES[i][0].name)
 def test_window_kernel_matches_float64(case, rng):
-    """``foscar.kernels.sink_window`` -- the Blackwell cache decode's second launch, which Hopper's one-launch
-    decode no longer runs -- on this GPU: sequences held entirely in the 16-bit slots (no packed part),
+    """``foscar.kernels.sink_window`` -- the Blackwell cache decode's second launch (Hopper's only where
+    the window tiles do not fit its ring: the last case) -- on this GPU: sequences held entirely in the 16-bit slots (no packed part),
     the decode launch's partial given as empty, against float64 over the cache."""
     from foscar.kernels.sink_window import sink_window_attend, window_ctas
 

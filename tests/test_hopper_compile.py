@@ -126,6 +126,51 @@ def test_every_ring_stage_belongs_to_one_consumer_warp():
             assert cfg.STAGES * cfg.STAGE_WORDS * 4 <= 220 * 1024
 
 
+def test_every_cache_variant_gets_a_ring():
+    """PagedKVCache's decode config (foscar/hopper/fused.py) for every variant the kernel takes over
+    head_dim x K axis and group x GQA at the page sizes a group allows: its ring keeps the one-owner rule
+    and fits; the window tiles share it everywhere but head_dim 256 with channel-wise K groups of 256
+    tokens (a warp's run of 4 window-sized stages, 16 in all, exceeds shared memory), which is two launches."""
+    from foscar.archs import HOPPER
+    from foscar.hopper.fused import cache_decode_config, fuses_window
+    from foscar.hopper.kernel import default_consumers
+
+    two_launch = []
+    for head_dim in (64, 128, 256):
+        for k_axis, k_group in [("token", g) for g in (32, head_dim)] + [("channel", g) for g in (32, 128, 256)]:
+            for ratio in (1, 4, 8, 16):
+                for page_size in (64, 128, 256):
+                    try:
+                        scheme = Scheme.make(2, k_axis, k_group, "token", 32, head_dim, ratio)
+                        HOPPER.can_implement(scheme, page_size)
+                    except ValueError:
+                        continue
+                    cfg = cache_decode_config(scheme, page_size, default_consumers(scheme))
+                    assert cfg.STAGES % (cfg.TPG * cfg.NW) == 0 and cfg.STAGES >= cfg.TPG * cfg.NW, scheme.name
+                    assert cfg.STAGES * cfg.STAGE_WORDS * 4 <= 220 * 1024
+                    assert fuses_window(scheme, page_size, default_consumers(scheme)) == (cfg.window is not None)
+                    if cfg.window is None:
+                        two_launch.append((head_dim, k_axis, k_group))
+    assert two_launch and set(two_launch) == {(256, "channel", 256)}
+
+
+def test_cache_decode_without_window_ring_is_two_launches():
+    """Where the window tiles do not fit the ring, the cache decode launch is the quantized splits'
+    partials only (bulk copies, no window cp.async, no in-launch merge) and the window kernel's limit
+    on 16-bit slots applies, named up front; a one-launch variant has no such limit."""
+    from foscar.archs import HOPPER
+    from foscar.inspect import artifacts
+
+    scheme = Scheme.make(2, "channel", 256, "token", 128, 256, 8)
+    ptx = artifacts(HOPPER.compile_cache_decode(scheme, 256)).ptx
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "cp.async.mbarrier.arrive" not in ptx and "atom.global" not in ptx
+    HOPPER.check_cache(scheme, 256, 64 + 256 + 256)
+    with pytest.raises(ValueError, match=r"sink \+ window \+ granule \(64 \+ 8192 \+ 256\) = 8512"):
+        HOPPER.check_cache(scheme, 256, 8512, "sink + window + granule (64 + 8192 + 256)")
+    HOPPER.check_cache(Scheme.make(2, "channel", 128, "token", 128, 256, 8), 256, 8512)
+
+
 def test_pipeline_probe_compiles_without_compute():
     """benchmarks/pipeline_probe.py: the decode kernel's producer and ring, consumers that only wait
     and release -- bulk copies and mbarrier waits in the PTX, no MMA."""

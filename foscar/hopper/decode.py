@@ -118,7 +118,7 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
 def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH, consumers: int | None = None):
     """Compile (or fetch) the decode launch of ``foscar.cache.PagedKVCache`` (``foscar.hopper.fused``:
     packed pages, 16-bit sink + window slots and the split merge in one launch, reading the cache's
-    tensors in place)."""
+    tensors in place; where ``fuses_window`` says no, the quantized splits' partials only)."""
     consumers = default_consumers(scheme) if consumers is None else consumers
     key = ("hopper_cache_decode", scheme, int(page_size), int(consumers), arch)
     return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch, consumers))
@@ -142,10 +142,22 @@ def _build_cache_decode(scheme, page_size, arch, consumers):
         fake_ptr(Float32), fake_ptr(Float32),  # partials o, lse
         fake_ptr(q_type), fake_ptr(Float32),  # out, lse
         fake_ptr(Int32),  # counters
-        i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, num_splits, sink, ring, window
+        i32, i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, num_splits, parts, sink, ring, window
         Float32(1.0),  # sm_scale
         cuda.CUstream(0),
     )
+
+
+def cache_partials(scheme: Scheme, page_size: int, num_splits: int, slots: int, consumers: int | None = None) -> int:
+    """fp32 partials per query row that :func:`run_cache_decode` allocates: one launch, ``num_splits``
+    (none for one split: it writes the output directly); two, the window kernel's after the splits'."""
+    from ..kernels.sink_window import window_ctas
+    from .fused import fuses_window
+
+    consumers = default_consumers(scheme) if consumers is None else consumers
+    if fuses_window(scheme, page_size, consumers):
+        return num_splits if num_splits > 1 else 0
+    return num_splits + window_ctas(slots)
 
 
 def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
@@ -154,22 +166,29 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     """Decode on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``,
     packed pages, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win [max_seqs, kv_heads,
     sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs], ``counters`` int32
-    (>= B * kv_heads, zero; left zero). One launch (``foscar.hopper.fused``). Returns ``(out, lse)``:
-    q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
+    (>= B * kv_heads, zero; left zero). One launch (``foscar.hopper.fused``), or two where
+    ``fuses_window`` says no. Returns ``(out, lse)``: q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
     import torch
     from cutlass import Float16, Float32, Int32, Int64
 
-    from ..kernels.sink_window import check_cache_launch
+    from ..kernels.quantize import granule_of
+    from ..kernels.sink_window import check_cache_launch, check_sink_window, sink_window_attend
+    from .fused import fuses_window
 
     device = q.device
     batch, hq, d = q.shape
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
+    page_size = k_codes.shape[2] * 64
+    consumers = default_consumers(scheme) if consumers is None else consumers
+    one_launch = fuses_window(scheme, page_size, consumers)
     check_cache_launch(num_splits, counters, batch * kv_heads)  # before anything compiles or launches
-    compiled = compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, consumers)
+    if not one_launch:
+        check_sink_window(d, hq // kv_heads, slots)
+    compiled = compile_cache_decode(scheme, page_size, arch, consumers)
     q_type = half_type(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=device)
-    parts = num_splits if num_splits > 1 else 0  # one split writes out and lse directly
+    parts = cache_partials(scheme, page_size, num_splits, slots, consumers)
     o_part = torch.empty(batch, hq, parts, d, dtype=torch.float32, device=device)
     lse_part = torch.empty(batch, hq, parts, dtype=torch.float32, device=device)
     compiled(
@@ -181,8 +200,11 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
         gmem_ptr(o_part, Float32), gmem_ptr(lse_part, Float32),
         gmem_ptr(out, q_type), gmem_ptr(lse, Float32),
         gmem_ptr(counters, Int32),
-        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(num_splits), Int32(sink),
+        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(num_splits), Int32(parts), Int32(sink),
         Int32(slots - sink), Int32(window), Float32(float(sm_scale)),
         current_stream(device),
     )
+    if not one_launch:
+        sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters, num_splits,
+                           sink, window, granule_of(scheme), sm_scale, arch)
     return out, lse

@@ -17,12 +17,20 @@ One split writes the output directly; with several, each CTA writes its normaliz
 and the last CTA of the (sequence, KV head) merges them (``foscar.split_merge``: the cache's
 completion counters, left at zero).
 
+Where a ring of window-sized stages does not fit in shared memory (head_dim 256 with channel-wise K
+groups of 256 tokens: a consumer warp owns a run of 4 stages, 16 of 16.5 KB), the config has no window
+tiles (:func:`cache_decode_config`) and the decode is two launches: these CTAs write partials
+``0 .. num_splits - 1`` of ``parts``, and ``foscar.kernels.sink_window``'s launch attends the 16-bit
+slots and merges (:func:`fuses_window` says which).
+
 The cache's tensors are read in place: the page table by the sequence's row (``seq_rows[b]``), the
 quantized length computed from the sequence's token count (``seq_lengths[row]``) as
 ``PagedKVCache.quantized_tokens`` does: a call is one launch, CUDA-graph capturable.
 """
 
 from __future__ import annotations
+
+import functools
 
 import cuda.bindings.driver as cuda
 
@@ -41,13 +49,26 @@ from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_t
 from .kernel import BAR_CONSUMERS, PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel
 from .mma import WarpMma
 
-__all__ = ["HopperCacheDecodeKernel", "cache_decode_config"]
+__all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
 
 
 def cache_decode_config(scheme, page_size: int, consumers: int) -> DecodeConfig:
-    """The split-output config whose ring stages also hold a window tile."""
+    """The split-output config whose ring stages also hold a window tile; where such a ring does not
+    fit (head_dim 256 with channel-wise K groups of 256 tokens: 16 stages of 16.5 KB), the packed-only
+    config: the cache decode is then two launches (:func:`fuses_window`)."""
     window = WindowOperands(scheme.head_dim, scheme.gqa_ratio, half_type(scheme.q_dtype))
-    return DecodeConfig(scheme, page_size, True, consumers, window)
+    try:
+        return DecodeConfig(scheme, page_size, True, consumers, window)
+    except ValueError:
+        return DecodeConfig(scheme, page_size, True, consumers)  # (raises what the variant itself cannot build)
+
+
+@functools.lru_cache(maxsize=256)
+def fuses_window(scheme, page_size: int, consumers: int) -> bool:
+    """Whether the cache decode of ``scheme`` is one launch (the window tiles in the decode ring) or
+    two: this kernel's quantized splits' partials, then ``foscar.kernels.sink_window``'s launch,
+    which attends the 16-bit slots and merges all partials."""
+    return cache_decode_config(scheme, page_size, consumers).window is not None
 
 
 class CacheWindow:
@@ -84,8 +105,10 @@ class CacheWindow:
             cute.arch.mbarrier_wait(empty + s, phase ^ 1)  # every lane: its own copies wait for the stage
             j0 = self.slot0(i)
             dst = ring + cute.assume(s * cfg.STAGE_WORDS, divby=4)
-            first = self.first + j0.to(Int64) * cfg.D
-            rows_in = cutlass.max(cutlass.min(BLOCK, self.slots - j0), 1)  # (clamped reads of a tile past the row)
+            # a tile past the row (rounding to TPG) reads from its last slot, copying 0 bytes of it
+            src = cutlass.min(j0, self.slots - 1)
+            first = self.first + src.to(Int64) * cfg.D
+            rows_in = cutlass.max(cutlass.min(BLOCK, self.slots - j0), 1)
             # a runtime loop: the producer's 40 registers do not hold an unrolled one's addresses
             self.ops.copy_rows(((dst + cfg.WIN_K, self.k_win), (dst + cfg.WIN_V, self.v_win)), first, rows_in, j0,
                                self.holds, lane, 32, BLOCK, unrolled=False)
@@ -129,14 +152,15 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
     """See the module docstring; ``cfg`` from :func:`cache_decode_config`."""
 
     def __init__(self, cfg: DecodeConfig):
-        if not cfg.split or cfg.window is None:
-            raise ValueError("the cache decode kernel needs a split-output DecodeConfig with window tiles "
-                             "(cache_decode_config)")
+        if not cfg.split:
+            raise ValueError("the cache decode kernel needs a split-output DecodeConfig (cache_decode_config)")
         super().__init__(cfg)
         self.granule = granule_of(cfg.scheme)
         self.merger = SplitMerge(cfg.D, cfg.R, cfg.NW * 32, BAR_CONSUMERS, cfg.q_dtype)
 
     def cache_storage(self):
+        if self.cfg.window is None:  # two launches: the window kernel merges
+            return self.shared_storage()
         return self.shared_storage(
             merge_scratch=cute.struct.Align[cute.struct.MemRange[Float32, self.merger.scratch_words], 16],
             last=cute.struct.MemRange[Int32, 1],  # SplitMerge.arrive's answer
@@ -155,8 +179,8 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         seq_lengths: cute.Pointer,  # int64 [max_seqs]: tokens per sequence (this layer)
         k_win: cute.Pointer,  # [max_seqs, kv_heads, sink + ring, D] q dtype: the 16-bit slots
         v_win: cute.Pointer,
-        o_part: cute.Pointer,  # fp32 [B, Hq, num_splits, D] (num_splits > 1)
-        lse_part: cute.Pointer,  # fp32 [B, Hq, num_splits]
+        o_part: cute.Pointer,  # fp32 [B, Hq, parts, D] (one launch: num_splits > 1)
+        lse_part: cute.Pointer,  # fp32 [B, Hq, parts]
         out: cute.Pointer,  # [B, Hq, D] q dtype
         lse: cute.Pointer,  # fp32 [B, Hq]
         counters: cute.Pointer,  # int32 [>= B * kv_heads], zero (left zero)
@@ -164,6 +188,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         kv_heads: Int32,
         max_pages: Int32,
         num_splits: Int32,
+        parts: Int32,  # partials per query row: num_splits (one launch), or also the window kernel's
         sink: Int32,
         ring: Int32,
         window: Int32,
@@ -174,7 +199,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         SharedStorage = self.cache_storage()
         self.kernel(self.tiled_mma(), SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
                     seq_lengths, k_win, v_win, o_part, lse_part, out, lse, counters, kv_heads, max_pages, num_splits,
-                    sink, ring, window, sm_scale * LOG2E).launch(
+                    parts, sink, ring, window, sm_scale * LOG2E).launch(
             grid=(num_splits, kv_heads, batch),
             block=(cfg.threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
@@ -188,7 +213,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
                pt_ptr: cute.Pointer, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, k_win: cute.Pointer,
                v_win: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer,
                lse: cute.Pointer, counters: cute.Pointer, kv_heads: Int32, max_pages: Int32, num_splits: Int32,
-               sink: Int32, ring: Int32, window: Int32, scale_log2: Float32):
+               parts: Int32, sink: Int32, ring: Int32, window: Int32, scale_log2: Float32):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
@@ -204,22 +229,29 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         q_row0 = (b * kv_heads + h).to(Int64) * cfg.R  # first query row of the KV head
         first = (row * kv_heads + h) * (sink + ring) * cfg.D  # element of the window's slot 0
         # (built in each branch: a Python object cannot be carried through a runtime `if`)
-        window_of = lambda: CacheWindow(cfg, k_win, v_win, q_ptr, q_row0, first, n, qlen, sink, ring,  # noqa: E731
-                                        split, num_splits)
+        window_of = lambda: None  # noqa: E731  (two launches: no window tiles)
+        if cutlass.const_expr(cfg.window is not None):
+            window_of = lambda: CacheWindow(cfg, k_win, v_win, q_ptr, q_row0, first, n, qlen, sink,  # noqa: E731
+                                            ring, split, num_splits)
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             pw, lane = cute.arch.make_warp_uniform(tidx // 32), tidx % 32
-            window_of().produce(storage.ring.data_ptr(), full, empty, pw, lane)  # the window tiles first
+            ring_first = None
+            if cutlass.const_expr(cfg.window is not None):
+                window_of().produce(storage.ring.data_ptr(), full, empty, pw, lane)  # the window tiles first
+                ring_first = window_of().tiles
             self.produce(storage.ring.data_ptr(), full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, Int32(row), h,
-                         kv_heads, max_pages, t_begin, t_end, pw, lane, ring_first=window_of().tiles)
+                         kv_heads, max_pages, t_begin, t_end, pw, lane, ring_first=ring_first)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             warp, lane = cute.arch.make_warp_uniform(tidx // 32 - 4), tidx % 32
             merge = self.attend_tiles(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, qlen, b, h, kv_heads,
                                       t_begin, t_end, scale_log2, warp, lane, window=window_of())
             tc = warp * 32 + lane
-            if num_splits == 1:
+            if cutlass.const_expr(cfg.window is None):  # partial `split` of `parts`; the window kernel merges
+                self.merge_and_store(merge, o_part, lse_part, b, h, split, kv_heads, parts, tc, split_output=True)
+            elif num_splits == 1:
                 self.merge_and_store(merge, out, lse, b, h, split, kv_heads, num_splits, tc, split_output=False)
             else:
                 self.merge_and_store(merge, o_part, lse_part, b, h, split, kv_heads, num_splits, tc, split_output=True)

@@ -44,7 +44,8 @@ type, and FP16's 3 extra mantissa bits keep that rounding 4x below BF16's (fosca
 Structure: warp-specialized. Warpgroup 0 is the producer: lane 0 of each of its 4 warps walks every
 4th tile of the CTA and issues 1-D bulk copies (``cp.async.bulk``, TMA engine) of the tile's K
 codes, V codes, K params and V params into a ``STAGES``-deep shared-memory ring guarded by
-mbarriers (foscar/pipeline.py);
+mbarriers (foscar/pipeline.py; the cache decode's 16-bit window tiles, before them, are copied by
+all 32 lanes of each producer warp: foscar.hopper.fused);
 the page-table entries come in 32 at a time, one per lane of the producer warp.
 Warpgroups 1..NC hold NW = 4*NC consumer warps: warp w takes runs w, w+NW, ... of TPG
 consecutive tiles (TPG = G/64 for channel-wise K groups of G >= 128 tokens, so the scaled Q^T is

@@ -303,8 +303,9 @@ def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part,
 def run_cache_attend(compile_decode, q_type, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,
                      seq_rows, seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme, num_splits: int,
                      arch: str):
-    """``PagedKVCache.attend``'s two launches on either arch: ``compile_decode()`` gives the arch's
-    cache-decode kernel (``foscar.hopper.fused``, ``foscar.blackwell.fused``; called after the
+    """``PagedKVCache.attend``'s two launches (Blackwell's; Hopper's one launch, or two where its window
+    tiles do not fit, is ``foscar.hopper.decode.run_cache_decode``): ``compile_decode()`` gives the arch's
+    cache-decode kernel (``foscar.blackwell.fused``; called after the
     limits are checked, so bad input never reaches the compiler), which writes the quantized splits'
     partials; then this module's kernel writes the 16-bit slots' partials and merges them all.
     ``q [B, Hq, D]``, packed pages, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win
