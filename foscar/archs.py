@@ -110,16 +110,17 @@ class Arch:
 
     def run_cache_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows,
                          seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
-                         num_splits: int):
+                         num_splits: int, budget: int):
         """Decode over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates): the quantized
-        splits and the 16-bit sink + window, merged (Hopper: one launch, ``foscar.hopper.fused``, or two
-        where it does not fit; Blackwell: the quantized splits, then ``foscar.kernels.sink_window``);
-        returns ``(out, lse)``."""
+        splits and the 16-bit sink + window, merged (Hopper: one launch, ``foscar.hopper.fused``, its
+        work split on the device over ``budget`` CTAs by the sequences' lengths, ``foscar.work_list``, or
+        ``num_splits`` splits per sequence and the window kernel where the window does not fit its ring;
+        Blackwell: ``num_splits`` splits, then ``foscar.kernels.sink_window``); returns ``(out, lse)``."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         return self._kernel().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,
                                                seq_rows, seq_lengths, counters, sink, window, sm_scale, scheme,
-                                               num_splits, arch=self.name)
+                                               num_splits, budget, arch=self.name)
 
 
 @functools.lru_cache(maxsize=1024)

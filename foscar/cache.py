@@ -54,6 +54,7 @@ import numbers
 import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
+from .decode import CTAS_PER_SM
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, quantize_groups
@@ -164,7 +165,10 @@ class PagedKVCache:
         self._counters = torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=dev)
         self._heads = torch.arange(kv_heads, device=dev)
         self._granule_steps = torch.arange(granule, device=dev)
-        self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        # CTAs one wave of the decode launch holds: Hopper's work list cuts the batch's sequences into
+        # that many parts by their lengths (foscar.work_list); the split count otherwise (num_splits)
+        self.cta_budget = num_sms * CTAS_PER_SM
 
     def _pool(self, role, quant, pool):
         d, ps = self.scheme.head_dim, self.page_size
@@ -490,10 +494,11 @@ class PagedKVCache:
     # ------------------------------------------------------------------ attend
 
     def num_splits(self, batch: int) -> int:
-        """Split-KV factor for a decode batch: fixed by capacities only (graph-stable)."""
+        """Split-KV factor for a decode batch where the launch has no work list (Blackwell; Hopper's
+        two-launch variants): fixed by capacities only (graph-stable)."""
         from .decode import plan_splits
 
-        return plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms)
+        return plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, max(1, self.cta_budget // CTAS_PER_SM))
 
     def attend(self, layer: int, seq_ids, q: torch.Tensor, sm_scale: float | None = None, return_lse: bool = False):
         """Decode attention of ``q [len(seq_ids), kv_heads*gqa_ratio, head_dim]`` over each sequence.
@@ -516,7 +521,7 @@ class PagedKVCache:
             out, lse = self.arch.run_cache_decode(
                 q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
                 self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, self.lengths[layer], self._counters,
-                self.sink, self.window, sm_scale, scheme, self.num_splits(q.shape[0]))
+                self.sink, self.window, sm_scale, scheme, self.num_splits(q.shape[0]), self.cta_budget)
             return (out, lse) if return_lse else out
         contiguous = ids == tuple(range(ids[0], ids[0] + len(ids)))
         rows = slice(ids[0], ids[0] + len(ids)) if contiguous else index  # slices avoid gathers

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 
 from .device import NEG_INF, fsel
 from .softmax import lse_weight, merged_lse
@@ -90,19 +90,32 @@ class SplitMerge:
         self._barrier()
         return at(flag, 0) != Int32(0)
 
+    def row_major(self, o_part: cute.Pointer, lse_part: cute.Pointer, row0, total: Int32):
+        """(o, lse) partials of rows ``row0 ..`` (Int64) held as ``o [rows, total, D]``, ``lse [rows, total]``:
+        ``(R, total, D)`` and ``(R, total)`` tensors for :meth:`merge`."""
+        D, R = self.D, self.R
+        return (cute.make_tensor(o_part + row0 * total * D, cute.make_ordered_layout((R, total, D), (2, 1, 0))),
+                cute.make_tensor(lse_part + row0 * total, cute.make_ordered_layout((R, total), (1, 0))))
+
+    def item_major(self, o_part: cute.Pointer, lse_part: cute.Pointer, item0: Int32, total: Int32):
+        """The same for partials held per work item (``foscar.work_list``): ``o [items, R, D]``,
+        ``lse [items, R]``, this (sequence, KV head)'s ``total`` items from ``item0`` on."""
+        D, R = self.D, self.R
+        first = item0.to(Int64) * R
+        return (cute.make_tensor(o_part + first * D, cute.make_ordered_layout((R, total, D), (1, 2, 0))),
+                cute.make_tensor(lse_part + first, cute.make_ordered_layout((R, total), (0, 1))))
+
     @cute.jit
-    def merge(self, scratch: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer,
+    def merge(self, scratch: cute.Pointer, o_rows: cute.Tensor, lse_rows: cute.Tensor, out: cute.Pointer,
               lse: cute.Pointer, row0, total: Int32, tc: Int32):
-        """``out[row0 + r, d]`` (``out_dtype``) and ``lse[row0 + r]`` from the partials
-        ``o_part [.., total, D]`` / ``lse_part [.., total]`` of rows ``row0 .. row0 + R - 1`` (Int64).
-        Two rounds: each row's max lse and weight sum (a warp per row, its lanes over the partials),
-        then 4 output channels per thread (``PartialSum``: a batch of partials' loads in flight)."""
+        """``out[row0 + r, d]`` (``out_dtype``) and ``lse[row0 + r]`` from the ``total`` partials of
+        rows ``row0 .. row0 + R - 1`` (Int64): ``o_rows (R, total, D)``, ``lse_rows (R, total)``
+        (:meth:`row_major`, :meth:`item_major`). Two rounds: each row's max lse and weight sum (a warp
+        per row, its lanes over the partials), then 4 output channels per thread (``PartialSum``: a
+        batch of partials' loads in flight)."""
         cute.arch.fence_acq_rel_gpu()  # acquire: the other CTAs' partials, not stale lines
         D, R = self.D, self.R
         w = cute.make_tensor(cute.recast_ptr(scratch, dtype=Float32), cute.make_layout((self.scratch_words,)))
-        # (R, total, D): the rows' partials; (R, total): their lses
-        o_rows = cute.make_tensor(o_part + row0 * total * D, cute.make_ordered_layout((R, total, D), (2, 1, 0)))
-        lse_rows = cute.make_tensor(lse_part + row0 * total, cute.make_ordered_layout((R, total), (1, 0)))
         warp, lane = tc // 32, tc % 32
         for r in cutlass.range(warp, R, self.warps, unroll=1):
             m = Float32(NEG_INF)

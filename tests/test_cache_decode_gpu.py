@@ -72,9 +72,10 @@ def poison_attend_buffers(cache, batch, q, rotate: bool):
     from foscar.hopper.decode import cache_partials
 
     hq, d = q.shape[1], q.shape[2]
-    total = cache_partials(cache.scheme, cache.page_size, cache.num_splits(batch), cache.sink + cache.ring)
+    part = cache_partials(cache.scheme, cache.page_size, batch, cache.kv_heads, cache.num_splits(batch),
+                          cache.cta_budget, cache.sink + cache.ring)
     shapes = [((batch, hq, d), q.dtype)] * (2 if rotate else 1)  # the rotated q takes one such block first
-    shapes += [((batch, hq), torch.float32), ((batch, hq, total, d), torch.float32), ((batch, hq, total), torch.float32)]
+    shapes += [((batch, hq), torch.float32), (part, torch.float32), (part[:-1], torch.float32)]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     blocks = [torch.full(shape, float("nan"), dtype=dtype, device="cuda") for shape, dtype in shapes]
@@ -87,15 +88,17 @@ def test_one_launch_decode_matches_float64(scheme, page_size, max_len, kv_heads,
     check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("budget,splits", [(1, 1), (7, 2), (1000, 5)])
 @pytest.mark.parametrize("case", [0, 1, 7, 15], ids=lambda i: CASES[i][0].name)
-def test_one_launch_decode_any_split_count(case, splits, rng):
-    """One split (the CTA writes the output itself), two, and an odd count: the window tiles
-    ``x, x + splits, ...`` of each split and the merge (the last case: the two-launch path)."""
-    check_cache_decode(*CASES[case], rng, splits=splits)
+def test_one_launch_decode_any_split_count(case, budget, splits, rng):
+    """The work list (foscar/work_list.py) over a budget of 1 CTA (every (sequence, KV head) one part:
+    the CTA writes the output itself), 7 (the longest sequences a few parts) and 1000 (up to each
+    sequence's cap): the window tiles ``x, x + parts, ...`` of each part and the merge; the last case,
+    the two-launch path, with 1, 2 and 5 splits."""
+    check_cache_decode(*CASES[case], rng, splits=splits, budget=budget)
 
 
-def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits=None):
+def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits=None, budget=None):
     lengths = lengths_for(PagedKVCache(scheme, 1, 1, 1, 1, 4096, page_size, SINK, WINDOW, device="meta",
                                        use_kernels=False).granule)
     cache = PagedKVCache(scheme, 2, kv_heads, num_pages=len(lengths) * max_len // page_size + 8,
@@ -103,6 +106,8 @@ def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits
                          rotate=rotate, device="cuda")
     if splits is not None:
         cache.num_splits = lambda batch: splits
+    if budget is not None:
+        cache.cta_budget = budget
     spare = cache.allocate()  # freed: the ids attended are not 0..B-1
     ids = [cache.allocate() for _ in lengths]
     cache.free(spare)
@@ -122,7 +127,8 @@ def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits
     tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
     err = float((out.double() - ref).abs().max())
     lse_err = float((lse.double() - ref_lse).abs().max())
-    print(f"{scheme.name} splits={cache.num_splits(len(order))} err={err:.2e} tol={tol:.2e} lse_err={lse_err:.2e}")
+    print(f"{scheme.name} budget={cache.cta_budget} splits={cache.num_splits(len(order))} err={err:.2e} tol={tol:.2e} "
+          f"lse_err={lse_err:.2e}")
     assert math.isfinite(err) and err <= tol, (err, tol)
     assert lse_err <= max(tol, 1e-3), lse_err
     assert not cache._counters.any(), "the last CTA of every (sequence, KV head) resets its counter"

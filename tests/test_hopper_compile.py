@@ -164,7 +164,7 @@ def test_cache_decode_without_window_ring_is_two_launches():
     scheme = Scheme.make(2, "channel", 256, "token", 128, 256, 8)
     ptx = artifacts(HOPPER.compile_cache_decode(scheme, 256)).ptx
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
-    assert "cp.async.mbarrier.arrive" not in ptx and "atom.global" not in ptx
+    assert "cp.async.mbarrier.arrive" not in ptx and "atom.global" not in ptx and "shfl.sync.up" not in ptx
     HOPPER.check_cache(scheme, 256, 64 + 256 + 256)
     with pytest.raises(ValueError, match=r"sink \+ window \+ granule \(64 \+ 8192 \+ 256\) = 8512"):
         HOPPER.check_cache(scheme, 256, 8512, "sink + window + granule (64 + 8192 + 256)")
@@ -227,6 +227,7 @@ def test_cache_decode_fuses_window_tiles(scheme, page_size):
         assert ptx.count(window_mma) == 2 * (scheme.head_dim // 16) * n_blocks
     assert ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") >= 4 * (scheme.head_dim // 16) + 2 * n_blocks
     assert "atom.global.acq_rel.add.u32" in ptx and ptx.count("fence.acq_rel.gpu") == 2
+    assert ptx.count("shfl.sync.up.b32") == 10  # the work list: two block-wide scans of 5 steps (foscar.work_list)
     assert BLOCK == 16
     # the window tiles add no spill to the decode's (some variants spill a few words with 3 warpgroups)
     plain = artifacts(HOPPER.compile_decode(scheme, page_size, True))

@@ -101,10 +101,11 @@ def _build_cache_decode(scheme, page_size, arch):
 
 
 def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
-                     sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int,
+                     sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int, budget: int = 1,
                      arch: str = DEFAULT_ARCH):
     """Decode on a cache layer's tensors, pages in the Blackwell word order: the same contract as
-    ``foscar.kernels.sink_window.run_cache_attend``.
+    ``foscar.kernels.sink_window.run_cache_attend`` (``num_splits`` per sequence: ``budget``, the
+    Hopper launch's work list, is not built here).
     Never run here (no Blackwell GPU): compile-verified only."""
     from ..kernels.sink_window import run_cache_attend
 

@@ -142,32 +142,38 @@ def _build_cache_decode(scheme, page_size, arch, consumers):
         fake_ptr(Float32), fake_ptr(Float32),  # partials o, lse
         fake_ptr(q_type), fake_ptr(Float32),  # out, lse
         fake_ptr(Int32),  # counters
-        i32, i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, num_splits, parts, sink, ring, window
+        i32, i32, i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, budget, num_splits, parts, sink,
+        # ring, window
         Float32(1.0),  # sm_scale
         cuda.CUstream(0),
     )
 
 
-def cache_partials(scheme: Scheme, page_size: int, num_splits: int, slots: int, consumers: int | None = None) -> int:
-    """fp32 partials per query row that :func:`run_cache_decode` allocates: one launch, ``num_splits``
-    (none for one split: it writes the output directly); two, the window kernel's after the splits'."""
+def cache_partials(scheme: Scheme, page_size: int, batch: int, kv_heads: int, num_splits: int, budget: int,
+                   slots: int, consumers: int | None = None) -> tuple[int, ...]:
+    """The shape of the fp32 ``o`` partials :func:`run_cache_decode` allocates (``lse``'s: all but the
+    last dim): one launch, one ``[R, D]`` per work item (``foscar.work_list``: at most ``budget + batch *
+    kv_heads``); two, ``[batch, Hq, parts, D]``, the window kernel's partials after the splits'."""
     from ..kernels.sink_window import window_ctas
+    from ..work_list import grid_ctas
     from .fused import fuses_window
 
     consumers = default_consumers(scheme) if consumers is None else consumers
+    r, d = scheme.gqa_ratio, scheme.head_dim
     if fuses_window(scheme, page_size, consumers):
-        return num_splits if num_splits > 1 else 0
-    return num_splits + window_ctas(slots)
+        return (grid_ctas(budget, batch, kv_heads), r, d)
+    return (batch, kv_heads * r, num_splits + window_ctas(slots), d)
 
 
 def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
-                     sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int,
+                     sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int, budget: int,
                      arch: str = DEFAULT_ARCH, consumers: int | None = None):
     """Decode on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``,
     packed pages, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win [max_seqs, kv_heads,
     sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs], ``counters`` int32
-    (>= B * kv_heads, zero; left zero). One launch (``foscar.hopper.fused``), or two where
-    ``fuses_window`` says no. Returns ``(out, lse)``: q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
+    (>= B * kv_heads, zero; left zero). One launch (``foscar.hopper.fused``) whose work list fills
+    ``budget`` CTAs, or, where ``fuses_window`` says no, ``num_splits`` splits per sequence then the
+    window kernel. Returns ``(out, lse)``: q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
     import torch
     from cutlass import Float16, Float32, Int32, Int64
 
@@ -181,16 +187,16 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     page_size = k_codes.shape[2] * 64
     consumers = default_consumers(scheme) if consumers is None else consumers
     one_launch = fuses_window(scheme, page_size, consumers)
-    check_cache_launch(num_splits, counters, batch * kv_heads)  # before anything compiles or launches
+    check_cache_launch(num_splits, counters, batch * kv_heads, budget)  # before anything compiles or launches
     if not one_launch:
         check_sink_window(d, hq // kv_heads, slots)
     compiled = compile_cache_decode(scheme, page_size, arch, consumers)
     q_type = half_type(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=device)
-    parts = cache_partials(scheme, page_size, num_splits, slots, consumers)
-    o_part = torch.empty(batch, hq, parts, d, dtype=torch.float32, device=device)
-    lse_part = torch.empty(batch, hq, parts, dtype=torch.float32, device=device)
+    shape = cache_partials(scheme, page_size, batch, kv_heads, num_splits, budget, slots, consumers)
+    o_part = torch.empty(shape, dtype=torch.float32, device=device)
+    lse_part = torch.empty(shape[:-1], dtype=torch.float32, device=device)
     compiled(
         gmem_ptr(q, q_type),
         gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
@@ -200,7 +206,8 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
         gmem_ptr(o_part, Float32), gmem_ptr(lse_part, Float32),
         gmem_ptr(out, q_type), gmem_ptr(lse, Float32),
         gmem_ptr(counters, Int32),
-        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(num_splits), Int32(parts), Int32(sink),
+        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(budget), Int32(num_splits),
+        Int32(shape[2] if not one_launch else 0), Int32(sink),
         Int32(slots - sink), Int32(window), Float32(float(sm_scale)),
         current_stream(device),
     )

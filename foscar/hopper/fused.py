@@ -41,11 +41,12 @@ from cutlass import Float32, Int32, Int64
 from ..device import LOG2E
 from ..jit import half_type
 from ..kernels.quantize import granule_of
-from ..layouts.fragment import THREADS
+from ..layouts.fragment import THREADS, TILE_TOKENS
 from ..pipeline import split_range, stage_and_phase
 from ..softmax import finite_reference
 from ..split_merge import SplitMerge
 from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token
+from ..work_list import PLAN_WORDS, WorkList
 from .kernel import BAR_CONSUMERS, PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel
 from .mma import WarpMma
 
@@ -155,7 +156,12 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         if not cfg.split:
             raise ValueError("the cache decode kernel needs a split-output DecodeConfig (cache_decode_config)")
         super().__init__(cfg)
+        from ..decode import MAX_SPLITS, MIN_TOKENS_PER_SPLIT
+
         self.granule = granule_of(cfg.scheme)
+        self.work = WorkList(cfg.threads, MAX_SPLITS)
+        self.tile_units = max(1, cfg.TILE_BYTES // 256)  # a packed tile's work (WorkList units: 256 bytes)
+        self.tiles_per_part = MIN_TOKENS_PER_SPLIT // TILE_TOKENS
         self.merger = SplitMerge(cfg.D, cfg.R, cfg.NW * 32, BAR_CONSUMERS, cfg.q_dtype)
 
     def cache_storage(self):
@@ -164,6 +170,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         return self.shared_storage(
             merge_scratch=cute.struct.Align[cute.struct.MemRange[Float32, self.merger.scratch_words], 16],
             last=cute.struct.MemRange[Int32, 1],  # SplitMerge.arrive's answer
+            plan=cute.struct.MemRange[Int32, PLAN_WORDS],  # WorkList.find's scratch and answer
         )
 
     @cute.jit
@@ -179,16 +186,17 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         seq_lengths: cute.Pointer,  # int64 [max_seqs]: tokens per sequence (this layer)
         k_win: cute.Pointer,  # [max_seqs, kv_heads, sink + ring, D] q dtype: the 16-bit slots
         v_win: cute.Pointer,
-        o_part: cute.Pointer,  # fp32 [B, Hq, parts, D] (one launch: num_splits > 1)
-        lse_part: cute.Pointer,  # fp32 [B, Hq, parts]
+        o_part: cute.Pointer,  # fp32 one launch: [grid_ctas, R, D] (per work item); two: [B, Hq, parts, D]
+        lse_part: cute.Pointer,  # fp32 one launch: [grid_ctas, R]; two: [B, Hq, parts]
         out: cute.Pointer,  # [B, Hq, D] q dtype
         lse: cute.Pointer,  # fp32 [B, Hq]
         counters: cute.Pointer,  # int32 [>= B * kv_heads], zero (left zero)
         batch: Int32,
         kv_heads: Int32,
         max_pages: Int32,
-        num_splits: Int32,
-        parts: Int32,  # partials per query row: num_splits (one launch), or also the window kernel's
+        budget: Int32,  # one launch: the CTAs of a wave, which the work list fills (foscar.work_list)
+        num_splits: Int32,  # two launches: splits per (sequence, KV head)
+        parts: Int32,  # two launches: partials per query row, the window kernel's after the splits'
         sink: Int32,
         ring: Int32,
         window: Int32,
@@ -197,10 +205,13 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
     ):
         cfg = self.cfg
         SharedStorage = self.cache_storage()
+        grid = (budget + batch * kv_heads, 1, 1)  # foscar.work_list.grid_ctas
+        if cutlass.const_expr(cfg.window is None):
+            grid = (num_splits, kv_heads, batch)
         self.kernel(self.tiled_mma(), SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
-                    seq_lengths, k_win, v_win, o_part, lse_part, out, lse, counters, kv_heads, max_pages, num_splits,
-                    parts, sink, ring, window, sm_scale * LOG2E).launch(
-            grid=(num_splits, kv_heads, batch),
+                    seq_lengths, k_win, v_win, o_part, lse_part, out, lse, counters, batch, kv_heads, max_pages,
+                    budget, num_splits, parts, sink, ring, window, sm_scale * LOG2E).launch(
+            grid=grid,
             block=(cfg.threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -212,18 +223,52 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
                kc_ptr: cute.Pointer, kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer,
                pt_ptr: cute.Pointer, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, k_win: cute.Pointer,
                v_win: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer,
-               lse: cute.Pointer, counters: cute.Pointer, kv_heads: Int32, max_pages: Int32, num_splits: Int32,
-               parts: Int32, sink: Int32, ring: Int32, window: Int32, scale_log2: Float32):
+               lse: cute.Pointer, counters: cute.Pointer, batch: Int32, kv_heads: Int32, max_pages: Int32,
+               budget: Int32, num_splits: Int32, parts: Int32, sink: Int32, ring: Int32, window: Int32,
+               scale_log2: Float32):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        split, h, b = cute.arch.block_idx()
-        role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumers
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
-        self.init_ring_barriers(full, empty, tidx)
+        self.init_ring_barriers(storage.full.data_ptr(), storage.empty.data_ptr(), tidx)
+        length_of = lambda b: Int32(at(seq_lengths, at(seq_rows, b)))  # noqa: E731  (tokens of sequence b)
+        if cutlass.const_expr(cfg.window is None):  # two launches: the grid is (split, KV head, sequence)
+            split, h, b = cute.arch.block_idx()
+            self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
+                             length_of(b), k_win, v_win, o_part, lse_part, out, lse, counters, b, h, split, num_splits,
+                             split, parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx)
+        else:
+            x, _, _ = cute.arch.block_idx()
+            # a (sequence, KV head)'s work: its packed tiles' bytes and its window tiles', in 256-byte
+            # units; its parts: at most one per MIN_TOKENS_PER_SPLIT packed tokens (foscar.decode.plan_splits)
+            win_units = (sink + ring + BLOCK - 1) // BLOCK * (BLOCK * 4 * cfg.D // 256)
+            tiles_of = lambda b: (quantized_tokens(length_of(b), sink, window, self.granule)  # noqa: E731
+                                  + TILE_TOKENS - 1) // TILE_TOKENS
+            work_of = lambda b: (tiles_of(b) * self.tile_units + win_units,  # noqa: E731
+                                 cutlass.max(tiles_of(b) // self.tiles_per_part, 1))
+            b, h, part, n_parts, item0, valid = self.work.find(x, batch, kv_heads, budget, work_of,
+                                                               storage.plan.data_ptr(), tidx)
+            if valid:
+                self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
+                                 length_of(b), k_win, v_win, o_part, lse_part, out, lse, counters, b, h, part, n_parts,
+                                 item0 + part, n_parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx,
+                                 item0=item0)
 
-        row = cute.make_tensor(seq_rows + b, cute.make_layout((1,)))[0]  # the sequence's row (Int64)
-        n = Int32(cute.make_tensor(seq_lengths + row, cute.make_layout((1,)))[0])
+    @cute.jit
+    def attend_part(self, tiled_mma: cute.TiledMma, storage, q_ptr: cute.Pointer, kc_ptr: cute.Pointer,
+                    kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+                    seq_rows: cute.Pointer, n: Int32, k_win: cute.Pointer, v_win: cute.Pointer,
+                    o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer, lse: cute.Pointer,
+                    counters: cute.Pointer, b: Int32, h: Int32, split: Int32, num_splits: Int32, partial: Int32,
+                    parts: Int32, kv_heads: Int32, max_pages: Int32, sink: Int32, ring: Int32, window: Int32,
+                    scale_log2: Float32, tidx: Int32, item0=None):
+        """Split ``split`` of ``num_splits`` of sequence ``b``'s (``n`` tokens) KV head ``h``: its window
+        tiles, then its packed tiles, into partial ``partial`` of ``parts`` (two launches: row-major),
+        or the output (one split), or work item ``partial`` (``item0``: the (sequence, KV head)'s
+        first; the last of its CTAs merges)."""
+        cfg = self.cfg
+        role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumers
+        full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
+        row = at(seq_rows, b)  # the sequence's row (Int64)
         qlen = quantized_tokens(n, sink, window, self.granule)
         _n_tiles, t_begin, t_end = split_range(qlen, split, num_splits, cfg.TPG)
         q_row0 = (b * kv_heads + h).to(Int64) * cfg.R  # first query row of the KV head
@@ -249,12 +294,19 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             merge = self.attend_tiles(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, qlen, b, h, kv_heads,
                                       t_begin, t_end, scale_log2, warp, lane, window=window_of())
             tc = warp * 32 + lane
-            if cutlass.const_expr(cfg.window is None):  # partial `split` of `parts`; the window kernel merges
-                self.merge_and_store(merge, o_part, lse_part, b, h, split, kv_heads, parts, tc, split_output=True)
+            if cutlass.const_expr(item0 is None):  # partial `partial` of `parts`; the window kernel merges
+                self.merge_and_store(merge, o_part, lse_part, b, h, partial, kv_heads, parts, tc, split_output=True)
             elif num_splits == 1:
                 self.merge_and_store(merge, out, lse, b, h, split, kv_heads, num_splits, tc, split_output=False)
             else:
-                self.merge_and_store(merge, o_part, lse_part, b, h, split, kv_heads, num_splits, tc, split_output=True)
+                self.merge_and_store(merge, o_part, lse_part, b, h, split, kv_heads, num_splits, tc, split_output=True,
+                                     item=partial)
                 if self.merger.arrive(counters + (b * kv_heads + h), storage.last.data_ptr(), num_splits, tc):
-                    self.merger.merge(storage.merge_scratch.data_ptr(), o_part, lse_part, out, lse, q_row0,
+                    o_rows, lse_rows = self.merger.item_major(o_part, lse_part, item0, num_splits)
+                    self.merger.merge(storage.merge_scratch.data_ptr(), o_rows, lse_rows, out, lse, q_row0,
                                       num_splits, tc)
+
+
+def at(ptr: cute.Pointer, idx):
+    """``ptr[idx]``."""
+    return cute.make_tensor(ptr + idx, cute.make_layout((1,)))[0]

@@ -545,10 +545,11 @@ class HopperDecodeKernel:
 
     @cute.jit
     def merge_and_store(self, merge: cute.Tensor, o_ptr: cute.Pointer, lse_ptr: cute.Pointer, b: Int32, h: Int32,
-                        split: Int32, kv_heads: Int32, num_splits: Int32, tc: Int32, split_output=None):
+                        split: Int32, kv_heads: Int32, num_splits: Int32, tc: Int32, split_output=None, item=None):
         """Merge the NW warps' (O, m, l) from shared memory, one output element per consumer thread
         and pass (coalesced along the channel), and write O (normalized) and lse: fp32 partials
-        when ``split_output`` (default: the config's ``split``), else the final output."""
+        when ``split_output`` (default: the config's ``split``), else the final output. ``item``:
+        the partial is work item ``item``'s, held item-major (``o [items, R, D]``, ``foscar.work_list``)."""
         cfg = self.cfg
         partial = cfg.split if split_output is None else split_output
         N, D, R, NW = cfg.N, cfg.D, cfg.R, cfg.NW
@@ -570,7 +571,11 @@ class HopperDecodeKernel:
                     lt = lt + merge[w * cfg.MERGE_WARP + ml + N + col] * wt
                     ot = ot + merge[w * cfg.MERGE_WARP + col * cfg.MERGE_ROW + d] * wt
                 inv_l, lse = normalize(lt, m_all, fastmath=False)
-                obase, lidx = output_offsets(partial, (b * Hq + h * R + col).to(Int64), split, num_splits, D)
+                if cutlass.const_expr(item is not None):
+                    lidx = item.to(Int64) * R + col
+                    obase = lidx * D
+                else:
+                    obase, lidx = output_offsets(partial, (b * Hq + h * R + col).to(Int64), split, num_splits, D)
                 if d == 0:
                     cute.make_tensor(lse_ptr + lidx, cute.make_layout((1,)))[0] = lse
                 val = ot * inv_l

@@ -167,7 +167,8 @@ class SinkWindow:
         total = num_splits + chunks
         self.store(smem, o_part, lse_part, q_row0, num_splits + chunk, total, tidx)
         if self.merger.arrive(counters + (b * kv_heads + h), smem.last.data_ptr(), chunks, tidx):
-            self.merger.merge(smem.merge.data_ptr(), o_part, lse_part, out, lse, q_row0, total, tidx)
+            o_rows, lse_rows = self.merger.row_major(o_part, lse_part, q_row0, total)
+            self.merger.merge(smem.merge.data_ptr(), o_rows, lse_rows, out, lse, q_row0, total, tidx)
 
     @cute.jit
     def column_max(self, smem, mma: WarpMma, s, warp: Int32):
@@ -345,15 +346,18 @@ def run_cache_attend(compile_decode, q_type, q, k_codes, k_params, v_codes, v_pa
     return out, lse
 
 
-def check_cache_launch(num_splits: int, counters, heads: int):
-    """A cache attend's launch values (raises a ValueError naming the argument): ``num_splits`` and the
-    completion ``counters`` (int32, one per (sequence, KV head): ``heads`` of them)."""
+def check_cache_launch(num_splits: int, counters, heads: int, budget: int = 1):
+    """A cache attend's launch values (raises a ValueError naming the argument): ``num_splits``, the
+    CTA ``budget`` of a work list (``foscar.work_list``) and the completion ``counters`` (int32, one
+    per (sequence, KV head): ``heads`` of them)."""
     import torch
 
     from ..decode import MAX_SPLITS
 
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if type(budget) is not int or not 1 <= budget <= 1 << 16:
+        raise ValueError(f"budget must be an int in [1, 65536] (CTAs of a wave), got {budget!r}")
     if counters.dtype != torch.int32 or counters.numel() < heads:
         raise ValueError(f"counters: need int32 with >= batch * kv_heads = {heads} elements, got "
                          f"{counters.dtype} with {counters.numel()}")

@@ -1,0 +1,102 @@
+"""Balanced work for one decode launch over a batch of ragged sequences, planned on the device.
+
+Each (sequence, KV head) gets ``parts`` CTAs in proportion to its work: with ``W`` the batch's total
+work (all KV heads) and ``budget`` the CTAs one wave holds (SMs x CTAs per SM),
+
+    parts = clamp(floor(work * budget / W), 1, min(max_parts, cap))
+
+(``cap``: the sequence's own limit, e.g. its packed tokens / 256: no part shorter than that),
+
+so a long sequence next to short ones is cut into as many parts as its share of the GPU, where a
+split count fixed per call (``foscar.decode.plan_splits``, from capacities) gives each the same.
+The items are numbered sequence by sequence, KV head by KV head, part by part; their count is at
+most ``budget + batch * kv_heads`` (the floors sum to at most ``budget``; a sequence's 1-part
+minimum adds at most one per (sequence, KV head)), which is the launch's grid
+(:func:`grid_ctas`): CTAs past the last item exit. For equal lengths this gives
+``plan_splits``'s count on every shape of ``benchmarks.decode``.
+
+No host sync: CTA ``x`` finds its item by two block-wide passes over the batch (the total, then a
+scan of items per sequence), ``threads`` sequences a round, from the same lengths the CTA reads
+anyway (a few hundred bytes, in L2 after the first CTAs). The result is a few ints in shared memory.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+__all__ = ["WorkList", "grid_ctas", "PLAN_WORDS"]
+
+ITEM_FIELDS = 4  # b, part, parts, first item of the sequence
+PLAN_WORDS = 32 + ITEM_FIELDS  # shared Int32 words: one per warp (<= 32), then the item
+
+
+def grid_ctas(budget: int, batch: int, kv_heads: int) -> int:
+    """The launch's CTAs: an upper bound on the items (see the module docstring)."""
+    return budget + batch * kv_heads
+
+
+class WorkList:
+    """Device side: ``find`` for the CTA's ``threads`` threads. ``max_parts``: a (sequence, KV head)'s
+    most parts (its partials are merged by one CTA)."""
+
+    def __init__(self, threads: int, max_parts: int):
+        self.threads, self.warps = threads, threads // 32
+        self.max_parts = max_parts
+
+    @cute.jit
+    def block_scan(self, value: Int32, scratch: cute.Tensor, tidx: Int32):
+        """(exclusive prefix of ``value`` over the block's threads, block total); two CTA barriers."""
+        lane, warp = tidx % 32, tidx // 32
+        incl = value
+        for offset in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, offset=1 << offset)
+            incl = incl + cutlass.select_(lane >= (1 << offset), up, Int32(0))
+        if lane == 31:
+            scratch[warp] = incl
+        cute.arch.sync_threads()
+        before, total = Int32(0), Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            before = before + cutlass.select_(Int32(w) < warp, scratch[w], Int32(0))
+            total = total + scratch[w]
+        cute.arch.sync_threads()  # scratch free again
+        return before + incl - value, total
+
+    @cute.jit
+    def find(self, x: Int32, batch: Int32, kv_heads: Int32, budget: Int32, work_of, scratch_ptr: cute.Pointer,
+             tidx: Int32):
+        """CTA ``x``'s item: ``(b, h, part, parts, first, valid)``: sequence ``b``, KV head ``h``, part
+        ``part`` of ``parts``; ``first``: the item number of the (sequence, KV head)'s part 0;
+        ``valid``: whether ``x`` is an item. ``work_of(b)``: sequence ``b``'s ``(work, cap)`` (Int32,
+        work > 0, cap >= 1)."""
+        scratch = cute.make_tensor(scratch_ptr, cute.make_layout((PLAN_WORDS,)))
+        item = 32  # scratch[item:]: b, part, parts, first
+        total = Int32(0)
+        for c in cutlass.range(0, batch, self.threads, unroll=1):
+            b = c + tidx
+            work, _cap = work_of(cutlass.min(b, batch - 1))
+            _, chunk = self.block_scan(cutlass.select_(b < batch, work, Int32(0)), scratch, tidx)
+            total = total + chunk
+        if tidx == 0:
+            scratch[item] = Int32(-1)  # no item: x past the last
+        base = Int32(0)  # items before this round's sequences
+        for c in cutlass.range(0, batch, self.threads, unroll=1):
+            b = c + tidx
+            work, cap = work_of(cutlass.min(b, batch - 1))
+            share = Int32(work.to(Int64) * budget.to(Int64) // (kv_heads.to(Int64) * total.to(Int64)))
+            parts = cutlass.max(cutlass.min(cutlass.min(share, cap), self.max_parts), 1)
+            items = cutlass.select_(b < batch, kv_heads * parts, Int32(0))
+            before, chunk = self.block_scan(items, scratch, tidx)
+            first = base + before
+            if first <= x and x < first + items:
+                scratch[item] = b
+                scratch[item + 1] = (x - first) % parts
+                scratch[item + 2] = parts
+                scratch[item + 3] = first
+            base = base + chunk
+        cute.arch.sync_threads()
+        b, part, parts, first = scratch[item], scratch[item + 1], scratch[item + 2], scratch[item + 3]
+        valid = b >= 0
+        h = cutlass.select_(valid, (x - first) // cutlass.max(parts, 1), Int32(0))
+        return cutlass.max(b, 0), h, part, parts, first + h * parts, valid
