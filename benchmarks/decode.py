@@ -115,20 +115,22 @@ def read_ceiling_us(nbytes=4 * 2**30, copies=1):
 
 
 class FlashInferDecode:
-    """FlashInfer BatchDecodeWithPagedKVCacheWrapper (HND pages of 64, tensor cores)."""
+    """FlashInfer BatchDecodeWithPagedKVCacheWrapper (HND pages of 64, tensor cores); ``lengths``:
+    per-sequence token counts (default ``context`` each), planned by FlashInfer on the host."""
 
-    def __init__(self, batch, context, q_heads, kv_heads, head_dim, kv_dtype):
+    def __init__(self, batch, context, q_heads, kv_heads, head_dim, kv_dtype, lengths=None):
         import flashinfer
 
         page = 64
-        pages_per_seq = context // page
+        lengths = [context] * batch if lengths is None else list(lengths)
+        pages = [-(-n // page) for n in lengths]
         self.kv_dtype = kv_dtype
-        num_pages = batch * pages_per_seq
+        num_pages = sum(pages)
         dev = "cuda"
         self.cache = torch.randn(num_pages, 2, kv_heads, page, head_dim, device=dev, dtype=torch.bfloat16).to(kv_dtype)
-        indptr = torch.arange(batch + 1, device=dev, dtype=torch.int32) * pages_per_seq
+        indptr = torch.tensor([0] + pages, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         indices = torch.arange(num_pages, device=dev, dtype=torch.int32)
-        last = torch.full((batch,), page, device=dev, dtype=torch.int32)
+        last = torch.tensor([n - page * (p - 1) for n, p in zip(lengths, pages)], device=dev, dtype=torch.int32)
         self.workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=dev)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True)
         self.wrapper.plan(indptr, indices, last, q_heads, kv_heads, head_dim, page, q_data_type=torch.bfloat16,
@@ -177,27 +179,31 @@ def foscar_layers(scheme, batch, context, kv_heads, page_size=128):
     return fns, nbytes, copies, splits
 
 
-def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=64, window=256):
-    """Layer closures of ``PagedKVCache.attend``: BF16 sink + recent window merged with the quantized pages."""
+def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=64, window=256, lengths=None):
+    """Layer closures of ``PagedKVCache.attend``: BF16 sink + recent window merged with the quantized pages;
+    ``lengths``: per-sequence token counts (default ``context`` each)."""
     from foscar.cache import PagedKVCache
     from foscar.kernels.quantize import granule_of
 
     granule = granule_of(scheme)
-    quantized = granule * max(0, (context - sink - window) // granule)
-    bf16_tokens = context - quantized
+    lengths = [context] * batch if lengths is None else list(lengths)
+    quantized = [granule * max(0, (n - sink - window) // granule) for n in lengths]
     d = scheme.head_dim
-    nbytes = int(batch * kv_heads * d * (2 * quantized * scheme.bytes_per_element() + 2 * 2 * bf16_tokens))
+    nbytes = int(kv_heads * d * sum(2 * qn * scheme.bytes_per_element() + 2 * 2 * (n - qn)
+                                    for n, qn in zip(lengths, quantized)))
     nbytes += 2 * batch * kv_heads * scheme.gqa_ratio * d * 2
     copies = copies_for(nbytes)
-    pages = -(-quantized // page_size)
-    cache = PagedKVCache(scheme, num_layers=copies, kv_heads=kv_heads, num_pages=max(1, batch * pages), max_seqs=batch,
-                         max_seq_len=context, page_size=page_size, sink=sink, window=window)
+    pages = sum(-(-qn // page_size) for qn in quantized)
+    cache = PagedKVCache(scheme, num_layers=copies, kv_heads=kv_heads, num_pages=max(1, pages), max_seqs=batch,
+                         max_seq_len=max(lengths), page_size=page_size, sink=sink, window=window)
     seqs = [cache.allocate() for _ in range(batch)]
     gen = torch.Generator("cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    uniform = len(set(lengths)) == 1
     for layer in range(copies):
-        k = torch.randn(batch, kv_heads, context, d, device="cuda", generator=gen, dtype=scheme.q_dtype)
-        cache.append(layer, seqs, k, torch.randn_like(k))
-        del k
+        for group, n in ([(seqs, lengths[0])] if uniform else [([s], n) for s, n in zip(seqs, lengths)]):
+            k = torch.randn(len(group), kv_heads, n, d, device="cuda", generator=gen, dtype=scheme.q_dtype)
+            cache.append(layer, group, k, torch.randn_like(k))
+            del k
     q = torch.randn(batch, kv_heads * scheme.gqa_ratio, d, device="cuda", generator=gen, dtype=scheme.q_dtype)
     return [(lambda layer=layer: cache.attend(layer, seqs, q)) for layer in range(copies)], nbytes, copies
 

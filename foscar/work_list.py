@@ -17,7 +17,9 @@ minimum adds at most one per (sequence, KV head)), which is the launch's grid
 
 No host sync: CTA ``x`` finds its item by two block-wide passes over the batch (the total, then a
 scan of items per sequence), ``threads`` sequences a round, from the same lengths the CTA reads
-anyway (a few hundred bytes, in L2 after the first CTAs). The result is a few ints in shared memory.
+anyway (a few hundred bytes, in L2 after the first CTAs); the first round's loads serve both passes
+and the item's sequence facts come back with it (each dependent load from L2 costs ~0.6 us per
+CTA, paid ~8 times per SM at 128 x 8K). The result is a few ints in shared memory.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from cutlass import Int32, Int64
 
 __all__ = ["WorkList", "grid_ctas", "PLAN_WORDS"]
 
-ITEM_FIELDS = 4  # b, part, parts, first item of the sequence
+ITEM_FIELDS = 6  # b, part, parts, first item of the sequence, the sequence's two payload words
 PLAN_WORDS = 32 + ITEM_FIELDS  # shared Int32 words: one per warp (<= 32), then the item
 
 
@@ -64,18 +66,27 @@ class WorkList:
         return before + incl - value, total
 
     @cute.jit
-    def find(self, x: Int32, batch: Int32, kv_heads: Int32, budget: Int32, work_of, scratch_ptr: cute.Pointer,
-             tidx: Int32):
-        """CTA ``x``'s item: ``(b, h, part, parts, first, valid)``: sequence ``b``, KV head ``h``, part
-        ``part`` of ``parts``; ``first``: the item number of the (sequence, KV head)'s part 0;
-        ``valid``: whether ``x`` is an item. ``work_of(b)``: sequence ``b``'s ``(work, cap)`` (Int32,
-        work > 0, cap >= 1)."""
-        scratch = cute.make_tensor(scratch_ptr, cute.make_layout((PLAN_WORDS,)))
-        item = 32  # scratch[item:]: b, part, parts, first
+    def record(self, scratch: cute.Tensor, item: int, x: Int32, b: Int32, parts: Int32, first: Int32, fact0: Int32,
+               fact1: Int32):
+        """Item ``x`` is of sequence ``b`` (-1: none), whose items start at ``first``, ``parts`` per KV head."""
+        scratch[item] = b
+        scratch[item + 1] = (x - first) % parts
+        scratch[item + 2] = parts
+        scratch[item + 3] = first
+        scratch[item + 4] = fact0
+        scratch[item + 5] = fact1
+
+    @cute.jit
+    def plan_batch(self, x: Int32, batch: Int32, kv_heads: Int32, budget: Int32, work_of, first_round,
+                   scratch: cute.Tensor, item: int, tidx: Int32):
+        """``find`` over a batch: the total work, then the scan of items per sequence; the thread of
+        ``x``'s sequence records it."""
         total = Int32(0)
         for c in cutlass.range(0, batch, self.threads, unroll=1):
             b = c + tidx
-            work, _cap = work_of(cutlass.min(b, batch - 1))
+            work, cap, fact0, fact1 = first_round
+            if c > 0:
+                work, cap, fact0, fact1 = work_of(cutlass.min(b, batch - 1))
             _, chunk = self.block_scan(cutlass.select_(b < batch, work, Int32(0)), scratch, tidx)
             total = total + chunk
         if tidx == 0:
@@ -83,20 +94,38 @@ class WorkList:
         base = Int32(0)  # items before this round's sequences
         for c in cutlass.range(0, batch, self.threads, unroll=1):
             b = c + tidx
-            work, cap = work_of(cutlass.min(b, batch - 1))
+            work, cap, fact0, fact1 = first_round
+            if c > 0:
+                work, cap, fact0, fact1 = work_of(cutlass.min(b, batch - 1))
             share = Int32(work.to(Int64) * budget.to(Int64) // (kv_heads.to(Int64) * total.to(Int64)))
             parts = cutlass.max(cutlass.min(cutlass.min(share, cap), self.max_parts), 1)
             items = cutlass.select_(b < batch, kv_heads * parts, Int32(0))
             before, chunk = self.block_scan(items, scratch, tidx)
             first = base + before
             if first <= x and x < first + items:
-                scratch[item] = b
-                scratch[item + 1] = (x - first) % parts
-                scratch[item + 2] = parts
-                scratch[item + 3] = first
+                self.record(scratch, item, x, b, parts, first, fact0, fact1)
             base = base + chunk
+
+    @cute.jit
+    def find(self, x: Int32, batch: Int32, kv_heads: Int32, budget: Int32, work_of, scratch_ptr: cute.Pointer,
+             tidx: Int32):
+        """CTA ``x``'s item: ``(b, h, part, parts, first, facts, valid)``: sequence ``b``, KV head ``h``,
+        part ``part`` of ``parts``; ``first``: the item number of the (sequence, KV head)'s part 0;
+        ``facts``: the sequence's two payload words; ``valid``: whether ``x`` is an item.
+        ``work_of(b)``: sequence ``b``'s ``(work, cap, payload, payload)`` (Int32, work > 0, cap >= 1)."""
+        scratch = cute.make_tensor(scratch_ptr, cute.make_layout((PLAN_WORDS,)))
+        item = 32  # scratch[item:]: b, part, parts, first, payloads
+        first_round = work_of(cutlass.min(tidx, batch - 1))  # kept: B <= threads loads once
+        if batch == 1:  # one sequence: its share is budget / kv_heads, no scan
+            if tidx == 0:
+                _work, cap, fact0, fact1 = first_round
+                parts = cutlass.max(cutlass.min(cutlass.min(budget // kv_heads, cap), self.max_parts), 1)
+                self.record(scratch, item, x, cutlass.select_(x < kv_heads * parts, Int32(0), Int32(-1)), parts,
+                            Int32(0), fact0, fact1)
+        else:
+            self.plan_batch(x, batch, kv_heads, budget, work_of, first_round, scratch, item, tidx)
         cute.arch.sync_threads()
         b, part, parts, first = scratch[item], scratch[item + 1], scratch[item + 2], scratch[item + 3]
         valid = b >= 0
         h = cutlass.select_(valid, (x - first) // cutlass.max(parts, 1), Int32(0))
-        return cutlass.max(b, 0), h, part, parts, first + h * parts, valid
+        return cutlass.max(b, 0), h, part, parts, first + h * parts, (scratch[item + 4], scratch[item + 5]), valid

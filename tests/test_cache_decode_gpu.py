@@ -98,7 +98,15 @@ def test_one_launch_decode_any_split_count(case, budget, splits, rng):
     check_cache_decode(*CASES[case], rng, splits=splits, budget=budget)
 
 
-def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits=None, budget=None):
+@pytest.mark.parametrize("budget", [1, 5, 132])
+@pytest.mark.parametrize("case", [0, 3, 7], ids=lambda i: CASES[i][0].name)
+def test_one_launch_decode_batch_of_one(case, budget, rng):
+    """A batch of one sequence (the work list's scan-free path: budget / kv_heads parts per KV head)."""
+    check_cache_decode(*CASES[case], rng, budget=budget, only_longest=True)
+
+
+def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits=None, budget=None,
+                       only_longest=False):
     lengths = lengths_for(PagedKVCache(scheme, 1, 1, 1, 1, 4096, page_size, SINK, WINDOW, device="meta",
                                        use_kernels=False).granule)
     cache = PagedKVCache(scheme, 2, kv_heads, num_pages=len(lengths) * max_len // page_size + 8,
@@ -117,7 +125,7 @@ def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits
         v = torch.randn(1, kv_heads, n, d, generator=rng)
         for layer in range(2):
             cache.append(layer, [seq], k.to("cuda", dtype), v.to("cuda", dtype))
-    order = ids[::-1]  # out of order
+    order = ids[-1:] if only_longest else ids[::-1]  # out of order
     q = torch.randn(len(order), kv_heads * scheme.gqa_ratio, d, generator=rng).to("cuda", dtype)
     sm_scale = 0.7 * d**-0.5
     poison_attend_buffers(cache, len(order), q, rotate)

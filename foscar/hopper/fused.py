@@ -230,45 +230,50 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         tidx, _, _ = cute.arch.thread_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         self.init_ring_barriers(storage.full.data_ptr(), storage.empty.data_ptr(), tidx)
-        length_of = lambda b: Int32(at(seq_lengths, at(seq_rows, b)))  # noqa: E731  (tokens of sequence b)
         if cutlass.const_expr(cfg.window is None):  # two launches: the grid is (split, KV head, sequence)
             split, h, b = cute.arch.block_idx()
-            self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
-                             length_of(b), k_win, v_win, o_part, lse_part, out, lse, counters, b, h, split, num_splits,
-                             split, parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx)
+            row = at(seq_rows, b)  # the sequence's row (Int64)
+            self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, row,
+                             Int32(at(seq_lengths, row)), k_win, v_win, o_part, lse_part, out, lse, counters, b, h,
+                             split, num_splits, split, parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx)
         else:
             x, _, _ = cute.arch.block_idx()
             # a (sequence, KV head)'s work: its packed tiles' bytes and its window tiles', in 256-byte
-            # units; its parts: at most one per MIN_TOKENS_PER_SPLIT packed tokens (foscar.decode.plan_splits)
+            # units; its parts: at most one per MIN_TOKENS_PER_SPLIT packed tokens (foscar.decode.plan_splits);
+            # the sequence's token count and row come back with the item
             win_units = (sink + ring + BLOCK - 1) // BLOCK * (BLOCK * 4 * cfg.D // 256)
-            tiles_of = lambda b: (quantized_tokens(length_of(b), sink, window, self.granule)  # noqa: E731
-                                  + TILE_TOKENS - 1) // TILE_TOKENS
-            work_of = lambda b: (tiles_of(b) * self.tile_units + win_units,  # noqa: E731
-                                 cutlass.max(tiles_of(b) // self.tiles_per_part, 1))
-            b, h, part, n_parts, item0, valid = self.work.find(x, batch, kv_heads, budget, work_of,
-                                                               storage.plan.data_ptr(), tidx)
+            work_of = lambda b: self.sequence_work(seq_rows, seq_lengths, b, sink, window, win_units)  # noqa: E731
+            b, h, part, n_parts, item0, (n, row), valid = self.work.find(x, batch, kv_heads, budget, work_of,
+                                                                         storage.plan.data_ptr(), tidx)
             if valid:
-                self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
-                                 length_of(b), k_win, v_win, o_part, lse_part, out, lse, counters, b, h, part, n_parts,
-                                 item0 + part, n_parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx,
-                                 item0=item0)
+                self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, row.to(Int64), n,
+                                 k_win, v_win, o_part, lse_part, out, lse, counters, b, h, part, n_parts, item0 + part,
+                                 n_parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx, item0=item0)
+
+    @cute.jit
+    def sequence_work(self, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, b: Int32, sink: Int32, window: Int32,
+                      win_units: Int32):
+        """Sequence ``b``'s ``(work, cap, tokens, row)`` for ``WorkList.find``."""
+        row = at(seq_rows, b)
+        n = Int32(at(seq_lengths, row))
+        tiles = (quantized_tokens(n, sink, window, self.granule) + TILE_TOKENS - 1) // TILE_TOKENS
+        return tiles * self.tile_units + win_units, cutlass.max(tiles // self.tiles_per_part, 1), n, Int32(row)
 
     @cute.jit
     def attend_part(self, tiled_mma: cute.TiledMma, storage, q_ptr: cute.Pointer, kc_ptr: cute.Pointer,
                     kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer, pt_ptr: cute.Pointer,
-                    seq_rows: cute.Pointer, n: Int32, k_win: cute.Pointer, v_win: cute.Pointer,
+                    row: Int64, n: Int32, k_win: cute.Pointer, v_win: cute.Pointer,
                     o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer, lse: cute.Pointer,
                     counters: cute.Pointer, b: Int32, h: Int32, split: Int32, num_splits: Int32, partial: Int32,
                     parts: Int32, kv_heads: Int32, max_pages: Int32, sink: Int32, ring: Int32, window: Int32,
                     scale_log2: Float32, tidx: Int32, item0=None):
-        """Split ``split`` of ``num_splits`` of sequence ``b``'s (``n`` tokens) KV head ``h``: its window
+        """Split ``split`` of ``num_splits`` of sequence ``b``'s (cache row ``row``, ``n`` tokens) KV head ``h``: its window
         tiles, then its packed tiles, into partial ``partial`` of ``parts`` (two launches: row-major),
         or the output (one split), or work item ``partial`` (``item0``: the (sequence, KV head)'s
         first; the last of its CTAs merges)."""
         cfg = self.cfg
         role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumers
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
-        row = at(seq_rows, b)  # the sequence's row (Int64)
         qlen = quantized_tokens(n, sink, window, self.granule)
         _n_tiles, t_begin, t_end = split_range(qlen, split, num_splits, cfg.TPG)
         q_row0 = (b * kv_heads + h).to(Int64) * cfg.R  # first query row of the KV head

@@ -1,0 +1,88 @@
+"""Decode over batches of unequal lengths (what a serving batch is): FOSCAR ``PagedKVCache.attend``
+(BF16 sink 64 + window 256, one launch) side by side with FlashInfer BF16 on the same lengths
+(FlashInfer plans each batch on the host from its lengths), in one process.
+
+    python -m benchmarks.ragged [--out benchmarks/results] [--tag ragged]
+
+Timing as ``benchmarks.decode`` (CUDA graph over >= 4x L2 of distinct layers, median of replays).
+Qwen3-8B attention geometry (32 query heads, 8 KV heads, head_dim 128). The mixes: one long sequence
+among short ones, a few long among many short, 32 lengths log-uniform over 1K-64K, and an equal-length
+control (the standard sweep's 8 x 32K)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import sys
+
+import torch
+
+from .decode import MODELS, FlashInferDecode, _versions, foscar_window_layers, time_layers
+
+
+def mixes():
+    rnd = random.Random(12)
+    return {
+        "1 x 128K + 7 x 4K": [131072] + [4096] * 7,
+        "4 x 32K + 60 x 1K": [32768] * 4 + [1024] * 60,
+        "32 log-uniform 1K-64K": [int(2 ** rnd.uniform(10, 16)) for _ in range(32)],
+        "8 x 32K (equal)": [32768] * 8,
+    }
+
+
+VARIANTS = (("int2-kt", 2, "token"), ("int4-kt", 4, "token"), ("int2-kc", 2, "channel"))
+
+
+def main(argv=None):
+    from foscar import Scheme
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--tag", default="ragged")
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.ragged needs a CUDA GPU")
+    q_heads, kv_heads, head_dim = MODELS["qwen3-8b"]
+    rows = []
+    for name, lengths in mixes().items():
+        fi = FlashInferDecode(len(lengths), 0, q_heads, kv_heads, head_dim, torch.bfloat16, lengths=lengths)
+        copies = max(1, math.ceil(4 * 60 * 2**20 / fi.nbytes))
+        caches = [fi.cache] + [fi.cache.clone() for _ in range(copies - 1)]
+        row = {"mix": name, "batch": len(lengths), "tokens": sum(lengths), "max": max(lengths),
+               "flashinfer-bf16": time_layers([lambda c=c: fi(c) for c in caches], args.reps)}
+        del fi, caches
+        for label, bits, k_axis in VARIANTS:
+            scheme = Scheme.make(bits, k_axis, 128, "token", 128, head_dim, q_heads // kv_heads)
+            fns, _, _ = foscar_window_layers(scheme, len(lengths), max(lengths), kv_heads, lengths=lengths)
+            row[label + "+sw"] = time_layers(fns, args.reps)
+            del fns
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(row, flush=True)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "versions": _versions(),
+            "command": "python -m benchmarks.ragged " + " ".join(argv if argv is not None else sys.argv[1:])}
+    lines = ["| mix | batch | tokens | FlashInfer BF16 us | " + " | ".join(f"{v[0]}+sw us (x)" for v in VARIANTS) + " |",
+             "|---|---|---|---|" + "---|" * len(VARIANTS)]
+    for r in rows:
+        base = r["flashinfer-bf16"]
+        cells = " | ".join(f"{r[v[0] + '+sw']:.1f} ({base / r[v[0] + '+sw']:.2f}x)" for v in VARIANTS)
+        lines.append(f"| {r['mix']} | {r['batch']} | {r['tokens']} | {base:.1f} | {cells} |")
+    table = "\n".join(lines)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.tag)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Ragged decode batches ({meta['device']}, {meta['date']})\n\nCommand: `{meta['command']}`. "
+                f"Versions: {meta['versions']}, torch {meta['torch']}.\n\n{table}\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
