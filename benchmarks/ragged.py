@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import random
 import sys
 
 import torch
 
-from .decode import MODELS, FlashInferDecode, _versions, foscar_window_layers, time_layers
+from .decode import MODELS, FlashInferDecode, _versions, copies_for, foscar_window_layers, time_layers
 
 
 def mixes():
@@ -44,14 +43,15 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--tag", default="ragged")
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--mixes", default="", help="only the mixes whose names contain this text")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks.ragged needs a CUDA GPU")
     q_heads, kv_heads, head_dim = MODELS["qwen3-8b"]
     rows = []
-    for name, lengths in mixes().items():
+    for name, lengths in [(n, ls) for n, ls in mixes().items() if args.mixes in n]:
         fi = FlashInferDecode(len(lengths), 0, q_heads, kv_heads, head_dim, torch.bfloat16, lengths=lengths)
-        copies = max(1, math.ceil(4 * 60 * 2**20 / fi.nbytes))
+        copies = copies_for(fi.nbytes)
         caches = [fi.cache] + [fi.cache.clone() for _ in range(copies - 1)]
         row = {"mix": name, "batch": len(lengths), "tokens": sum(lengths), "max": max(lengths),
                "flashinfer-bf16": time_layers([lambda c=c: fi(c) for c in caches], args.reps)}
@@ -67,7 +67,8 @@ def main(argv=None):
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "versions": _versions(),
             "command": "python -m benchmarks.ragged " + " ".join(argv if argv is not None else sys.argv[1:])}
-    lines = ["| mix | batch | tokens | FlashInfer BF16 us | " + " | ".join(f"{v[0]}+sw us (x)" for v in VARIANTS) + " |",
+    heads = " | ".join(f"{v[0]}+sw us (x)" for v in VARIANTS)
+    lines = [f"| mix | batch | tokens | FlashInfer BF16 us | {heads} |",
              "|---|---|---|---|" + "---|" * len(VARIANTS)]
     for r in rows:
         base = r["flashinfer-bf16"]

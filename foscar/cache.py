@@ -23,11 +23,13 @@ entries point at, so every page index a kernel may read is valid. BF16 parts
 ``k_bf16 [layers, max_seqs, kv_heads, S + W + T, D]``. Pages are shared by all layers: a sequence
 owns a list of page indices, used at the same index in every layer's pool.
 
-Decode (:meth:`PagedKVCache.attend`) is one launch on Hopper and no torch op but the optional
+Decode (:meth:`PagedKVCache.attend`) is one launch on Hopper (two for head_dim 256 with channel-wise
+K groups of 256 tokens, whose window tiles do not fit the ring: ``foscar.hopper.fused.fuses_window``) and no torch op but the optional
 rotation of q (``Arch.run_cache_decode``): the FOSCAR kernel over the quantized pages and the 16-bit
 sink + window slots, reading this cache's page table, lengths and 16-bit slots in place, the slots
-as 16-slot tiles of the same ring (each read once per KV head), the splits merged by log-sum-exp in
-the same launch (``foscar.hopper.fused``; the pages are packed in the bit order of the cache's arch,
+as 16-slot tiles of the same ring (each read once per KV head), each sequence cut into parts by its
+length on the device (``foscar.work_list``: a long sequence among short ones gets more CTAs, no host
+sync), the parts merged by log-sum-exp in the same launch (``foscar.hopper.fused``; the pages are packed in the bit order of the cache's arch,
 ``foscar.archs``; the GPU path -- append kernel and cache decode -- is Hopper's, and a cache whose
 arch lacks it says so when built). Blackwell's (compile-verified) is two launches: the quantized
 splits, then ``foscar.kernels.sink_window``, which attends the 16-bit part and merges. Append (:meth:`append`) of one
@@ -93,6 +95,11 @@ class PagedKVCache:
     ``arch``: the arch whose decode kernel reads the pages ("sm_90a", "sm_100a"; ``foscar.archs``): it
     sets their bit order and, with ``use_kernels``, the limits the scheme is checked against at
     construction. Default: the CUDA device's, "sm_90a" on other devices.
+
+    ``cta_budget`` (attribute, default the SM count x ``foscar.decode.CTAS_PER_SM``): the CTAs the
+    Hopper decode launch's work list spreads a batch over (``foscar.work_list``); lower it to cut
+    sequences into fewer parts. ``num_splits(batch)``: the split count of the launches without a
+    work list (Blackwell's, and Hopper's two-launch variants), from capacities.
     """
 
     def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, num_pages: int, max_seqs: int, max_seq_len: int,
@@ -165,10 +172,8 @@ class PagedKVCache:
         self._counters = torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=dev)
         self._heads = torch.arange(kv_heads, device=dev)
         self._granule_steps = torch.arange(granule, device=dev)
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        # CTAs one wave of the decode launch holds: Hopper's work list cuts the batch's sequences into
-        # that many parts by their lengths (foscar.work_list); the split count otherwise (num_splits)
-        self.cta_budget = num_sms * CTAS_PER_SM
+        self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        self.cta_budget = self._num_sms * CTAS_PER_SM  # one wave of the decode launch (class docstring)
 
     def _pool(self, role, quant, pool):
         d, ps = self.scheme.head_dim, self.page_size
@@ -498,7 +503,7 @@ class PagedKVCache:
         two-launch variants): fixed by capacities only (graph-stable)."""
         from .decode import plan_splits
 
-        return plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, max(1, self.cta_budget // CTAS_PER_SM))
+        return plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms)
 
     def attend(self, layer: int, seq_ids, q: torch.Tensor, sm_scale: float | None = None, return_lse: bool = False):
         """Decode attention of ``q [len(seq_ids), kv_heads*gqa_ratio, head_dim]`` over each sequence.

@@ -88,3 +88,17 @@ def cp_async_16(dst, src, src_bytes=None, *, loc=None, ip=None):
     else:
         inline_ptx(None, operands + [Int32(src_bytes)], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
                    "r,l,r,~{memory}", True, loc, ip)
+
+
+def at(ptr, idx):
+    """``ptr[idx]`` (a CuTe pointer: global or shared memory)."""
+    import cutlass.cute as cute
+
+    return cute.make_tensor(ptr + idx, cute.make_layout((1,)))[0]
+
+
+def store(ptr, idx, value):
+    """``ptr[idx] = value``."""
+    import cutlass.cute as cute
+
+    cute.make_tensor(ptr + idx, cute.make_layout((1,)))[0] = value

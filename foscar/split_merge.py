@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .device import NEG_INF, fsel
+from .device import NEG_INF, at, fsel, store
 from .softmax import lse_weight, merged_lse
 
 __all__ = ["SplitMerge", "PartialSum", "VEC", "BATCH"]
@@ -148,13 +148,3 @@ class SplitMerge:
             cute.autovec_copy(result, cute.zipped_divide(out_rows, (VEC,))[None, unit])
             if vec == 0:
                 store(lse, row0 + r, merged_lse(w[self.M + r], weights))
-
-
-def at(ptr: cute.Pointer, idx):
-    """``ptr[idx]``."""
-    return cute.make_tensor(ptr + idx, cute.make_layout((1,)))[0]
-
-
-def store(ptr: cute.Pointer, idx, value):
-    """``ptr[idx] = value``."""
-    cute.make_tensor(ptr + idx, cute.make_layout((1,)))[0] = value

@@ -6,12 +6,13 @@ work (all KV heads) and ``budget`` the CTAs one wave holds (SMs x CTAs per SM),
     parts = clamp(floor(work * budget / W), 1, min(max_parts, cap))
 
 (``cap``: the sequence's own limit, e.g. its packed tokens / 256: no part shorter than that),
-
 so a long sequence next to short ones is cut into as many parts as its share of the GPU, where a
 split count fixed per call (``foscar.decode.plan_splits``, from capacities) gives each the same.
-The items are numbered sequence by sequence, KV head by KV head, part by part; their count is at
-most ``budget + batch * kv_heads`` (the floors sum to at most ``budget``; a sequence's 1-part
-minimum adds at most one per (sequence, KV head)), which is the launch's grid
+When ``batch * kv_heads > budget`` (several waves whatever the parts) the share is rounded up
+instead, so a long sequence's parts do not outlast the short sequences' CTAs (4 x 32K among 60 x
+1K: 1.8 -> 2 parts). The items are numbered sequence by sequence, KV head by KV head, part by
+part; their count is at most ``budget + batch * kv_heads`` (each (sequence, KV head)'s parts are at
+most its real share + 1, and the shares sum to ``budget``), which is the launch's grid
 (:func:`grid_ctas`): CTAs past the last item exit. For equal lengths this gives
 ``plan_splits``'s count on every shape of ``benchmarks.decode``.
 
@@ -97,7 +98,10 @@ class WorkList:
             work, cap, fact0, fact1 = first_round
             if c > 0:
                 work, cap, fact0, fact1 = work_of(cutlass.min(b, batch - 1))
-            share = Int32(work.to(Int64) * budget.to(Int64) // (kv_heads.to(Int64) * total.to(Int64)))
+            num, den = work.to(Int64) * budget.to(Int64), kv_heads.to(Int64) * total.to(Int64)
+            # rounded down while the items fit in about one wave; else up (several waves whatever the
+            # rounding: a long sequence's parts should not outlast the short sequences' CTAs)
+            share = Int32(cutlass.select_(batch * kv_heads > budget, (num + den - 1) // den, num // den))
             parts = cutlass.max(cutlass.min(cutlass.min(share, cap), self.max_parts), 1)
             items = cutlass.select_(b < batch, kv_heads * parts, Int32(0))
             before, chunk = self.block_scan(items, scratch, tidx)

@@ -88,14 +88,47 @@ def test_one_launch_decode_matches_float64(scheme, page_size, max_len, kv_heads,
     check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng)
 
 
-@pytest.mark.parametrize("budget,splits", [(1, 1), (7, 2), (1000, 5)])
-@pytest.mark.parametrize("case", [0, 1, 7, 15], ids=lambda i: CASES[i][0].name)
-def test_one_launch_decode_any_split_count(case, budget, splits, rng):
+@pytest.mark.parametrize("budget", [1, 7, 1000])
+@pytest.mark.parametrize("case", [0, 1, 7], ids=lambda i: CASES[i][0].name)
+def test_one_launch_decode_any_work_budget(case, budget, rng):
     """The work list (foscar/work_list.py) over a budget of 1 CTA (every (sequence, KV head) one part:
-    the CTA writes the output itself), 7 (the longest sequences a few parts) and 1000 (up to each
-    sequence's cap): the window tiles ``x, x + parts, ...`` of each part and the merge; the last case,
-    the two-launch path, with 1, 2 and 5 splits."""
-    check_cache_decode(*CASES[case], rng, splits=splits, budget=budget)
+    the CTA writes the output itself), 7 (more (sequence, KV head)s than CTAs: shares rounded up) and
+    1000 (up to each sequence's cap): the window tiles ``x, x + parts, ...`` of each part and the merge."""
+    check_cache_decode(*CASES[case], rng, budget=budget)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_two_launch_decode_any_split_count(splits, rng):
+    """The two-launch variant (window tiles do not fit the ring) with 1, 2 and 5 splits per sequence."""
+    check_cache_decode(*CASES[15], rng, splits=splits)
+
+
+@pytest.mark.parametrize("budget", [132, 1000])
+def test_one_launch_decode_batch_wider_than_the_block(budget, rng):
+    """600 sequences (the work list's scans take two rounds of the CTA's threads), 590 short and 10 long
+    ones among them, one KV head: against float64 over the cache, every element; counters left zero."""
+    scheme, page_size = Scheme.make(2, "token", 128, "token", 128, 128, 4), 128
+    lengths = [int(x) for x in torch.randint(1, 700, (600,), generator=rng)]
+    for i in range(5, 600, 60):
+        lengths[i] = 3000 + i
+    cache = PagedKVCache(scheme, 1, 1, num_pages=sum(-(-n // page_size) for n in lengths) + 8, max_seqs=600,
+                         max_seq_len=4096, page_size=page_size, sink=SINK, window=WINDOW, device="cuda")
+    cache.cta_budget = budget
+    ids = [cache.allocate() for _ in lengths]
+    d, dtype = scheme.head_dim, scheme.q_dtype
+    for seq, n in zip(ids, lengths):
+        k = torch.randn(1, 1, n, d, generator=rng) + 2 * torch.randn(d, generator=rng)
+        cache.append(0, [seq], k.to("cuda", dtype), torch.randn(1, 1, n, d, generator=rng).to("cuda", dtype))
+    order = ids[::-1]
+    q = torch.randn(len(order), scheme.gqa_ratio, d, generator=rng).to("cuda", dtype)
+    out, lse = cache.attend(0, order, q, sm_scale=d**-0.5, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse, low = reference(cache, 0, order, q, d**-0.5, dtype)
+    tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
+    err = float((out.double() - ref).abs().max())
+    assert math.isfinite(err) and err <= tol, (err, tol)
+    assert float((lse.double() - ref_lse).abs().max()) <= max(tol, 1e-3)
+    assert not cache._counters.any()
 
 
 @pytest.mark.parametrize("budget", [1, 5, 132])

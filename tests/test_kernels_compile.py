@@ -143,3 +143,27 @@ def test_cache_attend_checks_before_compiling():
         with pytest.raises(ValueError, match=message):
             run_cache_attend(compile_decode, None, args["q"], None, None, None, None, None, args["k_win"], args["v_win"],
                              None, None, args["counters"], 64, 256, 1.0, scheme, args["num_splits"], "sm_90a")
+
+
+def test_hopper_cache_launch_values_are_checked_before_compiling(monkeypatch):
+    """The one-launch cache decode's launch values (an empty batch, the work list's CTA budget) raise a
+    ValueError naming them before anything compiles or launches."""
+    import torch
+
+    import foscar.hopper.decode as hopper_decode
+    from foscar import Scheme
+
+    def compile_cache_decode(*args, **kwargs):
+        raise AssertionError("compiled before the checks")
+
+    monkeypatch.setattr(hopper_decode, "compile_cache_decode", compile_cache_decode)
+    scheme = Scheme.make(2, gqa_ratio=4)
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    k_codes = torch.zeros(1, 2, 2, 8, dtype=torch.int32)  # [pages, kv_heads, page_size / 64, words]: pages of 128
+    window = torch.zeros(4, 2, 448, 128, dtype=torch.bfloat16)
+    counters = torch.zeros(8, dtype=torch.int32)
+    for batch_q, budget, message in [(q, 0, "budget must be an int in"), (q, 2.0, "budget must be an int in"),
+                                     (q[:0], 132, "batch must hold at least one sequence")]:
+        with pytest.raises(ValueError, match=message):
+            hopper_decode.run_cache_decode(batch_q, k_codes, None, None, None, None, window, window, None, None,
+                                           counters, 64, 256, 1.0, scheme, 4, budget)

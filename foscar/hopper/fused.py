@@ -1,10 +1,11 @@
 """The decode launch of ``foscar.cache.PagedKVCache`` (sm_90a): packed pages, the 16-bit sink +
 window slots and the split merge, in one launch.
 
-Grid ``(num_splits, kv_heads, batch)``: each CTA is the decode kernel's CTA (``foscar.hopper.kernel``:
-producer warpgroup + consumer warps over a shared-memory ring) for split ``x`` of the sequence's
-packed tiles and for the sequence's window tiles ``x, x + num_splits, ...``: blocks of 16 sink +
-window slots (``foscar.window_tiles``) that travel through the same ring, before the packed tiles
+A 1-D grid of work items (``foscar.work_list``: each (sequence, KV head) cut into ``parts`` by its
+length, planned in the launch from the batch's lengths): each CTA is the decode kernel's CTA
+(``foscar.hopper.kernel``: producer warpgroup + consumer warps over a shared-memory ring) for part
+``x`` of its (sequence, KV head)'s packed tiles and for its window tiles ``x, x + parts, ...``:
+blocks of 16 sink + window slots (``foscar.window_tiles``) that travel through the same ring, before the packed tiles
 (after them, each CTA ended on a burst of 16-bit reads with nothing left to overlap: 128 x 8K
 11-15% slower than two launches). A window tile is copied by the 32 lanes of a producer warp
 (16-byte ``cp.async`` into padded rows, slots holding no token zero-filled; each lane arrives on the
@@ -13,14 +14,14 @@ stage's ``full`` barrier once its copies land, ``cp.async.mbarrier.arrive.noinc`
 warp's own online softmax and O^T, in the window's 16-bit type (BF16 or FP16 MMAs). So every
 window byte is read once per KV head, within the same launch, and no second launch runs.
 
-One split writes the output directly; with several, each CTA writes its normalized fp32 partial
-and the last CTA of the (sequence, KV head) merges them (``foscar.split_merge``: the cache's
-completion counters, left at zero).
+One part writes the output directly; with several, each CTA writes its normalized fp32 partial
+(per work item, ``[items, R, D]``) and the last CTA of the (sequence, KV head) merges them
+(``foscar.split_merge``: the cache's completion counters, left at zero).
 
 Where a ring of window-sized stages does not fit in shared memory (head_dim 256 with channel-wise K
 groups of 256 tokens: a consumer warp owns a run of 4 stages, 16 of 16.5 KB), the config has no window
-tiles (:func:`cache_decode_config`) and the decode is two launches: these CTAs write partials
-``0 .. num_splits - 1`` of ``parts``, and ``foscar.kernels.sink_window``'s launch attends the 16-bit
+tiles (:func:`cache_decode_config`) and the decode is two launches over a grid ``(num_splits,
+kv_heads, batch)``: these CTAs write partials ``0 .. num_splits - 1`` of ``parts``, and ``foscar.kernels.sink_window``'s launch attends the 16-bit
 slots and merges (:func:`fuses_window` says which).
 
 The cache's tensors are read in place: the page table by the sequence's row (``seq_rows[b]``), the
@@ -38,7 +39,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from ..device import LOG2E
+from ..device import LOG2E, at
 from ..jit import half_type
 from ..kernels.quantize import granule_of
 from ..layouts.fragment import THREADS, TILE_TOKENS
@@ -57,11 +58,12 @@ def cache_decode_config(scheme, page_size: int, consumers: int) -> DecodeConfig:
     """The split-output config whose ring stages also hold a window tile; where such a ring does not
     fit (head_dim 256 with channel-wise K groups of 256 tokens: 16 stages of 16.5 KB), the packed-only
     config: the cache decode is then two launches (:func:`fuses_window`)."""
+    plain = DecodeConfig(scheme, page_size, True, consumers)  # raises what the variant itself cannot build
     window = WindowOperands(scheme.head_dim, scheme.gqa_ratio, half_type(scheme.q_dtype))
     try:
         return DecodeConfig(scheme, page_size, True, consumers, window)
-    except ValueError:
-        return DecodeConfig(scheme, page_size, True, consumers)  # (raises what the variant itself cannot build)
+    except ValueError:  # the one check the window adds: its stages' ring fits
+        return plain
 
 
 @functools.lru_cache(maxsize=256)
@@ -236,6 +238,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, row,
                              Int32(at(seq_lengths, row)), k_win, v_win, o_part, lse_part, out, lse, counters, b, h,
                              split, num_splits, split, parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx)
+            # (budget: the work list's only)
         else:
             x, _, _ = cute.arch.block_idx()
             # a (sequence, KV head)'s work: its packed tiles' bytes and its window tiles', in 256-byte
@@ -249,6 +252,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
                 self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, row.to(Int64), n,
                                  k_win, v_win, o_part, lse_part, out, lse, counters, b, h, part, n_parts, item0 + part,
                                  n_parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx, item0=item0)
+            # (num_splits, parts: the two-launch grid's only)
 
     @cute.jit
     def sequence_work(self, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, b: Int32, sink: Int32, window: Int32,
@@ -264,25 +268,26 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
                     kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer, pt_ptr: cute.Pointer,
                     row: Int64, n: Int32, k_win: cute.Pointer, v_win: cute.Pointer,
                     o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer, lse: cute.Pointer,
-                    counters: cute.Pointer, b: Int32, h: Int32, split: Int32, num_splits: Int32, partial: Int32,
-                    parts: Int32, kv_heads: Int32, max_pages: Int32, sink: Int32, ring: Int32, window: Int32,
+                    counters: cute.Pointer, b: Int32, h: Int32, part: Int32, n_parts: Int32, out_index: Int32,
+                    out_count: Int32, kv_heads: Int32, max_pages: Int32, sink: Int32, ring: Int32, window: Int32,
                     scale_log2: Float32, tidx: Int32, item0=None):
-        """Split ``split`` of ``num_splits`` of sequence ``b``'s (cache row ``row``, ``n`` tokens) KV head ``h``: its window
-        tiles, then its packed tiles, into partial ``partial`` of ``parts`` (two launches: row-major),
-        or the output (one split), or work item ``partial`` (``item0``: the (sequence, KV head)'s
-        first; the last of its CTAs merges)."""
+        """Part ``part`` of ``n_parts`` of sequence ``b``'s (cache row ``row``, ``n`` tokens) KV head ``h``:
+        its window tiles, then its packed tiles, into partial ``out_index`` of ``out_count`` per row
+        (two launches: row-major ``[B, Hq, out_count, D]``), or with ``item0`` (the (sequence, KV
+        head)'s first work item) the output (one part) or work item ``out_index``'s partial, the last
+        of its CTAs merging."""
         cfg = self.cfg
         role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumers
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
         qlen = quantized_tokens(n, sink, window, self.granule)
-        _n_tiles, t_begin, t_end = split_range(qlen, split, num_splits, cfg.TPG)
+        _n_tiles, t_begin, t_end = split_range(qlen, part, n_parts, cfg.TPG)
         q_row0 = (b * kv_heads + h).to(Int64) * cfg.R  # first query row of the KV head
         first = (row * kv_heads + h) * (sink + ring) * cfg.D  # element of the window's slot 0
         # (built in each branch: a Python object cannot be carried through a runtime `if`)
         window_of = lambda: None  # noqa: E731  (two launches: no window tiles)
         if cutlass.const_expr(cfg.window is not None):
             window_of = lambda: CacheWindow(cfg, k_win, v_win, q_ptr, q_row0, first, n, qlen, sink,  # noqa: E731
-                                            ring, split, num_splits)
+                                            ring, part, n_parts)
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -299,19 +304,15 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             merge = self.attend_tiles(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, qlen, b, h, kv_heads,
                                       t_begin, t_end, scale_log2, warp, lane, window=window_of())
             tc = warp * 32 + lane
-            if cutlass.const_expr(item0 is None):  # partial `partial` of `parts`; the window kernel merges
-                self.merge_and_store(merge, o_part, lse_part, b, h, partial, kv_heads, parts, tc, split_output=True)
-            elif num_splits == 1:
-                self.merge_and_store(merge, out, lse, b, h, split, kv_heads, num_splits, tc, split_output=False)
+            if cutlass.const_expr(item0 is None):  # row-major partials; the window kernel merges
+                self.merge_and_store(merge, o_part, lse_part, b, h, out_index, kv_heads, out_count, tc,
+                                     split_output=True)
+            elif n_parts == 1:
+                self.merge_and_store(merge, out, lse, b, h, part, kv_heads, n_parts, tc, split_output=False)
             else:
-                self.merge_and_store(merge, o_part, lse_part, b, h, split, kv_heads, num_splits, tc, split_output=True,
-                                     item=partial)
-                if self.merger.arrive(counters + (b * kv_heads + h), storage.last.data_ptr(), num_splits, tc):
-                    o_rows, lse_rows = self.merger.item_major(o_part, lse_part, item0, num_splits)
+                self.merge_and_store(merge, o_part, lse_part, b, h, part, kv_heads, n_parts, tc, split_output=True,
+                                     item=out_index)
+                if self.merger.arrive(counters + (b * kv_heads + h), storage.last.data_ptr(), n_parts, tc):
+                    o_rows, lse_rows = self.merger.item_major(o_part, lse_part, item0, n_parts)
                     self.merger.merge(storage.merge_scratch.data_ptr(), o_rows, lse_rows, out, lse, q_row0,
-                                      num_splits, tc)
-
-
-def at(ptr: cute.Pointer, idx):
-    """``ptr[idx]``."""
-    return cute.make_tensor(ptr + idx, cute.make_layout((1,)))[0]
+                                      n_parts, tc)

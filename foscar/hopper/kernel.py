@@ -70,7 +70,7 @@ import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
 
-from ..device import LOG2E, NEG_INF, fsel, movmatrix_trans, output_offsets, reduce_over_rows
+from ..device import LOG2E, NEG_INF, at, fsel, movmatrix_trans, output_offsets, reduce_over_rows
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..pipeline import bulk_copy_g2s, split_range, stage_and_phase
@@ -330,7 +330,7 @@ class HopperDecodeKernel:
         page_end = (t_end + SUB - 1) // SUB
         for chunk in cutlass.range(page_first, page_end, 32, unroll=1):
             # lane l holds the page of the chunk's l-th logical page (clamped into the range)
-            my_page = mPT_load(pt_ptr, b.to(Int64) * max_pages + cutlass.min(chunk + lane, page_end - 1))
+            my_page = at(pt_ptr, b.to(Int64) * max_pages + cutlass.min(chunk + lane, page_end - 1))  # page table
             tile_lo = cutlass.max(t_begin, chunk * SUB)
             tile_hi = cutlass.min(t_end, (chunk + 32) * SUB)
             # producer warp pw issues local tiles pw, pw + P, ...: one thread's issue rate is the
@@ -581,8 +581,3 @@ class HopperDecodeKernel:
                 val = ot * inv_l
                 out = cute.make_tensor(o_ptr + (obase + d), cute.make_layout((1,)))
                 out[0] = val if cutlass.const_expr(partial) else val.to(cfg.q_dtype)
-
-
-def mPT_load(pt_ptr, idx):
-    """page_table[idx] (int32)."""
-    return cute.make_tensor(pt_ptr + idx, cute.make_layout((1,)))[0]

@@ -1,12 +1,14 @@
 """The 16-bit sink + recent-window slots of ``foscar.cache.PagedKVCache`` as a launch of their own:
-a light kernel that attends them once per KV head, after the Blackwell cache-decode launch, and
-merges its partials with the decode's. (Hopper's cache decode attends these slots inside its own
-launch, as tiles of its ring: ``foscar.hopper.fused``. Both build on ``foscar.window_tiles``.)
+a light kernel that attends them once per KV head, after the Blackwell cache-decode launch (and
+Hopper's where the window tiles do not fit its ring: head_dim 256 with channel-wise K groups of 256
+tokens), and merges its partials with the decode's. (Hopper's cache decode otherwise attends these
+slots inside its own launch, as tiles of its ring: ``foscar.hopper.fused``. Both build on
+``foscar.window_tiles``.)
 
 The cache keeps the first ``sink`` tokens of a sequence and its most recent ones in unquantized
 slots of the model's dtype (``[max_seqs, kv_heads, L, D]``, ``L = sink + ring``) and the rest,
 ``qlen`` tokens, in packed pages. This kernel runs after the decode launch
-(``foscar.blackwell.fused``), which wrote partials ``0 .. num_splits - 1`` of ``o_part [B, Hq, total, D]``
+(``foscar.blackwell.fused``, or ``foscar.hopper.fused`` without window tiles), which wrote partials ``0 .. num_splits - 1`` of ``o_part [B, Hq, total, D]``
 / ``lse_part``: CTA ``(chunk, kv_head, b)`` attends ``CHUNK`` slots of its (sequence, KV head) for
 all ``R`` query heads of the KV head (each window byte is read once per KV head, not once per query
 head), writes the normalized partial ``(o, lse)`` as ``num_splits + chunk``, and the last of the
@@ -354,6 +356,8 @@ def check_cache_launch(num_splits: int, counters, heads: int, budget: int = 1):
 
     from ..decode import MAX_SPLITS
 
+    if heads < 1:
+        raise ValueError(f"batch must hold at least one sequence (batch * kv_heads = {heads})")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if type(budget) is not int or not 1 <= budget <= 1 << 16:
