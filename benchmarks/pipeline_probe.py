@@ -24,8 +24,8 @@ from cutlass import Float32, Int32
 
 from cutlass import Int64
 
-from foscar.device import cp_async_16, inline_ptx
-from foscar.hopper.kernel import PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, default_consumers, mPT_load
+from foscar.device import at, cp_async_16, inline_ptx
+from foscar.hopper.kernel import PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, default_consumers
 from foscar.layouts.fragment import TILE_TOKENS
 from foscar.pipeline import bulk_copy_g2s, stage_and_phase
 
@@ -77,7 +77,7 @@ class PipelineOnly(HopperDecodeKernel):
         page_first = t_begin // SUB
         page_end = (t_end + SUB - 1) // SUB
         for chunk in cutlass.range(page_first, page_end, 32, unroll=1):
-            my_page = mPT_load(pt_ptr, b.to(Int64) * max_pages + cutlass.min(chunk + lane, page_end - 1))
+            my_page = at(pt_ptr, b.to(Int64) * max_pages + cutlass.min(chunk + lane, page_end - 1))  # page table
             u_lo = cutlass.max(u_begin, chunk * SUB // U)
             u_hi = cutlass.min(u_end, (chunk + 32) * SUB // U)
             first = u_lo + (pw + P - (u_lo - u_begin) % P) % P
