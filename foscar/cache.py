@@ -23,20 +23,20 @@ entries point at, so every page index a kernel may read is valid. BF16 parts
 ``k_bf16 [layers, max_seqs, kv_heads, S + W + T, D]``. Pages are shared by all layers: a sequence
 owns a list of page indices, used at the same index in every layer's pool.
 
-Decode (:meth:`PagedKVCache.attend`) is one launch on Hopper (two for head_dim 256 with channel-wise
-K groups of 256 tokens, whose window tiles do not fit the ring: ``foscar.hopper.fused.fuses_window``) and no torch op but the optional
-rotation of q (``Arch.run_cache_decode``): the FOSCAR kernel over the quantized pages and the 16-bit
-sink + window slots, reading this cache's page table, lengths and 16-bit slots in place, the slots
-as 16-slot tiles of the same ring (each read once per KV head), each sequence cut into parts by its
-length on the device (``foscar.work_list``: a long sequence among short ones gets more CTAs, no host
-sync), the parts merged by log-sum-exp in the same launch (``foscar.hopper.fused``; the pages are packed in the bit order of the cache's arch,
-``foscar.archs``; the GPU path -- append kernel and cache decode -- is Hopper's, and a cache whose
-arch lacks it says so when built). Blackwell's (compile-verified) is two launches: the quantized
-splits, then ``foscar.kernels.sink_window``, which attends the 16-bit part and merges. Append (:meth:`append`) of one
-token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush
-runs every step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no
-host sync or page allocation happens inside. Pages must then be reserved up front
-(:meth:`reserve`); temporaries come from the capturing graph's private memory pool.
+Decode (:meth:`PagedKVCache.attend`) is one launch on Hopper (two for head_dim 256 with channel-wise K groups
+of 256 tokens, whose window tiles do not fit the ring: ``foscar.hopper.fused.fuses_window``) and no torch op
+but the optional rotation of q (``Arch.run_cache_decode``): the FOSCAR kernel over the quantized pages and the
+16-bit sink + window slots, reading this cache's page table, lengths and 16-bit slots in place, the slots as
+16-slot tiles of the same ring (each read once per KV head), each sequence cut into parts by its length on the
+device (``foscar.work_list``: a long sequence among short ones gets more CTAs, no host sync), the parts merged
+by log-sum-exp in the same launch (``foscar.hopper.fused``; the pages are packed in the bit order of the
+cache's arch, ``foscar.archs``; the GPU path -- append kernel and cache decode -- is Hopper's, and a cache
+whose arch lacks it says so when built). Blackwell's (compile-verified) is two launches: the quantized splits,
+then ``foscar.kernels.sink_window``, which attends the 16-bit part and merges. Append (:meth:`append`) of one
+token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush runs every
+step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no host sync or page
+allocation happens inside. Pages must then be reserved up front (:meth:`reserve`); temporaries come from the
+capturing graph's private memory pool.
 
 On CPU tensors (CI) the same logic runs in torch: the torch quantizer (``foscar.quantize``), a
 dequantize-then-attend for the quantized part, and an fp32 attention over the BF16 part merged by
@@ -174,6 +174,7 @@ class PagedKVCache:
         self._granule_steps = torch.arange(granule, device=dev)
         self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         self.cta_budget = self._num_sms * CTAS_PER_SM  # one wave of the decode launch (class docstring)
+        self._splits: dict[int, int] = {}  # num_splits per batch size
 
     def _pool(self, role, quant, pool):
         d, ps = self.scheme.head_dim, self.page_size
@@ -500,10 +501,13 @@ class PagedKVCache:
 
     def num_splits(self, batch: int) -> int:
         """Split-KV factor for a decode batch where the launch has no work list (Blackwell; Hopper's
-        two-launch variants): fixed by capacities only (graph-stable)."""
+        two-launch variants): fixed by capacities only (graph-stable), so kept per batch size (planning
+        takes ~35 us of Python, and every attend asks)."""
         from .decode import plan_splits
 
-        return plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms)
+        if batch not in self._splits:
+            self._splits[batch] = plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms)
+        return self._splits[batch]
 
     def attend(self, layer: int, seq_ids, q: torch.Tensor, sm_scale: float | None = None, return_lse: bool = False):
         """Decode attention of ``q [len(seq_ids), kv_heads*gqa_ratio, head_dim]`` over each sequence.

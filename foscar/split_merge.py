@@ -106,16 +106,17 @@ class SplitMerge:
                 cute.make_tensor(lse_part + first, cute.make_ordered_layout((R, total), (0, 1))))
 
     @cute.jit
-    def merge(self, scratch: cute.Pointer, o_rows: cute.Tensor, lse_rows: cute.Tensor, out: cute.Pointer,
-              lse: cute.Pointer, row0, total: Int32, tc: Int32):
+    def merge(self, scratch: cute.Pointer, partials, out: cute.Pointer, lse: cute.Pointer, row0, total: Int32,
+              tc: Int32):
         """``out[row0 + r, d]`` (``out_dtype``) and ``lse[row0 + r]`` from the ``total`` partials of
-        rows ``row0 .. row0 + R - 1`` (Int64): ``o_rows (R, total, D)``, ``lse_rows (R, total)``
-        (:meth:`row_major`, :meth:`item_major`). Two rounds: each row's max lse and weight sum (a warp
-        per row, its lanes over the partials), then 4 output channels per thread (``PartialSum``: a
-        batch of partials' loads in flight)."""
+        rows ``row0 .. row0 + R - 1`` (Int64): ``partials()`` gives them as ``o_rows (R, total, D)``,
+        ``lse_rows (R, total)`` (:meth:`row_major`, :meth:`item_major`), built after the acquire fence.
+        Two rounds: each row's max lse and weight sum (a warp per row, its lanes over the partials),
+        then 4 output channels per thread (``PartialSum``: a batch of partials' loads in flight)."""
         cute.arch.fence_acq_rel_gpu()  # acquire: the other CTAs' partials, not stale lines
         D, R = self.D, self.R
         w = cute.make_tensor(cute.recast_ptr(scratch, dtype=Float32), cute.make_layout((self.scratch_words,)))
+        o_rows, lse_rows = partials()  # (R, total, D): the rows' partials; (R, total): their lses
         warp, lane = tc // 32, tc % 32
         for r in cutlass.range(warp, R, self.warps, unroll=1):
             m = Float32(NEG_INF)

@@ -5,8 +5,8 @@ A 1-D grid of work items (``foscar.work_list``: each (sequence, KV head) cut int
 length, planned in the launch from the batch's lengths): each CTA is the decode kernel's CTA
 (``foscar.hopper.kernel``: producer warpgroup + consumer warps over a shared-memory ring) for part
 ``x`` of its (sequence, KV head)'s packed tiles and for its window tiles ``x, x + parts, ...``:
-blocks of 16 sink + window slots (``foscar.window_tiles``) that travel through the same ring, before the packed tiles
-(after them, each CTA ended on a burst of 16-bit reads with nothing left to overlap: 128 x 8K
+blocks of 16 sink + window slots (``foscar.window_tiles``) that travel through the same ring, before
+the packed tiles (after them, each CTA ended on a burst of 16-bit reads with nothing left to overlap: 128 x 8K
 11-15% slower than two launches). A window tile is copied by the 32 lanes of a producer warp
 (16-byte ``cp.async`` into padded rows, slots holding no token zero-filled; each lane arrives on the
 stage's ``full`` barrier once its copies land, ``cp.async.mbarrier.arrive.noinc``: the barrier counts
@@ -21,8 +21,9 @@ One part writes the output directly; with several, each CTA writes its normalize
 Where a ring of window-sized stages does not fit in shared memory (head_dim 256 with channel-wise K
 groups of 256 tokens: a consumer warp owns a run of 4 stages, 16 of 16.5 KB), the config has no window
 tiles (:func:`cache_decode_config`) and the decode is two launches over a grid ``(num_splits,
-kv_heads, batch)``: these CTAs write partials ``0 .. num_splits - 1`` of ``parts``, and ``foscar.kernels.sink_window``'s launch attends the 16-bit
-slots and merges (:func:`fuses_window` says which).
+kv_heads, batch)``: these CTAs write partials ``0 .. num_splits - 1`` of ``parts``, and
+``foscar.kernels.sink_window``'s launch attends the 16-bit slots and merges (:func:`fuses_window`
+says which).
 
 The cache's tensors are read in place: the page table by the sequence's row (``seq_rows[b]``), the
 quantized length computed from the sequence's token count (``seq_lengths[row]``) as
@@ -313,6 +314,5 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
                 self.merge_and_store(merge, o_part, lse_part, b, h, part, kv_heads, n_parts, tc, split_output=True,
                                      item=out_index)
                 if self.merger.arrive(counters + (b * kv_heads + h), storage.last.data_ptr(), n_parts, tc):
-                    o_rows, lse_rows = self.merger.item_major(o_part, lse_part, item0, n_parts)
-                    self.merger.merge(storage.merge_scratch.data_ptr(), o_rows, lse_rows, out, lse, q_row0,
-                                      n_parts, tc)
+                    partials = lambda: self.merger.item_major(o_part, lse_part, item0, n_parts)  # noqa: E731
+                    self.merger.merge(storage.merge_scratch.data_ptr(), partials, out, lse, q_row0, n_parts, tc)

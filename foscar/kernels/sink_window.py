@@ -5,14 +5,14 @@ tokens), and merges its partials with the decode's. (Hopper's cache decode other
 slots inside its own launch, as tiles of its ring: ``foscar.hopper.fused``. Both build on
 ``foscar.window_tiles``.)
 
-The cache keeps the first ``sink`` tokens of a sequence and its most recent ones in unquantized
-slots of the model's dtype (``[max_seqs, kv_heads, L, D]``, ``L = sink + ring``) and the rest,
-``qlen`` tokens, in packed pages. This kernel runs after the decode launch
-(``foscar.blackwell.fused``, or ``foscar.hopper.fused`` without window tiles), which wrote partials ``0 .. num_splits - 1`` of ``o_part [B, Hq, total, D]``
-/ ``lse_part``: CTA ``(chunk, kv_head, b)`` attends ``CHUNK`` slots of its (sequence, KV head) for
-all ``R`` query heads of the KV head (each window byte is read once per KV head, not once per query
-head), writes the normalized partial ``(o, lse)`` as ``num_splits + chunk``, and the last of the
-(sequence, KV head)'s chunk CTAs merges all ``total`` into the output (``foscar.split_merge``).
+The cache keeps the first ``sink`` tokens of a sequence and its most recent ones in unquantized slots of the
+model's dtype (``[max_seqs, kv_heads, L, D]``, ``L = sink + ring``) and the rest, ``qlen`` tokens, in packed
+pages. This kernel runs after the decode launch (``foscar.blackwell.fused``, or ``foscar.hopper.fused``
+without window tiles), which wrote partials ``0 .. num_splits - 1`` of ``o_part [B, Hq, total, D]`` /
+``lse_part``: CTA ``(chunk, kv_head, b)`` attends ``CHUNK`` slots of its (sequence, KV head) for all ``R``
+query heads of the KV head (each window byte is read once per KV head, not once per query head), writes the
+normalized partial ``(o, lse)`` as ``num_splits + chunk``, and the last of the (sequence, KV head)'s chunk
+CTAs merges all ``total`` into the output (``foscar.split_merge``).
 
 Why a kernel of its own, not CTAs of the decode grid: its CTAs are small (256 threads, 37-133 KB of
 shared memory), so several share an SM and hide each other's load and merge latencies. Inside the
@@ -169,8 +169,8 @@ class SinkWindow:
         total = num_splits + chunks
         self.store(smem, o_part, lse_part, q_row0, num_splits + chunk, total, tidx)
         if self.merger.arrive(counters + (b * kv_heads + h), smem.last.data_ptr(), chunks, tidx):
-            o_rows, lse_rows = self.merger.row_major(o_part, lse_part, q_row0, total)
-            self.merger.merge(smem.merge.data_ptr(), o_rows, lse_rows, out, lse, q_row0, total, tidx)
+            partials = lambda: self.merger.row_major(o_part, lse_part, q_row0, total)  # noqa: E731
+            self.merger.merge(smem.merge.data_ptr(), partials, out, lse, q_row0, total, tidx)
 
     @cute.jit
     def column_max(self, smem, mma: WarpMma, s, warp: Int32):
@@ -361,7 +361,8 @@ def check_cache_launch(num_splits: int, counters, heads: int, budget: int = 1):
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if type(budget) is not int or not 1 <= budget <= 1 << 16:
-        raise ValueError(f"budget must be an int in [1, 65536] (CTAs of a wave), got {budget!r}")
+        raise ValueError(f"budget must be an int in [1, 65536] (CTAs of a wave: PagedKVCache.cta_budget), "
+                         f"got {budget!r}")
     if counters.dtype != torch.int32 or counters.numel() < heads:
         raise ValueError(f"counters: need int32 with >= batch * kv_heads = {heads} elements, got "
                          f"{counters.dtype} with {counters.numel()}")
