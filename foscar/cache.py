@@ -513,7 +513,8 @@ class PagedKVCache:
         """Decode attention of ``q [len(seq_ids), kv_heads*gqa_ratio, head_dim]`` over each sequence.
 
         Returns ``out`` (q's dtype) and, if asked, ``lse`` (fp32, natural log, scores scaled by
-        ``sm_scale``, default ``head_dim**-0.5``). Capturable in a CUDA graph. On the GPU one attend
+        ``sm_scale``, default ``head_dim**-0.5``). A sequence with no token yet attends to the empty
+        softmax: ``out = 0`` and ``lse = -inf`` (what a merge with other partials expects). Capturable in a CUDA graph. On the GPU one attend
         per cache may be in flight at a time (its launches share the cache's completion counters):
         issue a cache's attends on one stream.
         """
@@ -540,9 +541,10 @@ class PagedKVCache:
         out_b, lse_b = self._attend_bf16(layer, rows, q, n, qlen, sm_scale)
         has_q = (qlen > 0)[:, None]
         lse_q = torch.where(has_q, lse_q, -torch.inf)
-        lse = torch.logaddexp(lse_q, lse_b)
-        w_q = torch.exp(lse_q - lse)[..., None]
-        w_b = torch.exp(lse_b - lse)[..., None]
+        lse = torch.logaddexp(lse_q, lse_b)  # -inf for a sequence with no token: its out is 0
+        reference = torch.where(torch.isfinite(lse), lse, 0.0)
+        w_q = torch.exp(lse_q - reference)[..., None]
+        w_b = torch.exp(lse_b - reference)[..., None]
         out = torch.where(has_q[..., None], out_q.float(), 0.0) * w_q + out_b * w_b
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out

@@ -116,6 +116,25 @@ def test_attend_matches_dense(scheme, rotate, rng):
         assert (lse[b].double() - ref_lse).abs().max() < 1e-4
 
 
+def test_empty_sequence_attends_to_the_empty_softmax(rng):
+    """An allocated sequence with no token yet: out 0 and lse -inf (never NaN), next to sequences with
+    tokens, which are unaffected."""
+    scheme = SCHEMES[0]
+    cache = make_cache(scheme)
+    empty, full, empty2 = cache.allocate(), cache.allocate(), cache.allocate()
+    k, v = kv(rng, scheme, 1, 700)
+    cache.append(0, [full], k, v)
+    q = torch.randn(3, 2 * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+    out, lse = cache.attend(0, [empty, full, empty2], q, return_lse=True)
+    for b in (0, 2):
+        assert torch.equal(out[b], torch.zeros_like(out[b]))
+        assert torch.equal(lse[b], torch.full_like(lse[b], -math.inf))
+    kd, vd = cache.dense(0, full)
+    ref, ref_lse = attention(q[1], kd, vd, scheme.head_dim**-0.5)
+    assert (out[1].double() - ref).abs().max() < 1e-2
+    assert (lse[1].double() - ref_lse).abs().max() < 1e-4
+
+
 def test_pages_take_the_bit_order_of_the_cache_arch(rng):
     """One K4V2 sequence in a cache for each arch: pages packed in each arch's order (foscar.archs), the
     same tokens read back, and each tensor's pool as wide as its own bits."""

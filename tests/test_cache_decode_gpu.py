@@ -175,6 +175,40 @@ def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits
     assert not cache._counters.any(), "the last CTA of every (sequence, KV head) resets its counter"
 
 
+@pytest.mark.parametrize("case", [0, 1, len(CASES) - 1], ids=lambda i: CASES[i][0].name)
+@pytest.mark.parametrize("budget", [None, 1])
+def test_empty_sequences_attend_to_the_empty_softmax(case, budget, rng):
+    """Allocated sequences with no token yet, among sequences with tokens (and a batch of them alone):
+    out exactly 0 and lse -inf, the others against float64; one launch (the work list, any budget)
+    and the two-launch variant (the last case)."""
+    scheme, page_size, max_len, kv_heads, rotate = CASES[case]
+    cache = PagedKVCache(scheme, 1, kv_heads, num_pages=64, max_seqs=6, max_seq_len=max_len, page_size=page_size,
+                         sink=SINK, window=WINDOW, rotate=rotate, device="cuda")
+    if budget is not None:
+        cache.cta_budget = budget
+    d, dtype = scheme.head_dim, scheme.q_dtype
+    ids = [cache.allocate() for _ in range(5)]
+    for seq, n in ((ids[1], 3001), (ids[3], SINK + 5)):
+        k = torch.randn(1, kv_heads, n, d, generator=rng) + 2 * torch.randn(d, generator=rng)
+        cache.append(0, [seq], k.to("cuda", dtype), torch.randn(1, kv_heads, n, d, generator=rng).to("cuda", dtype))
+    sm_scale = d**-0.5
+    for order, empty in ((ids, (0, 2, 4)), ([ids[0], ids[2]], (0, 1)), ([ids[4]], (0,))):
+        q = torch.randn(len(order), kv_heads * scheme.gqa_ratio, d, generator=rng).to("cuda", dtype)
+        poison_attend_buffers(cache, len(order), q, rotate)
+        out, lse = cache.attend(0, order, q, sm_scale=sm_scale, return_lse=True)
+        torch.cuda.synchronize()
+        for b in range(len(order)):
+            if b in empty:
+                assert torch.equal(out[b], torch.zeros_like(out[b])), out[b]
+                assert torch.equal(lse[b], torch.full_like(lse[b], -math.inf)), lse[b]
+            else:
+                ref, ref_lse, low = reference(cache, 0, [order[b]], q[b:b + 1], sm_scale, dtype)
+                tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
+                assert float((out[b:b + 1].double() - ref).abs().max()) <= tol
+                assert float((lse[b:b + 1].double() - ref_lse).abs().max()) <= max(tol, 1e-3)
+        assert not cache._counters.any()
+
+
 @pytest.mark.parametrize("case", [0, 8, 14], ids=lambda i: CASES[i][0].name)
 def test_window_kernel_matches_float64(case, rng):
     """``foscar.kernels.sink_window`` -- the Blackwell cache decode's second launch (Hopper's only where

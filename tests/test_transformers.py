@@ -89,6 +89,41 @@ def test_unsupported_uses_raise():
             torch.zeros(2, 2, 3, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 3, 64, dtype=torch.bfloat16))
 
 
+def test_padded_batch_is_refused_before_any_token_and_leaves_the_cache_unchanged():
+    """A left-padded batch (what a tokenizer gives prompts of unequal length) would attend its pad
+    tokens in FOSCAR's decode: refused at the first forward, before any layer appends; an unpadded
+    batch of the same cache then generates as usual."""
+    model = tiny_model()
+    ids = torch.randint(1, 512, (2, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # row 1 left-padded
+    cache = FoscarCache(model, bits=4, max_batch_size=2, max_seq_len=128, device="cpu")
+    with pytest.raises(ValueError, match="attention_mask: FoscarCache does not support padded batches"), \
+            torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
+    assert cache.seq_ids is None and cache.get_seq_length() == 0 and not cache.kv._host_len.any()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             **cache_kwargs(cache))
+    assert out.shape == (2, 44)
+
+
+def test_a_model_without_foscar_attention_is_refused_at_the_first_update():
+    """Without use_foscar the model's own attention would see only the new token at each decode step."""
+    config = tiny_model().config
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dtype=torch.bfloat16).eval()
+    model.set_attn_implementation("sdpa")
+    cache = FoscarCache(model, bits=4, max_batch_size=1, max_seq_len=64, device="cpu")
+    with pytest.raises(ValueError, match="use_foscar"), torch.no_grad():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), **cache_kwargs(cache))
+    assert cache.seq_ids is None and not cache.kv._host_len.any()
+    use_foscar(model)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), **cache_kwargs(cache))
+    assert cache.get_seq_length() == 4
+
+
 def test_generate_on_cpu_fp16_model_takes_the_models_dtype():
     model = tiny_model(dtype=torch.float16)
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(4))

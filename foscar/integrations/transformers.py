@@ -29,7 +29,9 @@ run eagerly):
 
 Not supported (clear errors): a second multi-token update after decoding started (chunked prefill,
 multi-turn reuse of one cache), beam search / cache reordering, cropping (assisted decoding),
-padded batches (the decode path ignores the attention mask: give every sequence the same length).
+padded batches (the decode path takes no attention mask: a padded ``attention_mask`` is refused before
+the first layer runs, :func:`foscar_mask`), a model whose attention is not FOSCAR's (refused at the
+first update: call :func:`use_foscar`).
 transformers is imported lazily; it is not a dependency of foscar.
 """
 
@@ -44,7 +46,7 @@ from ..cache import PagedKVCache
 from ..scheme import Scheme
 
 __all__ = ["ATTENTION_NAME", "FoscarCache", "GraphedDecode", "cache_kwargs", "foscar_attention_forward",
-           "greedy_generate", "register", "use_foscar"]
+           "foscar_mask", "greedy_generate", "register", "use_foscar"]
 
 ATTENTION_NAME = "foscar"
 
@@ -65,14 +67,42 @@ def foscar_attention_forward(module, query, key, value, attention_mask, dropout:
     return out[:, None], None
 
 
+def foscar_mask(*args, attention_mask=None, **kwargs):
+    """SDPA's mask builder, refusing padded batches: FOSCAR's decode attends every token of a sequence
+    (it takes no mask), so a padded row would silently attend its pad tokens. transformers builds the
+    masks once per forward, before any layer appends to the cache, so a refused call leaves the cache
+    unchanged. (One host read of the 2D padding mask per forward; the CUDA-graph steps of
+    :class:`GraphedDecode` pass no mask.)"""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError("attention_mask: FoscarCache does not support padded batches (the mask has padding "
+                         "positions, which FOSCAR's decode would attend); generate each sequence on its own, or "
+                         "batch prompts of equal length")
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 def register(name: str = ATTENTION_NAME) -> str:
-    """Register the attention function (and SDPA's mask builder) with transformers under ``name``."""
+    """Register the attention function (and its mask builder, :func:`foscar_mask`) with transformers
+    under ``name``."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, foscar_attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, foscar_mask)
     return name
+
+
+def _check_attention(config) -> None:
+    """Refuse a model whose attention is not FOSCAR's: its decode steps would attend to the new token only
+    (``FoscarCache.update`` returns the new K/V; the attention function reads the cache)."""
+    from transformers import AttentionInterface
+
+    configs = [config] + ([config.get_text_config(decoder=True)] if hasattr(config, "get_text_config") else [])
+    names = {getattr(c, "_attn_implementation", None) for c in configs}
+    if not any(AttentionInterface._global_mapping.get(n) is foscar_attention_forward for n in names if n):
+        raise ValueError(f"model: its attention implementation is {sorted(map(str, names))}, not FOSCAR's; call "
+                         "foscar.integrations.transformers.use_foscar(model) before generating with a FoscarCache")
 
 
 def use_foscar(model, name: str = ATTENTION_NAME):
@@ -204,14 +234,17 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
         class _FoscarCache(Cache):
             """See :func:`FoscarCache`."""
 
-            def __init__(self, kv: PagedKVCache):
+            def __init__(self, kv: PagedKVCache, model_config=None):
                 self.kv = kv
                 self.seq_ids = None
+                self.model_config = model_config  # checked at the first update (None: built from a config)
                 super().__init__(layers=[layer_class(self, i) for i in range(kv.num_layers)])
 
             def sequences_for(self, batch: int):
                 """The cache's sequence ids, allocated on the first update (one per batch row)."""
                 if self.seq_ids is None:
+                    if self.model_config is not None:
+                        _check_attention(self.model_config)
                     if batch > self.kv.max_seqs:
                         raise ValueError(f"batch size {batch} exceeds max_batch_size={self.kv.max_seqs}")
                     self.seq_ids = [self.kv.allocate() for _ in range(batch)]
@@ -254,7 +287,7 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
         num_pages = max(1, max_batch_size * probe.pages_for(max_seq_len))
     kv = PagedKVCache(scheme, text.num_hidden_layers, kv_heads, num_pages, max_batch_size, max_seq_len, page_size, sink,
                       window, rotate, device, use_kernels, arch)
-    return _FoscarCacheClass(kv)
+    return _FoscarCacheClass(kv, config if is_model else None)
 
 
 _FoscarCacheClass = None
