@@ -17,6 +17,7 @@ import functools
 import importlib
 from dataclasses import dataclass
 
+from .formats import Unsupported
 from .scheme import Axis, Construction, Scheme, construction_for
 
 __all__ = ["Arch", "ARCHS", "HOPPER", "BLACKWELL", "get_arch", "arch_of_device", "packed_layouts"]
@@ -34,9 +35,10 @@ class Arch:
     min_group: int  # smallest group (either axis) the kernel reads
     cache_decode: bool  # has PagedKVCache's decode (packed pages + 16-bit sink + window, splits merged in-launch)
 
-    def construction(self, bits: int) -> Construction:
-        """How this arch's kernel turns ``bits``-bit codes into Tensor Core operands."""
-        return construction_for(self.name, bits)
+    def construction(self, fmt) -> Construction:
+        """How this arch's kernel turns codes of ``fmt`` (a Format, a registered name or a bit width)
+        into Tensor Core operands."""
+        return construction_for(self.name, fmt)
 
     def _kernel(self):
         return importlib.import_module(self.kernel_module)
@@ -58,6 +60,10 @@ class Arch:
             raise ValueError(f"Scheme.gqa_ratio={scheme.gqa_ratio}: the {self.name} kernel takes 1..{self.max_gqa_ratio} "
                              "query heads per KV head")
         for name, quant in (("k", scheme.k), ("v", scheme.v)):
+            try:
+                quant.format.construction(self.name)
+            except Unsupported as err:
+                raise Unsupported(f"Scheme.{name}.format: {err}") from None
             if quant.group < self.min_group:
                 raise ValueError(f"Scheme.{name}.group={quant.group}: the {self.name} kernel needs groups of at least "
                                  f"{self.min_group}")

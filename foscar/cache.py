@@ -60,7 +60,7 @@ from .decode import CTAS_PER_SM
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, quantize_groups
-from .scheme import Axis, Scheme
+from .scheme import PARAM_DTYPE, Axis, Scheme
 
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
 
@@ -181,8 +181,8 @@ class PagedKVCache:
         words = TileGeometry(role, quant.bits, d).words
         codes = torch.zeros(self.num_layers, pool, self.kv_heads, ps // TILE_TOKENS, words, dtype=torch.int32,
                             device=self.device)
-        rows, cols = (ps, d // quant.group) if quant.axis is Axis.TOKEN else (ps // quant.group, d)
-        params = torch.zeros(self.num_layers, pool, self.kv_heads, rows, cols, 2, dtype=torch.float16, device=self.device)
+        params = torch.zeros(self.num_layers, pool, self.kv_heads, *quant.params_shape(ps, d), 2, dtype=PARAM_DTYPE,
+                             device=self.device)
         return codes, params
 
     # ------------------------------------------------------------------ sizes and accounting

@@ -10,7 +10,8 @@ An entry is keyed by everything that changes the binary: the caller's key (kerne
 size, dtypes, arch: see :func:`foscar.jit.cached_compile`), the CuTe DSL version and its build
 settings (``CUTE_DSL_*``: line info, assertions, optimization level, runtime library), a hash of
 every source file of the ``foscar`` package (taken when this module is imported, so a process never
-stores code it did not import under a newer hash), the host machine type (the entry holds a host
+stores code it did not import under a newer hash), the source of the scheme's code formats written outside
+the package (``foscar.formats.Format.compile_key``), the host machine type (the entry holds a host
 object file) and :data:`FORMAT`. Changing any of them makes a new entry; stale ones stay until
 ``clear``. An entry that cannot be loaded is removed and written anew.
 
@@ -38,6 +39,8 @@ import tempfile
 import warnings
 from importlib import metadata
 from pathlib import Path
+
+from .scheme import Scheme
 
 __all__ = ["FORMAT", "enabled", "cache_dir", "source_hash", "entry_key", "load", "store", "load_sass", "store_sass",
            "entries", "clear", "dump_dir"]
@@ -97,7 +100,8 @@ def _dsl_settings() -> str:
 
 def entry_key(key: tuple) -> str:
     """The digest naming the entry of ``key`` (see the module docstring for what goes in)."""
-    text = repr((FORMAT, key, _dsl_version(), _dsl_settings(), source_hash(), platform.machine()))
+    formats = tuple(q.format.compile_key() for item in key if isinstance(item, Scheme) for q in (item.k, item.v))
+    text = repr((FORMAT, key, formats, _dsl_version(), _dsl_settings(), source_hash(), platform.machine()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

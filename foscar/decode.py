@@ -13,7 +13,7 @@ import torch
 
 from .archs import arch_of_device, get_arch, packed_layouts
 from .quantize import QuantizedKV, check_page_size
-from .scheme import Axis, Scheme
+from .scheme import PARAM_DTYPE, Scheme
 
 __all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged"]
 
@@ -96,8 +96,7 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
         tile_words = 64 * dim * quant.bits // 32  # K and V may differ in width
         _tensor(name, t, torch.int32, (num_pages, kv_heads, page_size // 64, tile_words), device)
     for name, t, quant in (("k_params", k_params, scheme.k), ("v_params", v_params, scheme.v)):
-        rows, cols = (page_size, dim // quant.group) if quant.axis is Axis.TOKEN else (page_size // quant.group, dim)
-        _tensor(name, t, torch.float16, (num_pages, kv_heads, rows, cols, 2), device)
+        _tensor(name, t, PARAM_DTYPE, (num_pages, kv_heads, *quant.params_shape(page_size, dim), 2), device)
     _tensor("page_table", page_table, torch.int32, (batch, "max_pages"), device)
     _tensor("lengths", lengths, torch.int32, (batch,), device)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()

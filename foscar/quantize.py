@@ -1,13 +1,9 @@
 """BF16/FP16 K and V -> packed codes + per-group (scale, offset), in pages; and back.
 
-Rounding (asymmetric min-max per group, the same in every variant):
-
-* ``offset = fp16(min)`` and ``scale = fp16((max - min) / (2^bits - 1))`` over the group's valid
-  elements (round to nearest even, in float32);
-* ``code = clamp(round_half_even((x - offset) / scale), 0, 2^bits - 1)`` in float32, using the
-  *stored* fp16 scale and offset, so the dequantized ``scale*code + offset`` is the nearest grid
-  point of the grid the kernel actually sees. A constant group has ``scale = 0`` and codes 0.
-* Tokens past a sequence's length take no part in any group's statistics and get code 0.
+Rounding: each tensor's code format's (``foscar.formats``); the built-in INT2 and INT4 are
+asymmetric min-max per group (``MinMaxFormat``: ``offset = fp16(min)``, ``scale = fp16((max - min) /
+(2^bits - 1))``, codes rounded half to even against the *stored* fp16 params). Tokens past a
+sequence's length take no part in any group's statistics and get code 0.
 
 Cache format (:class:`QuantizedKV`): ``k_codes``/``v_codes`` int32
 ``[num_pages, kv_heads, page_size // 64, tile_words]`` (each 64-token tile packed as
@@ -25,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
-from .scheme import PARAM_DTYPE, Axis, Scheme, TensorQuant
+from .scheme import Axis, Scheme, TensorQuant
 
 __all__ = ["PAGE_SIZES", "QuantizedKV", "quantize_groups", "dequantize_groups", "quantize_kv", "smallest_page_size"]
 
@@ -46,18 +42,6 @@ def smallest_page_size(scheme: Scheme) -> int:
     return next(p for p in PAGE_SIZES if all(q.axis is Axis.TOKEN or p % q.group == 0 for q in (scheme.k, scheme.v)))
 
 
-def _grouped(x: torch.Tensor, quant: TensorQuant) -> torch.Tensor:
-    """View ``[..., L, D]`` as ``[..., groups_l, gl, groups_d, gd]`` (one group = gl x gd)."""
-    *lead, length, dim = x.shape
-    if quant.axis is Axis.TOKEN:
-        return x.reshape(*lead, length, 1, dim // quant.group, quant.group)
-    return x.reshape(*lead, length // quant.group, quant.group, dim, 1)
-
-
-def _params_shape(quant: TensorQuant, length: int, dim: int):
-    return (length, dim // quant.group) if quant.axis is Axis.TOKEN else (length // quant.group, dim)
-
-
 def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | None = None, name: str = "x"):
     """Quantize ``x [..., L, D]`` (named ``name`` in errors) to ``quant.bits`` into codes (uint8, same
     shape) and fp16 scale, offset.
@@ -69,35 +53,22 @@ def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | N
     if x.dim() < 2:
         raise ValueError(f"x must have shape [..., tokens, channels], got {tuple(x.shape)}")
     length, dim = x.shape[-2:]
-    if quant.bits not in (2, 4):
-        raise ValueError(f"quant.bits must be 2 or 4, got {quant.bits!r}")
+    if not isinstance(quant, TensorQuant):
+        raise TypeError(f"quant must be a foscar.scheme.TensorQuant, got {type(quant).__name__}")
     if valid is not None and tuple(valid.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"valid must have shape {list(x.shape[:-1])}, got {list(valid.shape)}")
     if quant.axis is Axis.TOKEN and dim % quant.group:
         raise ValueError(f"token-wise group {quant.group} must divide the channel count {dim}")
     if quant.axis is Axis.CHANNEL and length % quant.group:
         raise ValueError(f"channel-wise group {quant.group} must divide the token count {length}")
-    levels = quant.levels - 1
     xf = x.to(torch.float32)
     if not torch.isfinite(xf).all():
         raise ValueError(f"{name} holds inf or nan")
     mask = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if valid is None else valid.to(x.device)
     mask = mask[..., None].expand(xf.shape)
-    grouped, gmask = _grouped(xf, quant), _grouped(mask, quant)
-    lo = torch.where(gmask, grouped, torch.inf).amin(dim=(-3, -1), keepdim=True)
-    hi = torch.where(gmask, grouped, -torch.inf).amax(dim=(-3, -1), keepdim=True)
-    empty = ~torch.isfinite(lo)
-    lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
-    offset = lo.to(PARAM_DTYPE)
-    # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
-    # which can differ from the correctly rounded quotient (and from the quantize kernel) by 1 ulp
-    scale = ((hi - lo) / torch.full_like(hi, levels)).to(PARAM_DTYPE)
-    if not (torch.isfinite(offset).all() and torch.isfinite(scale).all()):
-        raise ValueError(f"{name} exceeds the float16 range of the group scale/offset")
-    s32, z32 = scale.to(torch.float32), offset.to(torch.float32)
-    codes = torch.round((grouped - z32) / torch.where(s32 == 0, 1.0, s32)).clamp_(0, levels)
-    codes = torch.where(gmask & (s32 != 0), codes, 0.0).to(torch.uint8).reshape(x.shape)
-    pshape = (*x.shape[:-2], *_params_shape(quant, length, dim))
+    codes, scale, offset = quant.format.quantize(quant.grouped(xf), quant.grouped(mask), name)
+    codes = codes.to(torch.uint8).reshape(x.shape)
+    pshape = (*x.shape[:-2], *quant.params_shape(length, dim))
     return codes, scale.reshape(pshape), offset.reshape(pshape)
 
 
@@ -105,14 +76,14 @@ def dequantize_groups(codes, scale, offset, quant: TensorQuant, dtype=torch.floa
     """``scale*code + offset`` for ``codes [..., L, D]`` and the params of :func:`quantize_groups`."""
     if codes.dim() < 2:
         raise ValueError(f"codes must have shape [..., tokens, channels], got {tuple(codes.shape)}")
-    want = (*codes.shape[:-2], *_params_shape(quant, *codes.shape[-2:]))
+    want = (*codes.shape[:-2], *quant.params_shape(*codes.shape[-2:]))
     for name, t in (("scale", scale), ("offset", offset)):
         if tuple(t.shape) != want:
             raise ValueError(f"{name} must have shape {list(want)} for codes {list(codes.shape)} and {quant}, got {list(t.shape)}")
-    grouped = _grouped(codes.to(dtype), quant)
+    grouped = quant.grouped(codes.to(dtype))
     # params [..., rows, cols] broadcast over the group's two in-group modes
     s, z = (t.to(dtype)[..., :, None, :, None] for t in (scale, offset))
-    return (grouped * s + z).reshape(codes.shape)
+    return quant.format.dequantize(grouped, s, z).reshape(codes.shape)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The algorithm description: one frozen, hashable object per quantization variant.
 
-A :class:`Scheme` says how K and V are quantized, each on its own (bits, group axis, group size),
+A :class:`Scheme` says how K and V are quantized, each on its own (code format, group axis, group size),
 the head geometry and the query dtype. :meth:`Scheme.plan` turns it into a :class:`FoldingPlan`: where each
 group scale goes (onto the other MMA operand, or onto the MMA's partial sum) and which offset
 correction is added, for one operand construction (how codes become Tensor Core operands, see
@@ -19,6 +19,8 @@ from fractions import Fraction
 import torch
 
 from .folds import Correction, FoldCase, Site, fold_case
+from .formats import (BLACKWELL_FP4, BLACKWELL_FP8, PACKABLE_BITS, PARAM_DTYPE, Construction, Format, Unsupported,
+                      as_format, hopper_fp16)
 
 __all__ = [
     "Axis",
@@ -32,18 +34,16 @@ __all__ = [
     "BLACKWELL_FP4",
     "BLACKWELL_FP8",
     "construction_for",
-    "CONSTRUCTIONS",
     "GROUP_SIZES",
     "HEAD_DIMS",
-    "BITS",
+    "PARAM_DTYPE",
 ]
 
-BITS = (2, 4)
 HEAD_DIMS = (64, 128, 256)
 GROUP_SIZES = (32, 64, 128)  # plus head_dim itself
 Q_DTYPES = (torch.bfloat16, torch.float16)
-PARAM_DTYPE = torch.float16  # scale and offset storage: 4 bytes per group, as in the byte arithmetic
 MAX_GQA_RATIO = 64
+HOPPER_FP16 = {bits: hopper_fp16(bits) for bits in PACKABLE_BITS}
 
 
 class Axis(str, enum.Enum):
@@ -67,69 +67,44 @@ def _check_int(field: str, value, allowed) -> int:
 
 @dataclass(frozen=True)
 class TensorQuant:
-    """Quantization of one of K or V: group axis, group size and code bit width."""
+    """Quantization of one of K or V: group axis, group size and code format (``foscar.formats``; a bit
+    width names the registered ``int<bits>`` format: ``TensorQuant("token", 128, 2)``)."""
 
     axis: Axis
     group: int
-    bits: int
+    format: Format
 
     def __post_init__(self):
         object.__setattr__(self, "axis", Axis(self.axis))
+        object.__setattr__(self, "format", as_format(self.format, "TensorQuant.format"))
+
+    @property
+    def bits(self) -> int:
+        return self.format.bits
 
     @property
     def levels(self) -> int:
-        return 2**self.bits
+        return self.format.levels
+
+    def params_shape(self, tokens: int, dim: int) -> tuple[int, int]:
+        """Rows x pairs of the (scale, offset) params of ``tokens`` x ``dim`` values: one row per token
+        and a pair per channel block (token-wise), or one row per token group and a pair per channel
+        (channel-wise). The one source of the params geometry (quantize, append, cache pools, decode
+        validation; the fold cases' ``params_row`` addresses the same)."""
+        return (tokens, dim // self.group) if self.axis is Axis.TOKEN else (tokens // self.group, dim)
+
+    def grouped(self, x):
+        """View ``x [..., L, D]`` as ``[..., groups_l, gl, groups_d, gd]`` (one group = gl x gd)."""
+        *lead, length, dim = x.shape
+        if self.axis is Axis.TOKEN:
+            return x.reshape(*lead, length, 1, dim // self.group, self.group)
+        return x.reshape(*lead, length // self.group, self.group, dim, 1)
 
 
-@dataclass(frozen=True)
-class Construction:
-    """How an arch turns a code into an MMA operand value: ``operand = a*c + b``, exactly.
-
-    The kernel multiplies with ``operand`` instead of ``c``, so the effective scale becomes
-    ``s/a`` and the offset absorbs the bias: ``x = (s/a)*operand + (z - s*b/a)``.
-    """
-
-    name: str
-    operand_dtype: str
-    a: Fraction
-    b: Fraction
-
-    def fold_scale(self, scale):
-        return scale / float(self.a)
-
-    def fold_offset(self, scale, offset):
-        return offset - scale * float(self.b / self.a)
-
-    def operand(self, codes):
-        """Operand values of integer ``codes`` (any torch tensor), in float64."""
-        return codes.to(torch.float64) * float(self.a) + float(self.b)
-
-
-# Hopper: codes ORed into FP16 mantissas -> bias + c/2^bits, with a per-slot power-of-two bias that
-# the kernel removes inside the accumulator (one MMA against a constant fragment, foscar.operands):
-# the folding sees c/2^bits.
-HOPPER_FP16 = {bits: Construction(f"fp16-c/{2**bits}", "float16", Fraction(1, 2**bits), Fraction(0)) for bits in BITS}
-# Blackwell: an INT2 code zero-extended into an FP4 E2M1 nibble is c/2; an INT4 code zero-extended
-# into a byte is the E4M3 encoding of c * 2^-9 (subnormals 0..7, then the first binade: one mask, no table).
-BLACKWELL_FP4 = Construction("fp4e2m1-c/2", "float4_e2m1fn", Fraction(1, 2), Fraction(0))
-BLACKWELL_FP8 = Construction("fp8e4m3-c/512", "float8_e4m3fn", Fraction(1, 512), Fraction(0))
-
-
-# the construction each arch's kernel uses per code width (foscar.archs.Arch.construction reads it)
-CONSTRUCTIONS = {
-    ("sm_90a", 2): HOPPER_FP16[2],
-    ("sm_90a", 4): HOPPER_FP16[4],
-    ("sm_100a", 2): BLACKWELL_FP4,
-    ("sm_100a", 4): BLACKWELL_FP8,
-}
-
-
-def construction_for(arch: str, bits: int) -> Construction:
-    """The operand construction ``arch``'s kernel uses for ``bits``-bit codes."""
-    if (arch, bits) not in CONSTRUCTIONS:
-        raise ValueError(f"arch must be one of {sorted({a for a, _ in CONSTRUCTIONS})} and bits one of {BITS}, "
-                         f"got arch={arch!r}, bits={bits!r}")
-    return CONSTRUCTIONS[(arch, bits)]
+def construction_for(arch: str, fmt) -> Construction:
+    """The operand construction ``arch``'s kernel uses for ``fmt`` (a Format, a registered name or a bit
+    width); a ValueError with the one-line reason where it has none."""
+    return as_format(fmt).construction(arch)
 
 
 @dataclass(frozen=True)
@@ -155,7 +130,8 @@ class Scheme:
     """A quantization variant of the KV cache.
 
     ``k``/``v``: group axis, group size (32, 64, 128 or head_dim; token-wise groups must divide
-    head_dim) and bits (2 or 4), each tensor on its own. ``head_dim``: 64, 128 or 256.
+    head_dim) and code format (``foscar.formats``: INT2, INT4 or any registered one), each tensor on
+    its own. ``head_dim``: 64, 128 or 256.
     ``gqa_ratio``: query heads per KV head (which ratios a kernel builds is the arch's
     ``can_implement``, ``foscar.archs``). ``q_dtype``: bfloat16 or float16 (the cache quantizes
     K/V of the same dtype).
@@ -179,8 +155,7 @@ class Scheme:
                 quant = TensorQuant(*quant)
                 object.__setattr__(self, name, quant)
             if not isinstance(quant, TensorQuant):
-                raise ValueError(f"Scheme.{name} must be a TensorQuant(axis, group, bits), got {quant!r}")
-            _check_int(f"Scheme.{name}.bits", quant.bits, BITS)
+                raise ValueError(f"Scheme.{name} must be a TensorQuant(axis, group, format), got {quant!r}")
             _check_int(f"Scheme.{name}.group", quant.group, set(GROUP_SIZES) | {self.head_dim})
             if quant.axis is Axis.TOKEN and self.head_dim % quant.group:
                 raise ValueError(
@@ -189,25 +164,34 @@ class Scheme:
 
     @classmethod
     def make(cls, bits=None, k="token", k_group=None, v="token", v_group=None, head_dim=128, gqa_ratio=1,
-             q_dtype=torch.bfloat16, *, k_bits=None, v_bits=None):
+             q_dtype=torch.bfloat16, *, k_bits=None, v_bits=None, format=None, k_format=None, v_format=None):
         """Shorthand: ``Scheme.make(2, k="channel", k_group=128)``; groups default to head_dim.
 
-        ``bits`` sets both tensors; ``k_bits`` / ``v_bits`` set one each (keys are the more
-        sensitive tensor: ``Scheme.make(k_bits=4, v_bits=2)``)."""
+        ``bits`` (a bit width of a registered ``int<bits>`` format) or ``format`` (a Format or a
+        registered name, ``foscar.formats``) sets both tensors; ``k_bits`` / ``v_bits`` or
+        ``k_format`` / ``v_format`` set one each (keys are the more sensitive tensor:
+        ``Scheme.make(k_bits=4, v_bits=2)``)."""
         _check_int("Scheme.head_dim", head_dim, HEAD_DIMS)
         for name, axis in (("k", k), ("v", v)):
             if axis not in ("token", "channel", Axis.TOKEN, Axis.CHANNEL):
                 raise ValueError(f"Scheme.{name} axis must be 'token' or 'channel', got {axis!r}")
-        if bits is None and (k_bits is None or v_bits is None):
-            raise ValueError("Scheme.bits: give bits (both tensors) or both k_bits and v_bits")
-        for name, value in (("bits", bits), ("k.bits", k_bits), ("v.bits", v_bits)):
-            if value is not None:
-                _check_int(f"Scheme.{name}", value, BITS)
-        k_bits = bits if k_bits is None else k_bits
-        v_bits = bits if v_bits is None else v_bits
+        given = {"bits": bits, "format": format, "k.bits": k_bits, "v.bits": v_bits, "k.format": k_format,
+                 "v.format": v_format}
+        formats = {name: as_format(value, f"Scheme.{name}") for name, value in given.items() if value is not None}
+        if "bits" in formats and "format" in formats:
+            raise ValueError("Scheme.format: give bits or format, not both")
+        both = formats.get("bits", formats.get("format"))
+        per_tensor = {}
+        for t in ("k", "v"):
+            if f"{t}.bits" in formats and f"{t}.format" in formats:
+                raise ValueError(f"Scheme.{t}.format: give {t}_bits or {t}_format, not both")
+            per_tensor[t] = formats.get(f"{t}.bits", formats.get(f"{t}.format", both))
+        if per_tensor["k"] is None or per_tensor["v"] is None:
+            raise ValueError("Scheme.bits: give bits or format (both tensors), or one of k_bits / k_format and one of "
+                             "v_bits / v_format")
         return cls(
-            TensorQuant(Axis(k), head_dim if k_group is None else k_group, k_bits),
-            TensorQuant(Axis(v), head_dim if v_group is None else v_group, v_bits),
+            TensorQuant(Axis(k), head_dim if k_group is None else k_group, per_tensor["k"]),
+            TensorQuant(Axis(v), head_dim if v_group is None else v_group, per_tensor["v"]),
             head_dim,
             gqa_ratio,
             q_dtype,
@@ -223,7 +207,8 @@ class Scheme:
 
     @property
     def name(self) -> str:
-        bits = f"int{self.k.bits}" if self.k.bits == self.v.bits else f"k{self.k.bits}v{self.v.bits}"
+        kf, vf = self.k.format, self.v.format
+        bits = kf.name if kf == vf else f"k{kf.name.removeprefix('int')}v{vf.name.removeprefix('int')}"
         return (
             f"{bits}-k{self.k.axis.value[0]}{self.k.group}-v{self.v.axis.value[0]}{self.v.group}"
             f"-d{self.head_dim}-gqa{self.gqa_ratio}-{str(self.q_dtype).removeprefix('torch.')}"
@@ -231,11 +216,15 @@ class Scheme:
 
     def plan(self, arch: str = "sm_90a", *, construction: Construction | None = None) -> FoldingPlan:
         """Where every scale and offset goes, with the operand construction of ``arch`` per tensor
-        (``construction`` overrides it for both, e.g. to test the algebra with a biased one)."""
-        cases = [
-            fold_case(name, quant, self.head_dim, construction or construction_for(arch, quant.bits))
-            for name, quant in (("k", self.k), ("v", self.v))
-        ]
+        (``construction`` overrides it for both, e.g. to test the algebra with a biased one); a
+        ValueError naming the tensor where ``arch`` has no construction for its format."""
+        cases = []
+        for name, quant in (("k", self.k), ("v", self.v)):
+            try:
+                con = construction or quant.format.construction(arch)
+            except Unsupported as err:
+                raise Unsupported(f"Scheme.{name}.format: {err}") from None
+            cases.append(fold_case(name, quant, self.head_dim, con))
         return FoldingPlan(self, arch, *cases)
 
     def bytes_per_element(self) -> float:

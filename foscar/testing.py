@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .archs import HOPPER, arch_of_device
+from .formats import FORMATS, INT2, INT4
 from .quantize import QuantizedKV, quantize_kv
 from .reference import attend_dequantized, attend_dequantized_torch
 from .scheme import Axis, Scheme
@@ -92,6 +93,16 @@ def coverage_matrix():
     for (k_bits, v_bits), (k_axis, v_axis) in zip([(4, 2), (2, 4), (4, 2), (2, 4)], [(a, b) for a in Axis for b in Axis]):
         scheme = Scheme.make(None, k_axis.value, 64, v_axis.value, 128, 128, 4, k_bits=k_bits, v_bits=v_bits)
         cases.append((scheme, 128, [1, 65, 300]))
+    # every other registered format (foscar.formats; e.g. the INT8 of tests/user_formats.py): the four fold
+    # cases, and as K next to INT4 V
+    for fmt in FORMATS.values():
+        if fmt in (INT2, INT4):
+            continue
+        for k_axis in Axis:
+            for v_axis in Axis:
+                cases.append((Scheme.make(None, k_axis.value, 128, v_axis.value, 128, 128, 4, format=fmt), 128,
+                              [1, 65, 1000]))
+        cases.append((Scheme.make(None, "channel", 128, "token", 128, 128, 4, k_format=fmt, v_bits=4), 128, [1, 300]))
     cases.append((Scheme.make(2, "token", 128, "token", 128, 128, 4), 256, [100_003]))
     cases.append((Scheme.make(4, "channel", 128, "token", 128, 128, 8), 128, [1 + (i * 37) % 300 for i in range(256)]))
     return cases

@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+import user_formats  # noqa: F401  (registers the formats written outside the package: tests/user_formats.py)
+
 
 def _nvdisasm_missing() -> str | None:
     """Why SASS cannot be read here (find_nvdisasm's message), or None where nvdisasm is found."""

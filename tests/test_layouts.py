@@ -3,7 +3,7 @@ import torch
 
 from foscar.layouts import TileGeometry, evaluate_layout, pack_tiles, tile_layout, tile_position, unpack_tiles
 
-GEOMETRIES = [TileGeometry(r, b, d) for r in "kv" for b in (2, 4) for d in (64, 128, 256)]
+GEOMETRIES = [TileGeometry(r, b, d) for r in "kv" for b in (2, 4, 8) for d in (64, 128, 256)]
 
 
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=str)

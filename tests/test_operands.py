@@ -15,7 +15,7 @@ from foscar.operands import (
 from foscar.scheme import BLACKWELL_FP4, BLACKWELL_FP8, HOPPER_FP16
 
 
-@pytest.mark.parametrize("geom", [TileGeometry(r, b, d) for r in "kv" for b in (2, 4) for d in (64, 128, 256)], ids=str)
+@pytest.mark.parametrize("geom", [TileGeometry(r, b, d) for r in "kv" for b in (2, 4, 8) for d in (64, 128, 256)], ids=str)
 def test_hopper_recipe_builds_every_operand_exactly(geom, rng):
     """Every operand is its slot's bias + c/2^bits, and that bias is the one bias_slot predicts (the
     kernel's constant fragments): what the MMA sees after the bias MMA is the construction's a*c."""
@@ -24,7 +24,7 @@ def test_hopper_recipe_builds_every_operand_exactly(geom, rng):
     assert torch.equal(ops - hopper_tile_biases(geom), HOPPER_FP16[geom.bits].operand(codes))
 
 
-@pytest.mark.parametrize("bits, shifted, biases", [(2, 3, [256, 64, 16, 4, 1, 16, 4, 1]), (4, 2, [64, 4, 16, 1])])
+@pytest.mark.parametrize("bits, shifted, biases", [(2, 3, [256, 64, 16, 4, 1, 16, 4, 1]), (4, 2, [64, 4, 16, 1]), (8, 1, [4, 1])])
 def test_hopper_recipe_needs_one_shift_per_word(bits, shifted, biases):
     slots = HopperRecipe(bits).slots
     # the slots inside the mantissa take no shift; the rest share one shift by 6

@@ -152,8 +152,10 @@ def test_group_functions_reject_bad_input():
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="x must have shape"):
         quantize_groups(torch.randn(64), quant)
-    with pytest.raises(ValueError, match="quant.bits must be 2 or 4"):
+    with pytest.raises(ValueError, match="TensorQuant.format must be a Format"):
         quantize_groups(x, TensorQuant(Axis.TOKEN, 32, 3))
+    with pytest.raises(TypeError, match="quant must be a foscar.scheme.TensorQuant"):
+        quantize_groups(x, (Axis.TOKEN, 32, 2))
     with pytest.raises(ValueError, match="token-wise group 128 must divide"):
         quantize_groups(x, TensorQuant(Axis.TOKEN, 128, 2))
     with pytest.raises(ValueError, match="channel-wise group 32 must divide the token count 4"):

@@ -14,7 +14,7 @@ from foscar.layouts.blackwell import bw_tile_position
 from foscar.quantize import quantize_groups
 from foscar.scheme import Axis, Scheme, TensorQuant
 
-GEOMETRIES = [TileGeometry(role, bits, d) for role, bits, d in itertools.product(("k", "v"), (2, 4), (64, 128, 256))]
+GEOMETRIES = [TileGeometry(role, bits, d) for role, bits, d in itertools.product(("k", "v"), (2, 4, 8), (64, 128, 256))]
 
 CASES = [  # (scheme, role)
     (Scheme.make(2, "token", 128, "token", 128, 128), "k"),  # OSCAR K

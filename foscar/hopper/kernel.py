@@ -95,7 +95,23 @@ def default_consumers(scheme: Scheme) -> int:
     words): 3 warpgroups leave 152 registers per thread, 2 leave 232, 1 leaves 240. (Measured on
     the H200, benchmarks/NOTES.md section 8: INT2 K channel-wise g128, state 80 + 32 words, runs 8%
     faster with 3 warpgroups despite an 8-byte spill; INT4, 80 + 64 words, 6% slower; the variants
-    with more V state spill 24-192 bytes with 3.)"""
+    with more V state spill 24-192 bytes with 3.) Fewer where the ring's stages of that many warps do not fit (8-bit
+    codes: a 64-token tile of K and V at head_dim 128 is 16 KB, and channel-wise K groups take runs of
+    tiles per warp)."""
+    wanted = _consumers_for_state(scheme)
+    return next((c for c in range(wanted, 1, -1) if _ring_fits(scheme, c)), 1)
+
+
+def _ring_fits(scheme: Scheme, consumers: int) -> bool:
+    try:
+        DecodeConfig(scheme, TILE_TOKENS, True, consumers)
+    except ValueError:
+        return False
+    return True
+
+
+def _consumers_for_state(scheme: Scheme) -> int:
+    """:func:`default_consumers`'s count by the registers a warp's state and working set take."""
     plan = scheme.plan("sm_90a")
     nb = 1 if scheme.gqa_ratio <= 8 else 2
     blocks = scheme.head_dim // 16

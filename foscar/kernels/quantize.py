@@ -47,6 +47,7 @@ import cutlass.cute as cute
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
 from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
+from ..formats import MinMaxFormat
 from ..scheme import Axis, Scheme
 
 __all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "bw_word_code_coords", "WORD_CODE_COORDS",
@@ -73,9 +74,13 @@ def word_code_coords(geom: TileGeometry, word, e: int, k: int):
     wi = word % cw
     thread = (word // cw) % TILE_THREADS
     j = word // (cw * TILE_THREADS)
-    # fragment register n = (j*cw + wi)*ppw + k; ppw is a multiple of 4, so n % 4 == k % 4
-    kbm = (j * cw + wi) * (ppw // 4) + k // 4
-    reg = k % 4
+    # fragment register n = (j*cw + wi)*ppw + k = 4*kbm + reg
+    if ppw % 4 == 0:  # 2- and 4-bit codes: n % 4 == k % 4
+        kbm = (j * cw + wi) * (ppw // 4) + k // 4
+        reg = k % 4
+    else:  # 8-bit codes: a word holds registers n, n + 1 (ppw = 2)
+        n = (j * cw + wi) * ppw + k
+        kbm, reg = n // 4, n % 4
     h_r, h_c = reg % 2, reg // 2
     kb, mt = kbm % geom.k_blocks, kbm // geom.k_blocks
     warp, g, tq = thread // 32, (thread % 32) // 4, thread % 4
@@ -134,6 +139,9 @@ class QuantizeConfig:
         if not isinstance(scheme, Scheme) or role not in ("k", "v"):
             raise TypeError("pass a Scheme and role='k' or 'v'")
         quant = scheme.k if role == "k" else scheme.v
+        if not isinstance(quant.format, MinMaxFormat):
+            raise ValueError(f"Scheme.{role}.format: the append kernel rounds as foscar.formats.MinMaxFormat does; "
+                             f"{quant.format.name} is not a MinMaxFormat")
         src = str(scheme.q_dtype).removeprefix("torch.")
         return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src, layout)
 

@@ -14,7 +14,7 @@ f16x2 register:
   words of all four virtual warps: lane ``l`` reads those of threads ``32*u + l``.
 * Its fragment registers are numbered ``n = (mt*KB + kb)*4 + (h_r + 2*h_c)``; register ``n`` holds
   the pair ``e = 0, 1`` of two neighbouring columns as an f16x2.
-* A 32-bit word holds ``ppw = 16/bits`` registers' worth of codes: register ``n`` has its ``e = 0``
+* A 32-bit word holds ``ppw = 16/bits`` registers' worth of codes (2, 4 or 8): register ``n`` has its ``e = 0``
   code at bit ``bits*(n % ppw)`` and its ``e = 1`` code ``16`` bits higher, so both land in the two
   FP16 halves with the same shift.
 * Each thread's words come in vectors of ``cw = min(4, words per thread)`` words (16 bytes when
@@ -47,8 +47,8 @@ class TileGeometry:
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be 'k' or 'v', got {self.role!r}")
-        if self.bits not in (2, 4):
-            raise ValueError(f"bits must be 2 or 4, got {self.bits!r}")
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"bits must be 2, 4 or 8, got {self.bits!r}")
         if self.head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim must be 64, 128 or 256, got {self.head_dim!r}")
 
@@ -146,16 +146,16 @@ def tile_layout(geom: TileGeometry):
     """
     cpw, ppw, cw = geom.codes_per_word, geom.regs_per_word, geom.vector_words
     thread_stride = cw * cpw
-    # register index n = 4*kbm + reg with kbm = mt*KB + kb: the digits of n are
+    # register index n = h_r + 2*h_c + 4*(mt*KB + kb): the digits of n are
     # k (ppw, stride 1), wi (cw, stride cpw), j (unbounded, stride THREADS*cw*cpw)
     radices = [(ppw, 1), (cw, cpw), (None, THREADS * cw * cpw)]
-    # reg = h_r + 2*h_c sits in the lowest two bits of n, which lie inside digit k (ppw >= 4)
-    kbm_radices = ([(ppw // 4, 4)] if ppw > 4 else []) + radices[1:]
-    kb_modes, mt_modes = _split_digits([geom.k_blocks, geom.m_tiles], kbm_radices)
+    h_r, h_c, kb_modes, mt_modes = _split_digits([2, 2, geom.k_blocks, geom.m_tiles], radices)
+    # h_r and h_c are one digit each (one bit of n): plain modes
+    (h_r_stride,), (h_c_stride,) = h_r[1], h_c[1]
     rows_shape = (8, 2, 4, mt_modes[0])
-    rows_stride = (4 * thread_stride, 1, 32 * thread_stride, mt_modes[1])
+    rows_stride = (4 * thread_stride, h_r_stride, 32 * thread_stride, mt_modes[1])
     cols_shape = (2, 4, 2, kb_modes[0])
-    cols_stride = (ppw, thread_stride, 2, kb_modes[1])
+    cols_stride = (ppw, thread_stride, h_c_stride, kb_modes[1])
     if geom.role == "k":
         return (rows_shape, cols_shape), (rows_stride, cols_stride)
     return (cols_shape, rows_shape), (cols_stride, rows_stride)

@@ -1,0 +1,254 @@
+"""Code formats: one object per way of storing one tensor's values as codes plus group params.
+
+A :class:`Format` owns everything about one tensor's codes that does not depend on where its groups
+lie (the group axis and size are the fold case's, ``foscar.folds``):
+
+* its bit width (``bits``: codes per 32-bit word, the packed tile sizes of ``foscar.layouts``);
+* the host quantizer and dequantizer of a group (:meth:`Format.quantize`, :meth:`Format.dequantize`),
+  which the cache's append kernel reproduces on the device and the float64 references read back;
+* its operand construction per arch (:meth:`Format.construction`): how that arch's kernel turns a
+  code into an MMA operand value ``a*c + b``, or an :class:`Unsupported` reason, which
+  ``foscar.archs.Arch.can_implement`` reports before anything compiles.
+
+A format is registered under its name (:func:`register_format`); ``Scheme.make(format=...)``,
+``k_format=`` / ``v_format=`` take a registered name or any instance, and every consumer (quantize,
+append, dequantize, cache pools, decode validation, the references and both arch kernels) reads the
+format through the scheme's plan, never a bit-width literal. A new format is a subclass written
+anywhere (``notebooks/04_*``, ``tests/test_user_formats.py`` write INT8 outside the package)::
+
+    class Int8(MinMaxFormat):
+        name, bits = "int8", 8
+
+    register_format(Int8())
+
+Formats are frozen and hashable: the compile key of a kernel holds its scheme, and with it the formats
+(:meth:`Format.compile_key` adds the source of a format class written outside the package, so editing
+it never reuses a stale kernel).
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import hashlib
+import inspect
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import ClassVar
+
+import torch
+
+__all__ = ["Format", "MinMaxFormat", "Int2", "Int4", "INT2", "INT4", "Unsupported", "Construction", "FORMATS",
+           "register_format", "format_named", "as_format", "hopper_fp16", "BLACKWELL_FP4", "BLACKWELL_FP8", "PARAM_DTYPE",
+           "PACKABLE_BITS"]
+
+PARAM_DTYPE = torch.float16  # scale and offset storage: 4 bytes per group, as in the byte arithmetic
+HOPPER_ARCH, BLACKWELL_ARCH = "sm_90a", "sm_100a"
+# widths whose codes the packed tile layouts hold (a 32-bit word holds whole codes of both FP16 halves)
+PACKABLE_BITS = (2, 4, 8)
+
+
+class Unsupported(ValueError):
+    """An arch cannot build a format's operands: the message is the one-line reason."""
+
+
+@dataclass(frozen=True)
+class Construction:
+    """How an arch turns a code into an MMA operand value: ``operand = a*c + b``, exactly.
+
+    The kernel multiplies with ``operand`` instead of ``c``, so the effective scale becomes
+    ``s/a`` and the offset absorbs the bias: ``x = (s/a)*operand + (z - s*b/a)``.
+    """
+
+    name: str
+    operand_dtype: str
+    a: Fraction
+    b: Fraction
+
+    def fold_scale(self, scale):
+        return scale / float(self.a)
+
+    def fold_offset(self, scale, offset):
+        return offset - scale * float(self.b / self.a)
+
+    def operand(self, codes):
+        """Operand values of integer ``codes`` (any torch tensor), in float64."""
+        return codes.to(torch.float64) * float(self.a) + float(self.b)
+
+
+@functools.cache
+def hopper_fp16(bits: int) -> Construction:
+    """Hopper: codes ORed into FP16 mantissas -> bias + c/2^bits, with a per-slot power-of-two bias that
+    the kernel removes inside the accumulator (one MMA against a constant fragment, ``foscar.operands``):
+    the folding sees ``c/2^bits``. Exact for codes of up to 8 bits (the 10-bit mantissa holds them)."""
+    return Construction(f"fp16-c/{2**bits}", "float16", Fraction(1, 2**bits), Fraction(0))
+
+
+# Blackwell: an INT2 code zero-extended into an FP4 E2M1 nibble is c/2; an INT4 code zero-extended into a
+# byte is the E4M3 encoding of c * 2^-9 (subnormals 0..7, then the first binade: one mask, no table).
+BLACKWELL_FP4 = Construction("fp4e2m1-c/2", "float4_e2m1fn", Fraction(1, 2), Fraction(0))
+BLACKWELL_FP8 = Construction("fp8e4m3-c/512", "float8_e4m3fn", Fraction(1, 512), Fraction(0))
+BLACKWELL_UNSIGNED = {2: BLACKWELL_FP4, 4: BLACKWELL_FP8}
+
+
+class Format(abc.ABC):
+    """One tensor's code format (module docstring). Subclasses set ``name`` and ``bits`` and implement
+    every abstract method; a class that sets ``name`` but leaves a method abstract is refused when it
+    is defined, not inside a compile."""
+
+    name: ClassVar[str] = ""
+    bits: ClassVar[int] = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            return  # an abstract family (MinMaxFormat); its concrete formats name themselves
+        # (ABCMeta sets __abstractmethods__ only after this hook: read the methods themselves)
+        missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__isabstractmethod__", False))
+        if missing:
+            raise TypeError(f"format {cls.__name__} ({cls.name!r}) leaves {missing} abstract: a format defines "
+                            "them all")
+        if type(cls.bits) is not int or cls.bits not in PACKABLE_BITS:
+            raise TypeError(f"format {cls.__name__}: bits must be one of {PACKABLE_BITS} (codes per packed word), "
+                            f"got {cls.bits!r}")
+        if not isinstance(cls.name, str) or not cls.name.replace("-", "").replace("_", "").isalnum():
+            raise TypeError(f"format {cls.__name__}: name must be a short identifier, got {cls.name!r}")
+
+    @property
+    def levels(self) -> int:
+        return 2**self.bits
+
+    # ------------------------------------------------------------------ host
+    @abc.abstractmethod
+    def quantize(self, grouped: torch.Tensor, mask: torch.Tensor, name: str):
+        """``(codes, scale, offset)`` of float32 ``grouped [..., a, gl, b, gd]`` (one group = gl x gd
+        elements, ``mask`` the valid ones): codes float32 integers of ``grouped``'s shape (0 where
+        invalid), scale and offset fp16 ``[..., a, 1, b, 1]``. ``name`` ("k", "v") for errors."""
+
+    @abc.abstractmethod
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """The values ``codes`` stand for, given their groups' ``scale`` and ``offset`` (broadcast)."""
+
+    # ------------------------------------------------------------------ per arch
+    @abc.abstractmethod
+    def construction(self, arch: str) -> Construction:
+        """How ``arch``'s kernel turns this format's codes into MMA operands; raises :class:`Unsupported`
+        with a one-line reason where it cannot."""
+
+    def compile_key(self) -> tuple:
+        """What a compiled kernel depends on: the format's repr, plus a hash of its class's source
+        where it is written outside the package (the package's own sources are in every key)."""
+        extra = ()
+        for cls in type(self).__mro__:
+            module = getattr(cls, "__module__", "")
+            if cls is object or module.startswith("foscar.") or module == "abc":
+                continue
+            try:
+                extra += (hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()[:16],)
+            except (OSError, TypeError):
+                extra += (cls.__qualname__,)
+        return (repr(self),) + extra
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__module__, type(self).__qualname__))
+
+
+class MinMaxFormat(Format):
+    """Asymmetric min-max integer codes, one (scale, offset) per group:
+
+    * ``offset = fp16(min)`` and ``scale = fp16((max - min) / (2^bits - 1))`` over the group's valid
+      elements (round to nearest even, in float32);
+    * ``code = clamp(round_half_even((x - offset) / scale), 0, 2^bits - 1)`` in float32, using the
+      *stored* fp16 scale and offset, so ``scale*code + offset`` is the nearest point of the grid the
+      kernel actually sees. A constant group has ``scale = 0`` and codes 0.
+
+    The cache's append kernel (``foscar.kernels.quantize``) rounds the same way for any ``bits``.
+    Operands: Hopper ORs the codes into FP16 mantissas (any packable width); Blackwell's tcgen05
+    ``kind::f8f6f4`` MMA holds 2-bit (FP4) and 4-bit (FP8 E4M3) codes exactly."""
+
+    def quantize(self, grouped, mask, name):
+        levels = self.levels - 1
+        lo = torch.where(mask, grouped, torch.inf).amin(dim=(-3, -1), keepdim=True)
+        hi = torch.where(mask, grouped, -torch.inf).amax(dim=(-3, -1), keepdim=True)
+        empty = ~torch.isfinite(lo)
+        lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
+        offset = lo.to(PARAM_DTYPE)
+        # a tensor divisor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
+        # which can differ from the correctly rounded quotient (and from the quantize kernel) by 1 ulp
+        scale = ((hi - lo) / torch.full_like(hi, levels)).to(PARAM_DTYPE)
+        if not (torch.isfinite(offset).all() and torch.isfinite(scale).all()):
+            raise ValueError(f"{name} exceeds the float16 range of the group scale/offset")
+        s32, z32 = scale.to(torch.float32), offset.to(torch.float32)
+        codes = torch.round((grouped - z32) / torch.where(s32 == 0, 1.0, s32)).clamp_(0, levels)
+        return torch.where(mask & (s32 != 0), codes, 0.0), scale, offset
+
+    def dequantize(self, codes, scale, offset):
+        return codes * scale + offset
+
+    def construction(self, arch):
+        if arch == HOPPER_ARCH:
+            return hopper_fp16(self.bits)
+        if arch == BLACKWELL_ARCH:
+            if self.bits not in BLACKWELL_UNSIGNED:
+                raise Unsupported(f"{self.name}: the sm_100a kernel's tcgen05 kind::f8f6f4 MMA holds codes of at "
+                                  f"most 4 bits exactly (FP4 E2M1, FP8 E4M3), not {self.bits}-bit codes")
+            return BLACKWELL_UNSIGNED[self.bits]
+        raise Unsupported(f"{self.name}: no operand construction for arch {arch!r}")
+
+
+class Int2(MinMaxFormat):
+    """INT2, asymmetric min-max (KIVI, OSCAR)."""
+
+    name, bits = "int2", 2
+
+
+class Int4(MinMaxFormat):
+    """INT4, asymmetric min-max."""
+
+    name, bits = "int4", 4
+
+
+INT2, INT4 = Int2(), Int4()
+FORMATS: dict[str, Format] = {}
+
+
+def register_format(fmt: Format) -> Format:
+    """Make ``fmt`` known by its name (``Scheme.make(format="int8")``, the CLI, the test matrix);
+    re-registering the same format is a no-op, another format under a taken name a ValueError."""
+    if not isinstance(fmt, Format):
+        raise TypeError(f"format must be a foscar.formats.Format instance, got {type(fmt).__name__}")
+    held = FORMATS.get(fmt.name)
+    if held is not None and held != fmt:
+        raise ValueError(f"format name {fmt.name!r} is taken by {held!r}")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def format_named(name: str) -> Format:
+    """The registered format called ``name``, or a ValueError listing them."""
+    if name not in FORMATS:
+        raise ValueError(f"format must be one of {sorted(FORMATS)} (or a Format instance), got {name!r}")
+    return FORMATS[name]
+
+
+def as_format(value, field: str = "format") -> Format:
+    """A Format from an instance, a registered name, or a bit width of a registered ``int<bits>``
+    format (``2``, ``4``); a ValueError naming ``field`` otherwise (2.0 and True are refused)."""
+    if isinstance(value, Format):
+        return value
+    if isinstance(value, str) and value in FORMATS:
+        return FORMATS[value]
+    if type(value) is int and f"int{value}" in FORMATS:
+        return FORMATS[f"int{value}"]
+    widths = sorted(int(n[3:]) for n in FORMATS if n.startswith("int") and n[3:].isdigit())
+    raise ValueError(f"{field} must be a Format, one of {sorted(FORMATS)} or a bit width in {widths}, got {value!r}")
+
+
+for _fmt in (INT2, INT4):
+    register_format(_fmt)

@@ -1,0 +1,169 @@
+"""Formats written outside the package (tests/user_formats.py: INT8; a mixed K-INT8 / V-INT4 scheme) go
+through everything a built-in format does: host quantize and the float64 references (CPU), both arches'
+plans (Blackwell refuses 8-bit codes before compiling, with a one-line reason), the sm_90a decode and
+cache-decode compiles (CPU), and on the GPU the decode kernel, the append kernel and PagedKVCache's
+one-launch decode against float64 (fresh random inputs, poisoned outputs, every element). The decode
+coverage matrix takes them through the registry (foscar.testing.coverage_matrix)."""
+
+import math
+
+import pytest
+import torch
+from user_formats import INT8, Int8
+
+from foscar import Scheme
+from foscar.archs import BLACKWELL, HOPPER
+from foscar.formats import FORMATS, Format, MinMaxFormat, register_format
+from foscar.quantize import dequantize_groups, quantize_groups, quantize_kv
+from foscar.reference import attend_dequantized, attend_folded
+from foscar.scheme import HOPPER_FP16, TensorQuant
+
+SCHEMES = [Scheme.make(format=INT8, k="token", k_group=128, v="token", v_group=128, head_dim=128, gqa_ratio=4),
+           Scheme.make(format=INT8, k="channel", k_group=128, v="token", v_group=128, head_dim=128, gqa_ratio=4),
+           Scheme.make(k="channel", k_group=128, v="token", v_group=128, head_dim=128, gqa_ratio=4, k_format="int8",
+                       v_bits=4)]
+
+
+def test_the_format_is_written_outside_the_package_and_registered():
+    assert Int8.__module__ == "user_formats" and FORMATS["int8"] is INT8
+    assert Scheme.make(8).k.format is INT8  # a bit width names the registered int<bits> format
+    assert [s.name.split("-")[0] for s in SCHEMES] == ["int8", "int8", "k8v4"]
+    assert SCHEMES[2].k.bits == 8 and SCHEMES[2].v.bits == 4
+    assert register_format(Int8()) is not None  # the same format again: a no-op
+
+
+def test_a_format_missing_a_method_is_refused_when_defined():
+    with pytest.raises(TypeError, match=r"leaves \['construction'\] abstract"):
+        class NoOperands(Format):
+            name, bits = "no-operands", 4
+
+            def quantize(self, grouped, mask, name):
+                return MinMaxFormat.quantize(self, grouped, mask, name)
+
+            def dequantize(self, codes, scale, offset):
+                return codes * scale + offset
+    with pytest.raises(TypeError, match="bits must be one of"):
+        class Int3(MinMaxFormat):
+            name, bits = "int3", 3
+    with pytest.raises(ValueError, match="format name 'int8' is taken"):
+        class Other(MinMaxFormat):
+            name, bits = "int8", 4
+
+        register_format(Other())
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_int8_quantizes_to_256_levels_within_half_a_step(axis, rng):
+    quant = TensorQuant(axis, 64, INT8)
+    x = torch.randn(2, 128, 128, generator=rng) * 3
+    codes, scale, offset = quantize_groups(x, quant)
+    assert int(codes.max()) == 255 and int(codes.min()) == 0
+    err = (dequantize_groups(codes, scale, offset, quant) - x).abs()
+    step = scale.float().repeat_interleave(64, dim=-1 if axis == "token" else -2)
+    assert bool((err <= step / 2 + 1e-2 * step + 1e-6).all())
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_folded_reference_equals_dequantize_then_attend(scheme, rng):
+    assert HOPPER.construction(scheme.k.format) is HOPPER_FP16[scheme.k.bits]
+    k = (torch.randn(2, 2, 300, 128, generator=rng) + torch.randn(128, generator=rng)).to(scheme.q_dtype)
+    v = torch.randn(2, 2, 300, 128, generator=rng).to(scheme.q_dtype)
+    q = torch.randn(2, 8, 128, generator=rng).to(scheme.q_dtype)
+    cache = quantize_kv(k, v, scheme, 128, torch.tensor([300, 129], dtype=torch.int32))
+    out, lse = attend_dequantized(q, cache, 0.09)
+    out_f, lse_f = attend_folded(q, cache, 0.09, "sm_90a")
+    assert ((out_f - out).abs().max() / out.abs().max()) <= 1e-9
+    assert ((lse_f - lse).abs() / lse.abs().clamp_min(1)).max() <= 1e-9
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_blackwell_refuses_8_bit_codes_before_compiling(scheme):
+    from foscar.jit import compile_count
+
+    before = compile_count()
+    with pytest.raises(ValueError) as err:
+        BLACKWELL.can_implement(scheme, 128)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("Scheme.k.format: int8:") and "at most 4 bits" in message
+    with pytest.raises(ValueError, match="Scheme.k.format"):
+        scheme.plan("sm_100a")
+    assert compile_count() == before
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_hopper_compiles_the_decode_and_the_cache_decode(scheme):
+    from foscar.inspect import artifacts
+
+    HOPPER.can_implement(scheme, 128)
+    for compiled in (HOPPER.compile_decode(scheme, 128), HOPPER.compile_cache_decode(scheme, 128)):
+        art = artifacts(compiled)
+        assert ".target sm_90a" in art.ptx and art.loop_mix()["HMMA"] > 0
+
+
+def test_cpu_cache_round_trip(rng):
+    """PagedKVCache's torch path (quantize on append, attend) with INT8 pages."""
+    from foscar.cache import PagedKVCache
+
+    scheme = SCHEMES[1]
+    cache = PagedKVCache(scheme, 1, 2, num_pages=16, max_seqs=2, max_seq_len=2048, sink=64, window=256, device="cpu")
+    seq = cache.allocate()
+    k = (torch.randn(1, 2, 900, 128, generator=rng) + torch.randn(128, generator=rng)).to(scheme.q_dtype)
+    v = torch.randn(1, 2, 900, 128, generator=rng).to(scheme.q_dtype)
+    cache.append(0, [seq], k, v)
+    kd, vd = cache.dense(0, seq)
+    assert (kd - k[0].float()).abs().max() < 0.05 and (vd - v[0].float()).abs().max() < 0.05  # 8-bit: fine steps
+    q = torch.randn(1, 8, 128, generator=rng).to(scheme.q_dtype)
+    out, lse = cache.attend(0, [seq], q, return_lse=True)
+    scores = torch.einsum("hd,hnd->hn", q[0].double(), kd.repeat_interleave(4, 0).double()) * 128**-0.5
+    ref = torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), vd.repeat_interleave(4, 0).double())
+    assert (out[0].double() - ref).abs().max() < 1e-2
+    assert (lse[0].double() - torch.logsumexp(scores, -1)).abs().max() < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_decode_matches_float64_on_the_gpu(scheme):
+    from foscar.decode import decode
+    from foscar.testing import check_output, random_problem
+
+    q, cache = random_problem(scheme, [1, 65, 1000, 4097], kv_heads=2, page_size=128)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+    decode(q, cache, return_lse=True, out=out, lse=lse)
+    acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
+    print(scheme.name, acc)
+    assert acc.ok, acc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_cache_decode_matches_float64_on_the_gpu(scheme, rng):
+    """The append kernel writes 8-bit pages and the one-launch cache decode attends them with the 16-bit
+    sink + window, against float64 over what the cache holds."""
+    from foscar.cache import PagedKVCache
+
+    cache = PagedKVCache(scheme, 1, 2, num_pages=96, max_seqs=4, max_seq_len=8192, sink=64, window=256,
+                         device="cuda")
+    lengths = [1, 400, 3001]
+    ids = [cache.allocate() for _ in lengths]
+    for seq, n in zip(ids, lengths):
+        k = torch.randn(1, 2, n, 128, generator=rng) + 2 * torch.randn(128, generator=rng)
+        cache.append(0, [seq], k.to("cuda", scheme.q_dtype), torch.randn(1, 2, n, 128, generator=rng).to(
+            "cuda", scheme.q_dtype))
+    q = torch.randn(len(ids), 8, 128, generator=rng).to("cuda", scheme.q_dtype)
+    out, lse = cache.attend(0, ids[::-1], q, return_lse=True)
+    torch.cuda.synchronize()
+    for b, seq in enumerate(ids[::-1]):
+        kd, vd = cache.dense(0, seq)
+        kd, vd = kd.repeat_interleave(4, 0).double(), vd.repeat_interleave(4, 0).double()
+        scores = torch.einsum("hd,hnd->hn", q[b].double(), kd) * 128**-0.5
+        ref = torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), vd)
+        low = torch.einsum("hn,hnd->hd", torch.softmax((torch.einsum("hd,hnd->hn", q[b], kd.to(q.dtype)).float()
+                                                        * 128**-0.5), -1).to(q.dtype), vd.to(q.dtype))
+        tol = 2 * float((low.double() - ref).abs().max()) + 1e-5
+        err = float((out[b].double() - ref).abs().max())
+        assert math.isfinite(err) and err <= tol, (seq, err, tol)
+        assert float((lse[b].double() - torch.logsumexp(scores, -1)).abs().max()) <= max(tol, 1e-3)
+    assert not cache._counters.any()
