@@ -305,7 +305,8 @@ def main(argv=None):
     parser.add_argument("--prefill", type=int, default=1536, help="prefix tokens per window")
     parser.add_argument("--score", type=int, default=256, help="teacher-forced decode steps per window")
     parser.add_argument("--greedy", type=int, default=32, help="greedy decode steps per window (0: skip)")
-    parser.add_argument("--formats", nargs="*", default=None, help=f"subset of {list(FORMATS)}")
+    parser.add_argument("--formats", nargs="*", default=None, choices=list(FORMATS),
+                        help=f"subset of {', '.join(FORMATS)} (default: all)")  # checked before the model loads
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     import transformers

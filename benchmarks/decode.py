@@ -4,7 +4,8 @@
 
 Baselines: FlashInfer BF16 paged decode (tensor cores), FlashInfer FP8 (e4m3) KV decode, torch SDPA
 BF16 (enable_gqa), and a Triton read-bandwidth ceiling. A baseline that cannot be imported is
-reported as missing, never dropped silently.
+reported as missing, never dropped silently. FlashInfer is installed by the ``bench`` extra
+(``pip install -e '.[bench]'``, flashinfer-python); Triton comes with CUDA builds of torch.
 
 Timing: every method is captured in one CUDA graph that runs it over ``copies`` distinct buffer
 sets ("layers"), enough that the working set of one replay is at least 4x the 60 MB L2, so no
@@ -59,6 +60,17 @@ class Row:
     @property
     def tbps(self):
         return None if not self.us else self.bytes / self.us / 1e6
+
+
+def import_flashinfer():
+    """The flashinfer module, or an ImportError that says how to install it (the benchmarks' baseline;
+    foscar itself does not need it)."""
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise ImportError(f"{exc}: FlashInfer is the bench extra, pip install -e '.[bench]' (flashinfer-python)") \
+            from None
+    return flashinfer
 
 
 def progress(items, desc):
@@ -119,8 +131,7 @@ class FlashInferDecode:
     per-sequence token counts (default ``context`` each), planned by FlashInfer on the host."""
 
     def __init__(self, batch, context, q_heads, kv_heads, head_dim, kv_dtype, lengths=None):
-        import flashinfer
-
+        flashinfer = import_flashinfer()
         page = 64
         lengths = [context] * batch if lengths is None else list(lengths)
         pages = [-(-n // page) for n in lengths]

@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
@@ -57,8 +58,8 @@ def run(model, method, batch, context, steps):
         cache = transformers.DynamicCache(config=model.config)
     else:
         bits = 4 if method == "foscar-int4" else 2
-        cache = FoscarCache(model, bits=bits, max_batch_size=batch, max_seq_len=context + steps + 1,
-                            rotate=bits == 2)
+        cache = FoscarCache(model, bits=bits, k="token", max_batch_size=batch, max_seq_len=context + steps + 1,
+                            rotate=bits == 2)  # OSCAR's layout, as the results so far (FoscarCache's default: KIVI)
     logits = model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:]
     token = logits.argmax(-1)
     token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)  # warm-up step
@@ -82,6 +83,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():  # before loading anything: the model and caches live on the GPU
+        sys.exit("benchmarks.generate needs a CUDA GPU")
     import transformers
 
     import cutlass

@@ -11,6 +11,7 @@ of bytes read, after checking that consumer count against the float64 reference 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -69,6 +70,8 @@ def main(argv=None):
     parser.add_argument("--splits", default="auto")
     parser.add_argument("--consumers", default="auto")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.hopper_sweep needs a CUDA GPU")
     rows = []
     for name in args.variants.split(","):
         for consumers in [None if c == "auto" else int(c) for c in args.consumers.split(",")]:

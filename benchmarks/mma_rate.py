@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -410,6 +411,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.mma_rate needs a CUDA GPU")
 
     props = torch.cuda.get_device_properties(0)
     arch = f"sm_{props.major}{props.minor}a"

@@ -14,6 +14,7 @@ launch and ramp included. Qwen3-8B geometry (32 q heads, 8 KV heads, head_dim 12
 from __future__ import annotations
 
 import argparse
+import sys
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -201,6 +202,8 @@ def main(argv=None):
     parser.add_argument("--copies", default="tile", help="comma-separated: " + "; ".join(f"{k}: {v}" for k, v in COPIES.items()))
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.pipeline_probe needs a CUDA GPU")
     copies = args.copies.split(",")
     rows = []
     for name in args.variants.split(","):

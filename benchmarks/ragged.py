@@ -1,6 +1,7 @@
 """Decode over batches of unequal lengths (what a serving batch is): FOSCAR ``PagedKVCache.attend``
 (BF16 sink 64 + window 256, one launch) side by side with FlashInfer BF16 on the same lengths
-(FlashInfer plans each batch on the host from its lengths), in one process.
+(FlashInfer plans each batch on the host from its lengths), in one process. FlashInfer is the ``bench``
+extra: ``pip install -e '.[bench]'``.
 
     python -m benchmarks.ragged [--out benchmarks/results] [--tag ragged]
 
@@ -20,7 +21,8 @@ import sys
 
 import torch
 
-from .decode import MODELS, FlashInferDecode, _versions, copies_for, foscar_window_layers, time_layers
+from .decode import (MODELS, FlashInferDecode, _versions, copies_for, foscar_window_layers, import_flashinfer,
+                     time_layers)
 
 
 def mixes():
@@ -47,6 +49,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks.ragged needs a CUDA GPU")
+    try:  # its baseline, before any timing
+        import_flashinfer()
+    except ImportError as exc:
+        sys.exit(f"benchmarks.ragged needs FlashInfer: {exc}")
     q_heads, kv_heads, head_dim = MODELS["qwen3-8b"]
     rows = []
     for name, lengths in [(n, ls) for n, ls in mixes().items() if args.mixes in n]:

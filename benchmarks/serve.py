@@ -25,7 +25,7 @@ aggregate tokens/s = N * steps / time, per-sequence tokens/s = steps / time.
 
 Formats (``FORMATS``; a format that cannot run is reported as missing, never dropped):
   bf16, fp8  FlashInfer BatchDecodeWithPagedKVCacheWrapper (HND pages of 64, tensor cores, as
-             benchmarks/decode.py); the new token is written at position ``context`` of each
+             benchmarks/decode.py; installed by the ``bench`` extra, ``pip install -e '.[bench]'``); the new token is written at position ``context`` of each
              sequence every step and attention covers ``context + 1`` tokens, planned once per N
              (an engine re-plans on the host between steps as lengths grow; over 64+ steps of a
              100K context that changes the work by < 0.1%)
@@ -217,8 +217,10 @@ class FlashInferKV:
     def check(device):
         if device.type != "cuda":
             raise FormatMissing("FlashInfer runs on CUDA devices only")
+        from .decode import import_flashinfer
+
         try:
-            import flashinfer  # noqa: F401
+            import_flashinfer()
         except ImportError as exc:
             raise FormatMissing(f"flashinfer is not importable ({exc})") from None
 

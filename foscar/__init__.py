@@ -4,7 +4,8 @@ A variant is a :class:`Scheme`; ``quantize_kv`` builds a paged cache for it; the
 ``foscar.reference`` define what every kernel computes.
 """
 
-from .decode import compile_decode  # the decode functions stay in foscar.decode (no name shadowing)
+from .decode import compile_decode  # the decode functions stay in foscar.decode (no name shadowing);
+# the module is callable: foscar.decode(q, cache) is foscar.decode.decode(q, cache)
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups, quantize_kv
 from .scheme import Axis, Construction, FoldingPlan, Scheme, TensorQuant
 

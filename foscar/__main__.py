@@ -1,7 +1,7 @@
 """The main job: ``python -m foscar [--bits 2] [--k channel] [--quick]``.
 
-For one variant (default: INT2, KIVI-style K channel-wise + V token-wise, groups of 128, Qwen3-8B
-attention geometry): JIT-compile what exists for sm_90a and sm_100a and report each kernel's
+For one variant (default: INT2, KIVI-style K channel-wise + V token-wise, groups of min(128, head_dim),
+Qwen3-8B attention geometry): JIT-compile what exists for sm_90a and sm_100a and report each kernel's
 registers, local memory (spills) and instruction mix, with the decode main loop's ALU instructions
 per KV element and the loop of each warp role. On a Hopper GPU also run the decode kernel, verify
 it against the float64 reference (fresh random inputs, poisoned outputs) and time it with
@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="K group axis: token = one token x G channels, channel = one channel x G tokens "
                              "(default: channel, KIVI-style)")
     parser.add_argument("--v", default="token", choices=("token", "channel"), help="V group axis (default: token)")
-    parser.add_argument("--group", type=int, default=128,
-                        help="group size G of K and V: 32, 64, 128 or head_dim (default: 128)")
+    parser.add_argument("--group", type=int, default=None,
+                        help="group size G of K and V: 32, 64, 128 or head_dim (default: 128, or head_dim if smaller)")
     parser.add_argument("--k-group", type=int, default=None, help="K group size (default: --group)")
     parser.add_argument("--v-group", type=int, default=None, help="V group size (default: --group)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dimension: 64, 128 or 256 (default: 128)")
@@ -173,8 +173,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from .quantize import check_page_size
 
-    k_group = args.group if args.k_group is None else args.k_group
-    v_group = args.group if args.v_group is None else args.v_group
+    group = min(128, args.head_dim) if args.group is None else args.group
+    k_group = group if args.k_group is None else args.k_group
+    v_group = group if args.v_group is None else args.v_group
     try:
         scheme = Scheme.make(args.bits, args.k, k_group, args.v, v_group, args.head_dim, args.gqa,
                              k_bits=args.k_bits, v_bits=args.v_bits)

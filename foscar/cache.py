@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 
 import numbers
+import os
 
 import torch
 
@@ -63,6 +64,8 @@ from .quantize import PAGE_SIZES, QuantizedKV, quantize_groups
 from .scheme import PARAM_DTYPE, Axis, Scheme
 
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
+
+MAX_INDEX = 2**31 - 1  # the kernels hold token positions and page indices in 32-bit ints
 
 
 class PagePoolFull(RuntimeError):
@@ -77,6 +80,32 @@ def hadamard(dim: int, device=None) -> torch.Tensor:
     while h.shape[0] < dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / math.sqrt(dim)).to(device)
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """Bytes of memory on ``device`` (a CUDA GPU's, or the host's RAM for the CPU), where known."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def _check_fits(parts: dict[str, int], device: torch.device) -> None:
+    """A ValueError naming the arguments and sizes if ``parts`` (bytes) exceed ``device``'s memory."""
+    memory = _device_memory(device)
+    total = sum(parts.values())
+    if memory is not None and total > memory:
+        listed = ", ".join(f"{part} {_gib(n)}" for part, n in sorted(parts.items(), key=lambda item: -item[1]))
+        raise ValueError(f"PagedKVCache: the sizes asked for need {_gib(total)} ({listed}), more than the "
+                         f"{_gib(memory)} of {device}; lower the arguments of the largest part")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
 
 
 def _capturing(device: torch.device) -> bool:
@@ -94,7 +123,8 @@ class PagedKVCache:
     ``use_kernels``: quantize and attend with the CuTe DSL kernels (default: on CUDA devices).
     ``arch``: the arch whose decode kernel reads the pages ("sm_90a", "sm_100a"; ``foscar.archs``): it
     sets their bit order and, with ``use_kernels``, the limits the scheme is checked against at
-    construction. Default: the CUDA device's, "sm_90a" on other devices.
+    construction. Default: the CUDA device's, "sm_90a" on other devices (and, with ``use_kernels=False``, on
+    a GPU the kernels do not run on).
 
     ``cta_budget`` (attribute, default the SM count x ``foscar.decode.CTAS_PER_SM``): the CTAs the
     Hopper decode launch's work list spreads a batch over (``foscar.work_list``); lower it to cut
@@ -117,6 +147,12 @@ class PagedKVCache:
                                  ("window", window, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if max_seq_len > MAX_INDEX:
+            raise ValueError(f"max_seq_len={max_seq_len}: the kernels hold token positions in 32-bit ints, so "
+                             f"max_seq_len is at most {MAX_INDEX}")
+        if num_pages >= MAX_INDEX:  # page indices 0 .. num_pages (the trash page)
+            raise ValueError(f"num_pages={num_pages}: the page table holds 32-bit page indices, so num_pages is at "
+                             f"most {MAX_INDEX - 1}")
         if window % granule:
             raise ValueError(f"window must be a multiple of the granule {granule} (scheme {scheme.name}), got {window}")
         if device is None:
@@ -132,8 +168,15 @@ class PagedKVCache:
             raise ValueError("use_kernels=True needs a CUDA device")
         if arch is not None:
             self.arch = get_arch(arch)
+        elif self.device.type != "cuda":
+            self.arch = HOPPER
         else:
-            self.arch = arch_of_device(self.device) if self.device.type == "cuda" else HOPPER
+            try:
+                self.arch = arch_of_device(self.device)
+            except NotImplementedError:  # a GPU the kernels do not run on (the error names it)
+                if self.use_kernels:
+                    raise
+                self.arch = HOPPER  # the torch path reads any bit order
         if self.use_kernels:
             if not self.arch.cache_decode:
                 raise ValueError(f"use_kernels: the cache's GPU decode (the 16-bit window in place) is not built for "
@@ -150,6 +193,7 @@ class PagedKVCache:
         self.ring = window + granule  # recent-part slots
         self.max_pages = max(1, -(-self.quantized_tokens(max_seq_len) // page_size))
         self.trash_page = num_pages
+        _check_fits(self._planned_bytes(), self.device)  # before allocating: a clear error, not the allocator's
         d, dtype, dev = scheme.head_dim, scheme.q_dtype, self.device
         pool = num_pages + 1
         self.k_codes, self.k_params = self._pool("k", scheme.k, pool)
@@ -175,6 +219,22 @@ class PagedKVCache:
         self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         self.cta_budget = self._num_sms * CTAS_PER_SM  # one wave of the decode launch (class docstring)
         self._splits: dict[int, int] = {}  # num_splits per batch size
+
+    def _planned_bytes(self) -> dict[str, int]:
+        """Bytes of each part the constructor allocates (all layers), by the arguments that size it."""
+        layers, heads, d, ps = self.num_layers, self.kv_heads, self.scheme.head_dim, self.page_size
+        page = 0  # one page of one layer and KV head: K and V codes and (scale, offset) params
+        for role, quant in (("k", self.scheme.k), ("v", self.scheme.v)):
+            rows, cols = (ps, d // quant.group) if quant.axis is Axis.TOKEN else (ps // quant.group, d)
+            page += ps // TILE_TOKENS * TileGeometry(role, quant.bits, d).words * 4 + rows * cols * 2 * 2
+        rows = self.max_seqs + self.max_seqs % 2
+        return {
+            "the page pool (num_pages)": layers * (self.num_pages + 1) * heads * page,
+            "the 16-bit sink + window (max_seqs, sink, window)": 2 * layers * self.max_seqs * heads *
+                                                                 (self.sink + self.ring) * d * 2,
+            "the page table (max_seqs x max_seq_len)": self.max_seqs * self.max_pages * 4,
+            "lengths and counters (max_seqs)": layers * rows * 8 + self.max_seqs * heads * 4,
+        }
 
     def _pool(self, role, quant, pool):
         d, ps = self.scheme.head_dim, self.page_size

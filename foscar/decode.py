@@ -1,6 +1,7 @@
 """Public decode API: validation, split-KV planning, arch dispatch (through ``foscar.archs``).
 
-``decode(q, cache)`` attends each query head over its sequence in a :class:`QuantizedKV` cache;
+``decode(q, cache)`` attends each query head over its sequence in a :class:`QuantizedKV` cache (the
+module itself is callable too: ``foscar.decode(q, cache)`` is ``foscar.decode.decode(q, cache)``);
 ``decode_paged(...)`` takes the raw cache tensors (what a serving engine holds). Every argument is
 checked here, with an error naming it, before anything reaches the compiler or the GPU.
 """
@@ -8,6 +9,8 @@ checked here, with an error naming it, before anything reaches the compiler or t
 from __future__ import annotations
 
 import math
+import sys
+import types
 
 import torch
 
@@ -170,3 +173,16 @@ def compile_decode(scheme: Scheme, arch: str, page_size: int = 128, split: bool 
         raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
     check_page_size(scheme, page_size)
     return artifacts(target.compile_decode(scheme, page_size, split))
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: ``foscar.decode`` names both the module and its main function, and
+    ``foscar.decode(q, cache)`` should call the function rather than fail with "'module' object is
+    not callable"."""
+
+    def __call__(self, *args, **kwargs):
+        """:func:`decode`."""
+        return decode(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

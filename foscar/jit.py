@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import torch
 
@@ -24,10 +25,14 @@ _cache: dict = {}
 _lock = threading.Lock()
 _compiles = 0
 _misses = 0  # in-process cache misses: kernels compiled or loaded from disk
+_blackwell_warned = False  # device_arch warns once per process on a Blackwell GPU
 
 
 def device_arch(device=None) -> str:
-    """The arch to compile for: ``FOSCAR_ARCH`` if set, else the CUDA device's, as 'sm_XXa'."""
+    """The arch to compile for: ``FOSCAR_ARCH`` if set, else the CUDA device's, as 'sm_XXa'.
+
+    Hopper (compute capability 9.0: H100, H200) runs the kernels; Blackwell (10.0: B200) gets its
+    compile-verified kernels with a warning, once per process; any other GPU is refused, naming it."""
     forced = os.environ.get("FOSCAR_ARCH")
     if forced:
         if forced not in ARCHS:
@@ -38,8 +43,24 @@ def device_arch(device=None) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}a"
     if arch not in ARCHS:
-        raise NotImplementedError(f"compute capability {major}.{minor} is not supported (supported: {ARCHS})")
+        raise NotImplementedError(
+            f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}, sm_{major}{minor}) cannot run "
+            f"FOSCAR's kernels: they are built for {', '.join(ARCHS)} only (Hopper: H100, H200; Blackwell: B200, "
+            "compile-verified). On this GPU, PagedKVCache / FoscarCache(..., use_kernels=False) run their torch path; "
+            "compile_decode(scheme, 'sm_90a') compiles and inspects without running")
+    if arch == "sm_100a":
+        _warn_blackwell_once(torch.cuda.get_device_name(device))
     return arch
+
+
+def _warn_blackwell_once(name: str) -> None:
+    """Say once per process that the Blackwell kernels about to run never ran anywhere."""
+    global _blackwell_warned
+    if not _blackwell_warned:
+        _blackwell_warned = True
+        warnings.warn(f"{name}: FOSCAR's Blackwell (sm_100a) kernels are compile-verified only and have never run on "
+                      "a GPU; check their outputs against foscar.reference (python -m pytest -m gpu "
+                      "tests/test_blackwell.py) before relying on them", RuntimeWarning, stacklevel=3)
 
 
 def cached_compile(key: tuple, build):

@@ -102,3 +102,50 @@ def test_decode_and_cache_refuse_a_variant_before_compiling():
         with pytest.raises(ValueError, match="arch=sm_100a: the kernels cannot run on cuda:0"):
             PagedKVCache(Scheme.make(2), 1, 2, 8, 2, 1000, device="cuda", arch="sm_100a")
     assert kernel_count() == before
+
+
+def _fake_gpu(monkeypatch, capability, name):
+    """torch reports one CUDA device of ``capability`` called ``name`` (no GPU needed)."""
+    monkeypatch.delenv("FOSCAR_ARCH", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+@pytest.mark.parametrize("capability, name", [((8, 0), "NVIDIA A100-SXM4-80GB"), ((8, 9), "NVIDIA L40S"),
+                                              ((12, 0), "NVIDIA GeForce RTX 5090")])
+def test_a_gpu_the_kernels_do_not_run_on_is_named(capability, name, monkeypatch):
+    from foscar.cache import PagedKVCache
+    from foscar.jit import device_arch
+
+    _fake_gpu(monkeypatch, capability, name)
+    sm = f"sm_{capability[0]}{capability[1]}"
+    message = rf"{name} \(compute capability {capability[0]}\.{capability[1]}, {sm}\) cannot run FOSCAR's kernels: " \
+              r"they are built for sm_90a, sm_100a only .*use_kernels=False"
+    with pytest.raises(NotImplementedError, match=message):
+        device_arch()
+    with pytest.raises(NotImplementedError, match=message):  # what decode and the cache resolve their arch with
+        arch_of_device()
+    with pytest.raises(NotImplementedError, match=message):  # before allocating anything on the (absent) GPU
+        PagedKVCache(Scheme.make(2), 1, 2, 8, 2, 1000, device="cuda:0")
+
+
+def test_blackwell_runs_its_compile_verified_kernels_with_one_warning(monkeypatch):
+    import warnings
+
+    import foscar.jit as jit
+
+    _fake_gpu(monkeypatch, (10, 0), "NVIDIA B200")
+    monkeypatch.setattr(jit, "_blackwell_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [jit.device_arch(), arch_of_device().name, jit.device_arch()] == ["sm_100a"] * 3
+    assert [str(w.message) for w in caught if w.category is RuntimeWarning] == [
+        "NVIDIA B200: FOSCAR's Blackwell (sm_100a) kernels are compile-verified only and have never run on a GPU; "
+        "check their outputs against foscar.reference (python -m pytest -m gpu tests/test_blackwell.py) before "
+        "relying on them"]
+    _fake_gpu(monkeypatch, (9, 0), "NVIDIA H200")
+    monkeypatch.setattr(jit, "_blackwell_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jit.device_arch() == "sm_90a"  # Hopper runs them: no warning

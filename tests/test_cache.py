@@ -295,3 +295,35 @@ def test_default_device_is_where_torch_can_run():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda': torch sees no CUDA GPU"):
             PagedKVCache(SCHEMES[1], 1, 2, 4, 1, 1024, device="cuda")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_planned_bytes_are_what_the_constructor_allocates(scheme):
+    """The size check before allocating reads the same sizes the constructor then allocates."""
+    cache = PagedKVCache(scheme, 3, 2, 5, 3, 3000, sink=16, window=256, device="cpu")
+    planned, held = cache._planned_bytes(), cache.nbytes()
+    assert list(planned.values())[:3] == [held["quantized"], held["bf16"], held["page_table"]]
+    assert planned["lengths and counters (max_seqs)"] == (cache.lengths.untyped_storage().nbytes()
+                                                          + cache._counters.untyped_storage().nbytes())
+
+
+def test_absurd_sizes_are_refused_before_allocating(monkeypatch):
+    """Sizes past the kernels' 32-bit indices, or past the device's memory, fail naming the argument."""
+    import foscar.cache
+
+    scheme = SCHEMES[1]
+    with pytest.raises(ValueError, match=r"max_seq_len=1000000000000: .*32-bit ints.* at most 2147483647"):
+        PagedKVCache(scheme, 1, 2, 4, 1, 10**12, device="cpu")
+    with pytest.raises(ValueError, match=r"num_pages=2147483647: .*32-bit page indices.* at most 2147483646"):
+        PagedKVCache(scheme, 1, 2, 2**31 - 1, 1, 4096, device="meta")
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before refusing"))
+    monkeypatch.setattr(torch, "full", lambda *a, **k: pytest.fail("allocated before refusing"))
+    monkeypatch.setattr(foscar.cache, "_device_memory", lambda device: 2**31)
+    # 8 layers x 8 KV heads x 4096 pages x 9 KiB (128 INT4 tokens of head_dim 64: 8 KiB of codes, 1 KiB of params)
+    with pytest.raises(ValueError, match=r"need 2\.26 GiB \(the page pool \(num_pages\) 2\.25 GiB, the 16-bit sink "
+                                         r"\+ window \(max_seqs, sink, window\) 0\.00586 GiB, .*\), more than the 2 GiB "
+                                         r"of cpu; lower the arguments of the largest part"):
+        PagedKVCache(scheme, 8, 8, 4095, 1, 4096, device="cpu")
+    # 1000 sequences x 16777213 page-table columns x 4 bytes
+    with pytest.raises(ValueError, match=r"\(the page table \(max_seqs x max_seq_len\) 62\.5 GiB, "):
+        PagedKVCache(scheme, 1, 2, 4, 1000, 2**31 - 1, device="cpu")

@@ -119,3 +119,19 @@ def test_code_words_are_checked_per_tensor(rng):
     with pytest.raises(ValueError, match="k_codes must have shape"):
         decode_paged(q, cache.v_codes, cache.k_params, cache.v_codes, cache.v_params, cache.page_table, cache.lengths,
                      scheme, 64)
+
+
+def test_foscar_decode_called_is_the_decode_function(case, monkeypatch):
+    """``foscar.decode`` is the module and, called, its ``decode``: the obvious call works, and
+    ``from foscar.decode import ...`` / ``foscar.decode.decode_paged`` stay as they were."""
+    import foscar
+    import foscar.decode as module
+
+    cache, args = case
+    assert foscar.decode is module and module.decode is decode and foscar.decode.decode_paged is decode_paged
+    seen = []
+    monkeypatch.setattr(module, "decode_paged", lambda *a, **k: seen.append((a, k)) or "out")
+    assert foscar.decode(args["q"], cache, return_lse=True) == "out"  # what decode(q, cache, ...) passes on
+    assert seen[0][0][:2] == (args["q"], cache.k_codes) and seen[0][0][10] is True
+    with pytest.raises(TypeError, match="cache must be a foscar.QuantizedKV, got NoneType"):
+        foscar.decode(args["q"], None)

@@ -63,3 +63,14 @@ def test_k_and_v_bits_chosen_apart(capsys):
     out = capsys.readouterr().out
     assert "k4v2-kc128-vt128-d128-gqa4-bfloat16" in out and "decode (hopper)" in out and "not built" not in out
 
+
+
+@pytest.mark.parametrize("head_dim, group", [(64, 64), (128, 128), (256, 128)])
+def test_groups_default_to_128_or_a_smaller_head_dim(head_dim, group, monkeypatch):
+    """``--head-dim 64`` alone builds a variant: the default group follows a head_dim below 128."""
+    import foscar.__main__ as job
+
+    built = []
+    monkeypatch.setattr(job, "compile_report", lambda scheme, page_size, archs: built.append(scheme) or 0)
+    assert main(["--arch", "sm_100a", "--head-dim", str(head_dim)]) == 0  # sm_100a: no GPU run, on any machine
+    assert (built[0].head_dim, built[0].k.group, built[0].v.group) == (head_dim, group, group)

@@ -74,6 +74,23 @@ def test_generate_on_cpu_quantized_is_close(widths):
     assert m["forced_top1"] >= 0.6 and m["logit_mean_err"] < 0.25 * m["logit_scale"], m
 
 
+@pytest.mark.parametrize("head_dim, channel_group", [(64, 64), (128, 128), (256, 128)])
+def test_defaults_are_the_layout_the_accuracy_table_recommends(head_dim, channel_group):
+    """K channel-wise (KIVI), V token-wise, rotation on for 2-bit keys (benchmarks/results/accuracy-*.md);
+    channel-wise groups of min(head_dim, 128) tokens, which the default page holds for every head_dim."""
+    config = tiny_model(layers=1, heads=2, kv_heads=1, head_dim=head_dim).config
+    for widths, rotated in ((dict(bits=2), True), (dict(), False), (dict(bits=4), False),
+                            (dict(k_bits=4, v_bits=2), False), (dict(k_bits=2, v_bits=4), True)):
+        kv = FoscarCache(config, device="cpu", **widths).kv
+        assert (kv.scheme.k.axis.value, kv.scheme.k.group) == ("channel", channel_group), widths
+        assert (kv.scheme.v.axis.value, kv.scheme.v.group) == ("token", head_dim), widths
+        assert (kv.rotation is not None) == rotated, widths
+    # explicit choices win: OSCAR's layout, and INT2 without rotation
+    oscar = FoscarCache(config, bits=2, k="token", device="cpu").kv
+    assert (oscar.scheme.k.axis.value, oscar.scheme.k.group, oscar.rotation is not None) == ("token", head_dim, True)
+    assert FoscarCache(config, bits=2, rotate=False, device="cpu").kv.rotation is None
+
+
 def test_unsupported_uses_raise():
     model = tiny_model()
     ids = torch.randint(0, 512, (1, 20))
@@ -84,6 +101,11 @@ def test_unsupported_uses_raise():
             model(input_ids=ids[:, :5], **cache_kwargs(cache))
     with pytest.raises(NotImplementedError, match="beam search"):
         cache.reorder_cache(torch.tensor([0]))
+    # 2 beams of one sequence are 2 rows: beam search is named, not a batch size over max_batch_size=1
+    with pytest.raises(NotImplementedError, match=r"does not support beam search \(generate\(num_beams=2\)\)"), \
+            torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, num_beams=2, do_sample=False,
+                       **cache_kwargs(FoscarCache(model, max_batch_size=1, max_seq_len=64)))
     with pytest.raises(ValueError, match="max_batch_size"):
         FoscarCache(model.config, max_batch_size=1, device="cpu").layers[0].update(
             torch.zeros(2, 2, 3, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 3, 64, dtype=torch.bfloat16))
@@ -148,11 +170,12 @@ def test_dtype_and_device_defaults_and_errors():
 def test_generate_on_h200():
     model = tiny_model(layers=4, hidden=1024, heads=16, kv_heads=4, head_dim=128, vocab=4096, device="cuda")
     ids = torch.randint(0, 4096, (4, 1500), generator=torch.Generator().manual_seed(3)).cuda()
-    metrics = {
-        "int4": compare(model, ids, 48, bits=4, sink=64, window=256),
-        "int2_sink_window": compare(model, ids, 48, bits=2, sink=64, window=256, rotate=True),
-        "int2_kivi": compare(model, ids, 48, bits=2, k="channel", k_group=128, sink=64, window=256),
-        "int4_fp16_model": compare(model.half(), ids, 48, bits=4, sink=64, window=256),
+    metrics = {  # the token-wise rows: OSCAR's layout (the FoscarCache default is KIVI's, int2_default)
+        "int4": compare(model, ids, 48, bits=4, k="token", sink=64, window=256),
+        "int2_sink_window": compare(model, ids, 48, bits=2, k="token", sink=64, window=256, rotate=True),
+        "int2_kivi": compare(model, ids, 48, bits=2, k="channel", k_group=128, sink=64, window=256, rotate=False),
+        "int2_default": compare(model, ids, 48, bits=2, sink=64, window=256),
+        "int4_fp16_model": compare(model.half(), ids, 48, bits=4, k="token", sink=64, window=256),
     }
     if os.environ.get("FOSCAR_METRICS"):
         with open(os.environ["FOSCAR_METRICS"], "w") as f:
@@ -160,6 +183,7 @@ def test_generate_on_h200():
     print(json.dumps(metrics, indent=1))
     assert metrics["int4"]["forced_top1"] >= 0.9, metrics
     assert metrics["int2_sink_window"]["forced_top1"] >= 0.5, metrics
+    assert metrics["int2_default"]["forced_top1"] >= 0.5, metrics
     assert metrics["int4_fp16_model"]["forced_top1"] >= 0.9, metrics
 
 
@@ -255,7 +279,8 @@ def test_graph_replay_equals_eager_on_h200(case):
     sequences cross 640, so a window tile is quantized inside a replay); afterwards the layers' host
     length is right (an eager step on both caches agrees). greedy_generate(graph=True) gives the same."""
     dtype = torch.float16 if case == "int4_fp16_model" else torch.bfloat16
-    options = dict(bits=2, rotate=True) if case == "int2_rotate" else dict(bits=4)
+    # K token-wise (64-token granule): the 600 -> 671-token sequences quantize a tile inside the graph
+    options = dict(bits=2, k="token", rotate=True) if case == "int2_rotate" else dict(bits=4, k="token")
     model = tiny_model(layers=2, hidden=512, heads=8, kv_heads=2, head_dim=128, vocab=2048, device="cuda",
                        dtype=dtype)
     ids = torch.randint(0, 2048, (2, GRAPH_CONTEXT), generator=torch.Generator().manual_seed(7)).cuda()

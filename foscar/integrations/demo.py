@@ -1,6 +1,6 @@
 """Generate with a local Hugging Face model on a FOSCAR cache, next to the BF16 cache.
 
-    python -m foscar.integrations.demo --model /path/to/Qwen3-8B --bits 2 --prompt "..." [--rotate]
+    python -m foscar.integrations.demo --model /path/to/Qwen3-8B --bits 2 --prompt "..." [--k token] [--no-rotate]
 
 Prints both continuations, their greedy-token agreement, the KV bytes of each cache and the decode
 time. Needs a CUDA GPU (Hopper for the FOSCAR kernels) and transformers.
@@ -19,10 +19,12 @@ def main(argv=None):
     parser.add_argument("--model", required=True, help="local model directory (no downloads)")
     parser.add_argument("--prompt", default="The history of the transistor begins")
     parser.add_argument("--bits", type=int, choices=(2, 4), default=4)
-    parser.add_argument("--k", choices=("token", "channel"), default="token", help="K group axis (channel: KIVI)")
+    parser.add_argument("--k", choices=("token", "channel"), default="channel",
+                        help="K group axis (default: channel, KIVI's; token: OSCAR's)")
     parser.add_argument("--sink", type=int, default=64)
     parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--rotate", action="store_true", help="Hadamard-rotate K and Q")
+    parser.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
+                        help="Hadamard-rotate K and Q (default: for 2-bit keys, as FoscarCache)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
 

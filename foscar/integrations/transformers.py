@@ -5,6 +5,10 @@
     cache = FoscarCache(model, bits=2, max_batch_size=8, max_seq_len=32768)   # the model's dtype and device
     out = model.generate(input_ids, cache=cache, max_new_tokens=256, do_sample=False)
 
+The defaults are the layout the accuracy evaluation recommends (``benchmarks/results/accuracy-*.md``):
+K grouped per channel (KIVI), V per token, and the Hadamard rotation of K and Q when K is 2-bit; INT2
+that way costs SmolLM2-135M +4.6% perplexity over the BF16 cache, INT4 +0.4% (:func:`FoscarCache`).
+
 (transformers before the ``cache=`` rename, e.g. 5.17, takes ``past_key_values=cache``;
 :func:`cache_kwargs` gives whichever the installed version takes.)
 
@@ -208,8 +212,8 @@ def _make_layer_class():
 
 
 def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq_len: int = 4096, sink: int = 64,
-                window: int = 256, rotate: bool = False, k: str = "token", k_group: int | None = None, v: str = "token",
-                v_group: int | None = None, page_size: int | None = None, num_pages: int | None = None,
+                window: int = 256, rotate: bool | None = None, k: str = "channel", k_group: int | None = None,
+                v: str = "token", v_group: int | None = None, page_size: int | None = None, num_pages: int | None = None,
                 dtype=None, device=None, use_kernels: bool | None = None, *, k_bits: int | None = None,
                 v_bits: int | None = None, arch: str | None = None):
     """A transformers ``Cache`` backed by one :class:`PagedKVCache` for all layers of the model.
@@ -217,13 +221,23 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
     ``model_or_config``: the model (preferred: the cache then takes its dtype and device) or its
     config. ``dtype``: the K/V/Q dtype, bfloat16 or float16; default the model's dtype (given a
     config: its ``dtype`` if that is float16 or bfloat16, else bfloat16). ``device``: default the
-    model's device (given a config: CUDA if torch has a GPU, else the CPU). ``bits``,
-    ``k``/``k_group``, ``v``/``v_group``: the :class:`~foscar.scheme.Scheme` (groups default to
-    head_dim; OSCAR: token-wise K and V; KIVI: ``k="channel"``). ``k_bits`` / ``v_bits`` override
-    ``bits`` for one tensor (``k_bits=4, v_bits=2``: keys are the more sensitive tensor). ``arch``:
-    see :class:`PagedKVCache`. ``sink``/``window``: BF16 parts.
-    ``num_pages`` defaults to enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens.
-    A factory (not a class statement) so that importing this module does not import transformers.
+    model's device (given a config: CUDA if torch has a GPU, else the CPU).
+
+    The layout (the :class:`~foscar.scheme.Scheme`): ``bits`` (2 or 4; ``k_bits`` / ``v_bits``
+    override it for one tensor, ``k_bits=4, v_bits=2``: keys are the more sensitive tensor), ``k`` /
+    ``v`` the group axis, ``k_group`` / ``v_group`` the group size. The defaults are the layout the
+    accuracy evaluation recommends (``benchmarks/results/accuracy-*.md``, SmolLM2-135M, perplexity vs
+    the BF16 cache with sink 64 + window 256): K channel-wise as KIVI (``k="channel"``), V token-wise,
+    and for 2-bit keys the Hadamard rotation (``rotate=None``: on when K is 2-bit; it rotates K and Q
+    only). INT2 that way costs +4.6%; K token-wise INT2 costs +248% without rotation (unusable) and
+    +39% with it. INT4 needs no rotation: +0.4% with K channel-wise, +0.8% token-wise; K4V2 +2.2%.
+    ``k="token", v="token", rotate=True`` is OSCAR's layout. Groups default to head_dim for token-wise
+    groups and to ``min(head_dim, 128)`` tokens for channel-wise ones (a page holds whole channel-wise
+    groups, and 128 fits every head_dim; the accuracy table's were 64 tokens at head_dim 64).
+
+    ``arch``: see :class:`PagedKVCache`. ``sink``/``window``: BF16 parts. ``num_pages`` defaults to
+    enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens. A factory (not a class
+    statement) so that importing this module does not import transformers.
     """
     from transformers.cache_utils import Cache
 
@@ -246,6 +260,7 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
                     if self.model_config is not None:
                         _check_attention(self.model_config)
                     if batch > self.kv.max_seqs:
+                        _refuse_beam_search()
                         raise ValueError(f"batch size {batch} exceeds max_batch_size={self.kv.max_seqs}")
                     self.seq_ids = [self.kv.allocate() for _ in range(batch)]
                 if batch != len(self.seq_ids):
@@ -281,7 +296,10 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    k_group = _default_group(k, head_dim) if k_group is None else k_group
+    v_group = _default_group(v, head_dim) if v_group is None else v_group
     scheme = Scheme.make(bits, k, k_group, v, v_group, head_dim, heads // kv_heads, dtype, k_bits=k_bits, v_bits=v_bits)
+    rotate = scheme.k.bits == 2 if rotate is None else rotate
     probe = PagedKVCache(scheme, 1, 1, 1, 1, max_seq_len, page_size, sink, window, device="meta", use_kernels=False)
     if num_pages is None:
         num_pages = max(1, max_batch_size * probe.pages_for(max_seq_len))
@@ -291,6 +309,25 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
 
 
 _FoscarCacheClass = None
+
+
+def _refuse_beam_search() -> None:
+    """Raise the beam-search refusal if transformers' beam search is on the call stack: its batch
+    holds ``num_beams`` rows per sequence, so the first sign of it may be a batch larger than
+    ``max_batch_size`` (with room for the beams it is ``reorder_cache``, after the prefill)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "_beam_search" and frame.f_globals.get("__name__", "").startswith("transformers."):
+            beams = getattr(frame.f_locals.get("generation_config"), "num_beams", "> 1")
+            raise NotImplementedError(f"FoscarCache does not support beam search (generate(num_beams={beams})); "
+                                      "decode greedily or by sampling (num_beams=1)")
+        frame = frame.f_back
+
+
+def _default_group(axis, head_dim: int) -> int:
+    """FoscarCache's group size: head_dim for token-wise groups, ``min(head_dim, 128)`` tokens for
+    channel-wise ones (every page size from 128 up holds them whole, for every head_dim)."""
+    return min(head_dim, 128) if axis == "channel" else head_dim
 
 
 # ----------------------------------------------------------------------------- greedy decoding as CUDA-graph replays
