@@ -22,13 +22,16 @@ import datetime
 import json
 import math
 import os
+import importlib
 import platform
+import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+BASELINES = ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16")
 L2_BYTES = 60 * 2**20
 WORKING_SET = 4 * L2_BYTES
 
@@ -219,19 +222,25 @@ def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=6
     return [(lambda layer=layer: cache.attend(layer, seqs, q)) for layer in range(copies)], nbytes, copies
 
 
-def variants():
+def scheme_of(method: str):
+    """The Scheme a FOSCAR method names (Qwen3-8B geometry; the sweep sets head_dim and GQA per model):
+    ``<format>-k<t|c><group>`` (K token- or channel-wise, V token-wise in groups of 128) for any
+    registered format (``foscar.formats``: int2, int4, and what ``--user-formats`` registers, e.g. int8),
+    or ``k<K>v<V>-k<t|c><group>`` for K and V of two formats (``<K>``, ``<V>``: a bit width of an
+    ``int<bits>`` format, or a format name); a trailing ``+sw`` is the cache decode's BF16 sink + window.
+    None for a name of another shape (a baseline)."""
     from foscar import Scheme
+    from foscar.formats import as_format
 
-    return {
-        "int2-kt128": Scheme.make(2, "token", 128, "token", 128, 128, 4),
-        "int2-kc128": Scheme.make(2, "channel", 128, "token", 128, 128, 4),
-        "int4-kt128": Scheme.make(4, "token", 128, "token", 128, 128, 4),
-        "int4-kc128": Scheme.make(4, "channel", 128, "token", 128, 128, 4),
-        # K and V bits chosen independently (keys are the more sensitive tensor)
-        "k4v2-kt128": Scheme.make(k_bits=4, v_bits=2, k="token", k_group=128, v="token", v_group=128, gqa_ratio=4),
-        "k4v2-kc128": Scheme.make(k_bits=4, v_bits=2, k="channel", k_group=128, v="token", v_group=128, gqa_ratio=4),
-        "k2v4-kt128": Scheme.make(k_bits=2, v_bits=4, k="token", k_group=128, v="token", v_group=128, gqa_ratio=4),
-    }
+    match = re.fullmatch(r"(?P<fmt>.+)-k(?P<axis>[tc])(?P<group>\d+)", method.removesuffix("+sw"))
+    if match is None:
+        return None
+    axis = {"t": "token", "c": "channel"}[match["axis"]]
+    mixed = re.fullmatch(r"k(?P<k>[\w-]+?)v(?P<v>[\w-]+)", match["fmt"])
+    formats = (mixed["k"], mixed["v"]) if mixed else (match["fmt"], match["fmt"])
+    k_fmt, v_fmt = (as_format(int(f) if f.isdigit() else f, f"method {method!r}") for f in formats)
+    return Scheme.make(k=axis, k_group=int(match["group"]), v="token", v_group=128, gqa_ratio=4, k_format=k_fmt,
+                       v_format=v_fmt)
 
 
 def loop_stats(methods):
@@ -241,7 +250,7 @@ def loop_stats(methods):
 
     out = {}
     for method in methods:
-        scheme = variants().get(method.removesuffix("+sw"))
+        scheme = scheme_of(method)
         if scheme is None or method in out:
             continue
         try:
@@ -271,13 +280,13 @@ def run_sweep(shapes, methods, reps, after_config=None):
                     row.bytes = layers[0][1]
                     row.us = time_layers([fn for fn, _ in layers], reps)
                 elif method.endswith("+sw"):
-                    scheme = variants()[method.removesuffix("+sw")]
+                    scheme = scheme_of(method)
                     scheme = dataclasses.replace(scheme, head_dim=head_dim, gqa_ratio=q_heads // kv_heads)
                     fns, row.bytes, row.copies = foscar_window_layers(scheme, batch, context, kv_heads)
                     row.note = "BF16 sink 64 + window 256"
                     row.us = time_layers(fns, reps)
                 else:
-                    scheme = variants()[method]
+                    scheme = scheme_of(method)
                     scheme = dataclasses.replace(scheme, head_dim=head_dim, gqa_ratio=q_heads // kv_heads)
                     fns, row.bytes, row.copies, splits = foscar_layers(scheme, batch, context, kv_heads)
                     row.extra["splits"] = splits
@@ -363,8 +372,17 @@ def main(argv=None):
     parser.add_argument("--methods", default="flashinfer-bf16,flashinfer-fp8,sdpa-bf16,int2-kt128,int2-kc128,int4-kt128,"
                         "int4-kc128,int2-kc128+sw,int4-kt128+sw")
     parser.add_argument("--tag", default="decode")
+    parser.add_argument("--user-formats", default=None, metavar="MODULE",
+                        help="import MODULE first: the code formats it registers (foscar.formats) become methods, "
+                             "e.g. --user-formats tests.user_formats --methods int8-kt128,k8v4-kc128")
     parser.add_argument("--reps", type=int, default=None, help="graph replays per row (default 30; 10 with --quick)")
     args = parser.parse_args(argv)
+    if args.user_formats:
+        importlib.import_module(args.user_formats)
+    methods = args.methods.split(",")
+    for method in methods:  # a typo fails now, naming the choices, not after the first configs
+        if method not in BASELINES and scheme_of(method) is None:
+            parser.error(f"--methods: {method!r} is neither a baseline {BASELINES} nor <format>-k<t|c><group>[+sw]")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.decode needs a CUDA GPU")
     shapes = [("qwen3-8b", b, l) for b, l in (QUICK if args.quick else STANDARD)] + ([] if args.quick else EXTRA)
@@ -382,11 +400,11 @@ def main(argv=None):
         "versions": _versions(),
         "read_ceiling_tbps": ceiling,
         "timing": f"CUDA graph over >= {WORKING_SET >> 20} MB working set per replay (>= 4x L2), median of {reps} replays",
-        "sass_main_loop": loop_stats(args.methods.split(",")),
+        "sass_main_loop": loop_stats(methods),
     }
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.tag)
-    rows = run_sweep(shapes, args.methods.split(","), reps, lambda rows: save(rows, meta, ceiling, stem))
+    rows = run_sweep(shapes, methods, reps, lambda rows: save(rows, meta, ceiling, stem))
     table, geo = save(rows, meta, ceiling, stem)
     try:
         plot(rows, ceiling, stem + ".png")

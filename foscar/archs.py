@@ -18,6 +18,7 @@ import importlib
 from dataclasses import dataclass
 
 from .formats import Unsupported
+from .targets import TARGETS
 from .scheme import Axis, Construction, Scheme, construction_for
 
 __all__ = ["Arch", "ARCHS", "HOPPER", "BLACKWELL", "get_arch", "arch_of_device", "packed_layouts"]
@@ -166,6 +167,8 @@ HOPPER = _Hopper("sm_90a", "hopper", "foscar.hopper.decode", max_gqa_ratio=16, p
 BLACKWELL = _Blackwell("sm_100a", "blackwell", "foscar.blackwell.decode", max_gqa_ratio=16,
                        page_sizes=(64, 128, 256), min_group=32, cache_decode=True)
 ARCHS: dict[str, Arch] = {arch.name: arch for arch in (HOPPER, BLACKWELL)}
+if tuple(ARCHS) != TARGETS:  # the compile layer names the same targets (foscar.targets)
+    raise ImportError(f"foscar.archs registers {tuple(ARCHS)}, foscar.targets names {TARGETS}")
 
 
 def get_arch(name: str) -> Arch:

@@ -57,11 +57,11 @@ import os
 import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
-from .decode import CTAS_PER_SM
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, quantize_groups
 from .scheme import PARAM_DTYPE, Axis, Scheme
+from .work_list import CTAS_PER_SM, plan_splits
 
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
 
@@ -126,7 +126,7 @@ class PagedKVCache:
     construction. Default: the CUDA device's, "sm_90a" on other devices (and, with ``use_kernels=False``, on
     a GPU the kernels do not run on).
 
-    ``cta_budget`` (attribute, default the SM count x ``foscar.decode.CTAS_PER_SM``): the CTAs the
+    ``cta_budget`` (attribute, default the SM count x ``foscar.work_list.CTAS_PER_SM``): the CTAs the
     Hopper decode launch's work list spreads a batch over (``foscar.work_list``); lower it to cut
     sequences into fewer parts. ``num_splits(batch)``: the split count of the launches without a
     work list (Blackwell's, and Hopper's two-launch variants), from capacities.
@@ -563,8 +563,6 @@ class PagedKVCache:
         """Split-KV factor for a decode batch where the launch has no work list (Blackwell; Hopper's
         two-launch variants): fixed by capacities only (graph-stable), so kept per batch size (planning
         takes ~35 us of Python, and every attend asks)."""
-        from .decode import plan_splits
-
         if batch not in self._splits:
             self._splits[batch] = plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms)
         return self._splits[batch]

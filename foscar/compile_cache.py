@@ -43,7 +43,7 @@ from pathlib import Path
 from .scheme import Scheme
 
 __all__ = ["FORMAT", "enabled", "cache_dir", "source_hash", "entry_key", "load", "store", "load_sass", "store_sass",
-           "entries", "clear", "dump_dir"]
+           "entries", "clear", "dump_dir", "read_artifact"]
 
 FORMAT = 1  # bump when the layout of an entry changes
 _PREFIX = "foscar_kernel"  # symbol prefix of the exported launcher
@@ -154,6 +154,14 @@ def _remove(entry: Path) -> None:
         pass
 
 
+def read_artifact(value, mode):
+    """A compiled object's PTX or cubin: the value itself, or the file it names (``mode`` "r" / "rb")."""
+    if isinstance(value, str) and "\n" not in value and os.path.isfile(value):
+        with open(value, mode) as f:
+            return f.read()
+    return value
+
+
 def store(key: tuple, compiled) -> None:
     """Write ``compiled`` (a ``cute.compile`` result kept with ``--keep-ptx --keep-cubin``) under ``key``.
 
@@ -162,8 +170,6 @@ def store(key: tuple, compiled) -> None:
     """
     if not enabled():
         return
-    from .inspect import _read_artifact
-
     entry = _entry_dir(key)
     if entry.exists() or _hash_sources() != _SOURCE_HASH:  # sources changed since import: not this code
         return
@@ -174,8 +180,8 @@ def store(key: tuple, compiled) -> None:
         return
     try:
         compiled.export_to_c(str(staging), "kernel", _PREFIX)
-        (staging / "kernel.ptx").write_text(_read_artifact(compiled.__ptx__, "r"))
-        (staging / "kernel.cubin").write_bytes(bytes(_read_artifact(compiled.__cubin__, "rb")))
+        (staging / "kernel.ptx").write_text(read_artifact(compiled.__ptx__, "r"))
+        (staging / "kernel.cubin").write_bytes(bytes(read_artifact(compiled.__cubin__, "rb")))
         (staging / "key.txt").write_text(f"{key!r}\nnvidia-cutlass-dsl {_dsl_version()}\n")
         os.rename(staging, entry)  # atomic; fails if another process got there first
     except Exception as exc:  # a cache that cannot be written must not fail a kernel that compiled

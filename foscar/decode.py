@@ -17,35 +17,9 @@ import torch
 from .archs import arch_of_device, get_arch, packed_layouts
 from .quantize import QuantizedKV, check_page_size
 from .scheme import PARAM_DTYPE, Scheme
+from .work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, plan_splits
 
-__all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged"]
-
-MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 64  # 128 measured 5% faster alone, 7% slower with sink + window at 1 x 128K, 1 KV head: NOTES 14
-CTAS_PER_SM = 1  # the Hopper kernel: producer + 3 consumer warpgroups hold an SM's registers (setmaxnreg)
-SPLIT_OVERHEAD_TOKENS = 256  # per-CTA prologue, ring fill and combine traffic, in tokens of work
-
-
-def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
-    """How many CTAs share one (sequence, KV head), flash-decoding style.
-
-    ``CTAS_PER_SM`` CTAs run per SM, so ``n`` splits take ``waves(n) = ceil(batch*kv_heads*n /
-    (num_sms*CTAS_PER_SM))`` waves of ``max_tokens/n + SPLIT_OVERHEAD_TOKENS`` tokens each; pick
-    the ``n`` with the least total (the fewest splits among equals), with no split shorter than
-    ``MIN_TOKENS_PER_SPLIT`` tokens. Uses the page table's capacity, not the lengths, so planning
-    needs no device-to-host sync.
-    """
-    for name, value in (("batch", batch), ("kv_heads", kv_heads), ("max_tokens", max_tokens), ("num_sms", num_sms)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    slots = num_sms * CTAS_PER_SM
-    most = max(1, min(MAX_SPLITS, max_tokens // MIN_TOKENS_PER_SPLIT))
-
-    def cost(n):
-        return math.ceil(batch * kv_heads * n / slots) * (max_tokens / n + SPLIT_OVERHEAD_TOKENS)
-
-    return min(range(1, most + 1), key=lambda n: (cost(n), n))
-
+__all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged", "MAX_SPLITS", "MIN_TOKENS_PER_SPLIT"]
 
 def _tensor(name, t, dtype, dims, device):
     if not isinstance(t, torch.Tensor):

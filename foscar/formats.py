@@ -42,8 +42,10 @@ __all__ = ["Format", "MinMaxFormat", "Int2", "Int4", "INT2", "INT4", "Unsupporte
            "register_format", "format_named", "as_format", "hopper_fp16", "BLACKWELL_FP4", "BLACKWELL_FP8", "PARAM_DTYPE",
            "PACKABLE_BITS"]
 
+
 PARAM_DTYPE = torch.float16  # scale and offset storage: 4 bytes per group, as in the byte arithmetic
-HOPPER_ARCH, BLACKWELL_ARCH = "sm_90a", "sm_100a"
+from .targets import BLACKWELL as BLACKWELL_ARCH
+from .targets import HOPPER as HOPPER_ARCH
 # widths whose codes the packed tile layouts hold (a 32-bit word holds whole codes of both FP16 halves)
 PACKABLE_BITS = (2, 4, 8)
 

@@ -25,7 +25,9 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .archs import ARCHS as REGISTERED
+from . import compile_cache
+from .compile_cache import dump_dir, read_artifact
+from .targets import TARGETS
 
 __all__ = [
     "ARCHS",
@@ -46,7 +48,7 @@ __all__ = [
     "decode_loop_stats",
 ]
 
-ARCHS = tuple(REGISTERED)  # the arch registry's targets (foscar.archs)
+ARCHS = TARGETS  # the compile targets (foscar.targets; foscar.archs registers their kernels)
 _COMPILE_LOCK = threading.Lock()  # cute.compile is not thread-safe, and we swap the DSL's arch
 
 
@@ -65,8 +67,6 @@ def compile_for(arch: str, fn, *args, options: str = "", **kwargs):
     """
     import cutlass.cute as cute
     from cutlass.cutlass_dsl import CuTeDSL
-
-    from .compile_cache import dump_dir
 
     envar = CuTeDSL._get_dsl().envar
     with _COMPILE_LOCK, dump_dir() as dump:
@@ -219,8 +219,6 @@ def find_nvdisasm() -> str:
 def disassemble(cubin: bytes) -> str:
     """SASS of every code section of ``cubin`` (``nvdisasm -c``), kept in the disk cache
     (:mod:`foscar.compile_cache`): a large kernel takes nvdisasm 1-2 s."""
-    from . import compile_cache
-
     tool = find_nvdisasm()
     cached = compile_cache.load_sass(cubin, tool)
     if cached is not None:
@@ -449,17 +447,10 @@ class Artifacts:
         return role_loops(self.sass_by_kernel[self.kernel(name)], min_instructions)
 
 
-def _read_artifact(value, mode):
-    if isinstance(value, str) and "\n" not in value and os.path.isfile(value):
-        with open(value, mode) as f:
-            return f.read()
-    return value
-
-
 def artifacts(compiled) -> Artifacts:
     """Artifacts of a function compiled with ``--keep-ptx --keep-cubin`` (see :func:`compile_for`)."""
-    ptx = _read_artifact(compiled.__ptx__, "r")
-    cubin = _read_artifact(compiled.__cubin__, "rb")
+    ptx = read_artifact(compiled.__ptx__, "r")
+    cubin = read_artifact(compiled.__cubin__, "rb")
     if not ptx or not cubin:
         raise ValueError("compile with options='--keep-ptx --keep-cubin' (or use compile_for)")
     m = re.search(r"^\s*\.target\s+(\w+)", ptx, re.M)

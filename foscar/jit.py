@@ -15,11 +15,11 @@ import warnings
 
 import torch
 
-from .archs import ARCHS as REGISTERED
+from .targets import TARGETS
 
 __all__ = ["ARCHS", "device_arch", "cached_compile", "compile_count", "kernel_count", "fake_ptr", "gmem_ptr", "current_stream"]
 
-ARCHS = tuple(REGISTERED)  # the arch registry's targets (foscar.archs)
+ARCHS = TARGETS  # the compile targets (foscar.targets; foscar.archs registers their kernels)
 
 _cache: dict = {}
 _lock = threading.Lock()

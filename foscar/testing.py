@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .archs import HOPPER, arch_of_device
-from .formats import FORMATS, INT2, INT4
+from .formats import FORMATS, INT2, INT4, Unsupported
 from .quantize import QuantizedKV, quantize_kv
 from .reference import attend_dequantized, attend_dequantized_torch
 from .scheme import Axis, Scheme
@@ -70,8 +70,9 @@ def check_output(out, lse, q, cache: QuantizedKV, sm_scale: float) -> Accuracy:
     return Accuracy(err, lse_err, bf16_err, 2 * bf16_err + ATOL_FLOOR)
 
 
-def coverage_matrix():
-    """(scheme, page_size, lengths) covering the kernel issue's matrix without its full product."""
+def coverage_matrix(arch: str | None = None):
+    """(scheme, page_size, lengths) covering the kernel issue's matrix without its full product; with
+    ``arch``, only the schemes whose formats that arch builds operands for."""
     cases = []
     ragged = [1, 63, 65, 1000]
     for bits in (2, 4):
@@ -105,4 +106,12 @@ def coverage_matrix():
         cases.append((Scheme.make(None, "channel", 128, "token", 128, 128, 4, k_format=fmt, v_bits=4), 128, [1, 300]))
     cases.append((Scheme.make(2, "token", 128, "token", 128, 128, 4), 256, [100_003]))
     cases.append((Scheme.make(4, "channel", 128, "token", 128, 128, 8), 128, [1 + (i * 37) % 300 for i in range(256)]))
-    return cases
+    return cases if arch is None else [case for case in cases if _builds(case[0], arch)]
+
+
+def _builds(scheme: Scheme, arch: str) -> bool:
+    try:
+        scheme.plan(arch)
+    except Unsupported:
+        return False
+    return True

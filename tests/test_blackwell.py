@@ -276,7 +276,7 @@ def test_whole_coverage_matrix_compiles_for_sm100a():
     from foscar.testing import coverage_matrix
 
     spills = {}
-    for scheme, ps, _lengths in coverage_matrix():
+    for scheme, ps, _lengths in coverage_matrix("sm_100a"):
         for partial in (False, True):
             res = _check_compiled(scheme, ps, partial)
             if res.local_bytes:
@@ -344,7 +344,7 @@ def _is_sm100():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_sm100(), reason="needs an sm_100 (Blackwell) GPU; this kernel is compile-verified only elsewhere")
-@pytest.mark.parametrize("scheme, page_size, lengths", coverage_matrix(), ids=lambda p: getattr(p, "name", None))
+@pytest.mark.parametrize("scheme, page_size, lengths", coverage_matrix("sm_100a"), ids=lambda p: getattr(p, "name", None))
 def test_blackwell_decode_matches_reference_on_sm100(scheme, page_size, lengths):
     from foscar.decode import decode
     from foscar.testing import check_output, random_problem

@@ -121,7 +121,11 @@ def test_every_ring_stage_belongs_to_one_consumer_warp():
 
     for scheme, page_size, _ in coverage_matrix():
         for consumers in {default_consumers(scheme), 1, 2, 3}:
-            cfg = DecodeConfig(scheme, page_size, True, consumers)
+            try:
+                cfg = DecodeConfig(scheme, page_size, True, consumers)
+            except ValueError:  # the ring of that many warps does not fit (8-bit codes): never the default
+                assert consumers != default_consumers(scheme), (scheme.name, consumers)
+                continue
             assert cfg.STAGES % (cfg.TPG * cfg.NW) == 0 and cfg.STAGES >= cfg.TPG * cfg.NW, (scheme.name, consumers)
             assert cfg.STAGES * cfg.STAGE_WORDS * 4 <= 220 * 1024
 

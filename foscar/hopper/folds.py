@@ -30,7 +30,8 @@ from cutlass import Float32, Int32
 
 from ..device import fsel, pack_f16x2, reduce_over_rows
 from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VTokenWise
-from .mma import TOKEN_BLOCKS, WarpMma
+from ..warp_mma import WarpMma
+from .mma import TOKEN_BLOCKS
 
 __all__ = ["hooks_for", "q_index", "load_param"]
 

@@ -48,9 +48,9 @@ from ..pipeline import split_range, stage_and_phase
 from ..softmax import finite_reference
 from ..split_merge import SplitMerge
 from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token
-from ..work_list import PLAN_WORDS, WorkList
+from ..work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, PLAN_WORDS, WorkList
 from .kernel import BAR_CONSUMERS, PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel
-from .mma import WarpMma
+from ..warp_mma import WarpMma
 
 __all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
 
@@ -159,7 +159,6 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         if not cfg.split:
             raise ValueError("the cache decode kernel needs a split-output DecodeConfig (cache_decode_config)")
         super().__init__(cfg)
-        from ..decode import MAX_SPLITS, MIN_TOKENS_PER_SPLIT
 
         self.granule = granule_of(cfg.scheme)
         self.work = WorkList(cfg.threads, MAX_SPLITS)
@@ -243,7 +242,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         else:
             x, _, _ = cute.arch.block_idx()
             # a (sequence, KV head)'s work: its packed tiles' bytes and its window tiles', in 256-byte
-            # units; its parts: at most one per MIN_TOKENS_PER_SPLIT packed tokens (foscar.decode.plan_splits);
+            # units; its parts: at most one per MIN_TOKENS_PER_SPLIT packed tokens (foscar.work_list.plan_splits);
             # the sequence's token count and row come back with the item
             win_units = (sink + ring + BLOCK - 1) // BLOCK * (BLOCK * 4 * cfg.D // 256)
             work_of = lambda b: self.sequence_work(seq_rows, seq_lengths, b, sink, window, win_units)  # noqa: E731

@@ -78,7 +78,8 @@ from ..scheme import Scheme
 from ..softmax import finite_reference, normalize
 from ..window_tiles import BLOCK
 from .folds import hooks_for, q_index
-from .mma import TOKEN_BLOCKS, FragmentOperand, WarpMma
+from ..warp_mma import WarpMma
+from .mma import TOKEN_BLOCKS, FragmentOperand
 
 BAR_CONSUMERS = 1  # named barrier of all consumer warps (id 0 is sync_threads)
 REGISTERS = 64 * 1024  # per SM

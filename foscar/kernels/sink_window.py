@@ -34,10 +34,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..device import LOG2E, reduce_over_rows
-from ..hopper.mma import WarpMma
+from ..warp_mma import WarpMma
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
 from ..window_tiles import ROW_PAD, WindowOperands, quantized_tokens, query_columns, slot_holds_token
+from ..work_list import MAX_SPLITS
 
 __all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "shared_storage", "shared_bytes", "check_sink_window",
            "compile_sink_window", "sink_window_attend", "run_cache_attend", "check_cache_launch",
@@ -354,7 +355,6 @@ def check_cache_launch(num_splits: int, counters, heads: int, budget: int = 1):
     per (sequence, KV head): ``heads`` of them)."""
     import torch
 
-    from ..decode import MAX_SPLITS
 
     if heads < 1:
         raise ValueError(f"batch must hold at least one sequence (batch * kv_heads = {heads})")
