@@ -295,6 +295,17 @@ def foscar_scheme(geo, fmt):
                        gqa_ratio=geo.q_heads // geo.kv_heads)
 
 
+def prefill_random(cache, context, capacity, generator) -> list[int]:
+    """Fill a :class:`~foscar.cache.PagedKVCache` with random codes, scales and BF16 parts, and make
+    its ``max_seqs`` sequences (ids 0, 1, ...) of ``context`` tokens each, pages reserved for ``capacity``."""
+    for t in (cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.k_bf16, cache.v_bf16):
+        fill_random_(t, generator)
+    seqs = [cache.allocate_prefilled(context) for _ in range(cache.max_seqs)]
+    for seq in seqs:
+        cache.reserve(seq, capacity)
+    return seqs
+
+
 class FoscarKV:
     """FOSCAR ``PagedKVCache`` (all layers, one page pool): append and attend per layer."""
 
@@ -327,12 +338,8 @@ class FoscarKV:
 
     def __init__(self, geo, fmt, max_seqs, context, capacity, device, generator):
         probe = self._cache(geo, fmt, 1, 1, capacity, "meta")
-        self.cache = cache = self._cache(geo, fmt, max_seqs * probe.pages_for(capacity), max_seqs, capacity, device)
-        for t in (cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.k_bf16, cache.v_bf16):
-            fill_random_(t, generator)
-        self.seqs = [cache.allocate_prefilled(context) for _ in range(max_seqs)]
-        for seq in self.seqs:
-            cache.reserve(seq, capacity)
+        self.cache = self._cache(geo, fmt, max_seqs * probe.pages_for(capacity), max_seqs, capacity, device)
+        self.seqs = prefill_random(self.cache, context, capacity, generator)
 
     def nbytes(self):
         return self._parts(self.cache)
