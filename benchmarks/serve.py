@@ -405,10 +405,10 @@ def _side_stream(device):
 
 class DecodeLoop:
     """Decode steps for sequences ``0 .. batch - 1``: static token and position buffers; on CUDA one
-    step is captured into a CUDA graph (no allocation, no host sync in a replay)."""
+    step is captured into a CUDA graph (no allocation, no host sync in a replay) unless ``graph`` is False."""
 
-    def __init__(self, model: Decoder, backend, batch: int, position: int, generator):
-        self.model, self.backend = model, backend
+    def __init__(self, model: Decoder, backend, batch: int, position: int, generator, graph: bool = True):
+        self.model, self.backend, self.use_graph = model, backend, graph
         dev = model.device
         self.tokens = torch.randint(0, model.geo.vocab, (batch,), generator=generator, device=dev)
         self.positions = torch.full((batch,), position, dtype=torch.int64, device=dev)
@@ -423,7 +423,7 @@ class DecodeLoop:
     def capture(self):
         """One eager step (compiles kernels, caches index tensors, initializes cuBLAS), then, on
         CUDA, capture one step into a graph. The eager step on a side stream, as torch asks."""
-        if self.model.device.type != "cuda":
+        if self.model.device.type != "cuda" or not self.use_graph:
             self.step()
             return
         stream = _side_stream(self.model.device)
@@ -452,11 +452,11 @@ class DecodeLoop:
         return start.elapsed_time(stop) / 1e3
 
 
-def measure_point(model, backend, batch, preset, generator):
-    """One concurrency level: capture, warm up, time; checks that the loop made in-range tokens
-    and, where the cache tracks lengths, that every layer advanced by one token per step."""
+def measure_point(model, backend, batch, preset, generator, graph: bool = True):
+    """One concurrency level: capture (``graph``, on CUDA), warm up, time; checks that the loop made
+    in-range tokens and, where the cache tracks lengths, that every layer advanced by one token per step."""
     before = backend.tokens_held(batch)
-    loop = DecodeLoop(model, backend, batch, preset.context, generator)
+    loop = DecodeLoop(model, backend, batch, preset.context, generator, graph)
     start_tokens = loop.tokens.clone()
     loop.capture()
     loop.run(preset.warmup)

@@ -34,6 +34,7 @@ and as many layers as fit in ``--weight-fraction`` of the memory (at most 80). E
 (transformers' ``StaticCache``, SDPA over its length) and FOSCAR ``int4`` / ``int2`` (serve.py's
 formats). Per format: the largest concurrency that fits on every rank, the grid below it, aggregate
 tokens/s (all sequences; each token computed by all ranks together) and the peak. Rank 0's clock.
+``--eager``: no CUDA graphs (equality and throughput), where a capture fails under the process group.
 Results: ``benchmarks/results/tp-<task>-<model>-tp<world>-<device>-<date>.json`` and ``.md``.
 """
 
@@ -315,7 +316,8 @@ def equality_table(record) -> str:
                      f"{row.get('equal', '-')} | {row.get('first_difference', '-')} | "
                      f"{serve._fmt(row.get('forced_top1_agreement'), '.3f')} | "
                      f"{serve._fmt(row.get('sharding_logit_max_err'), '.4f')} | "
-                     f"{serve._fmt(row.get('format_logit_max_err'), '.4f')} | {serve._fmt(row.get('logit_scale'), '.3f')} |")
+                     f"{serve._fmt(row.get('format_logit_max_err'), '.4f')} | "
+                     f"{serve._fmt(row.get('logit_scale'), '.3f')} |")
     return "\n".join(lines)
 
 
@@ -406,7 +408,7 @@ class FoscarTP:
         return self.cache.kv.lengths[:, :batch].clone()
 
 
-def plan(name, geo, capacity, args, device, weights, world, log):
+def plan(name, geo, capacity, args, device, weights, world):
     """(max N on every rank, the memory account, bytes per sequence) of format ``name``."""
     fmt = serve.FORMATS[name]
     per_seq, fixed = StaticKV.footprint(geo, capacity) if name == "bf16" else FoscarTP.footprint(geo, fmt, capacity)
@@ -426,7 +428,7 @@ def run_format(name, model, geo, preset, args, device, weights, world, log) -> d
     capacity = preset.context + preset.output_len
     gen = torch.Generator(device).manual_seed(args.seed)
     try:
-        max_batch, account, per = plan(name, geo, capacity, args, device, weights, world, log)
+        max_batch, account, per = plan(name, geo, capacity, args, device, weights, world)
         rec.update(max_batch=max_batch, account=account, bytes_per_sequence=per)
         if max_batch < 1:
             raise MemoryError(f"not one sequence of {capacity} tokens fits ({per / GIB:.2f} GiB each per rank)")
@@ -435,7 +437,8 @@ def run_format(name, model, geo, preset, args, device, weights, world, log) -> d
                    else FoscarTP(model, name, max_batch, preset.context, capacity, gen))
         rec["kv_bytes_per_rank"] = sum(backend.nbytes().values())
         for batch in serve.concurrency_grid(max_batch, preset.points):
-            point = serve.measure_point(TransformersStep(model, backend.cache, geo), backend, batch, preset, gen)
+            point = serve.measure_point(TransformersStep(model, backend.cache, geo), backend, batch, preset, gen,
+                                        graph=not args.eager)
             rec["points"].append(point)
             log(f"{name} context {preset.context}: N {batch}: {point['ms_per_step']:.2f} ms/step, "
                 f"{point['aggregate_tokens_per_s']:.1f} tok/s {point.get('note', '')}")
@@ -469,8 +472,8 @@ def throughput(args, rank, world, device, log) -> dict:
                               args.memory_gib)
         for name in args.formats:
             records.append(run_format(name, model, geo, preset, args, device, weights, world, log))
-    return {"model": args.model, "world": world, "geometry": geometry, "per_rank": {
-        "heads": local_heads, "kv_heads": local_kv, "weights_bytes": weights}, "formats": records}
+    return {"model": args.model, "world": world, "geometry": geometry,
+            "graph": not args.eager and device.type == "cuda", "per_rank": {"heads": local_heads, "kv_heads": local_kv, "weights_bytes": weights}, "formats": records}
 
 
 def throughput_table(record) -> str:
@@ -496,7 +499,7 @@ def parse_args(argv):
     parser.add_argument("--model", default=None, help="equality: smollm2 (default) or tiny; throughput: llama70b "
                         "(default) or tiny")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--eager", action="store_true", help="equality: decode steps without CUDA graphs")
+    parser.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     parser.add_argument("--batch", type=int, default=2, help="equality: prompts")
     parser.add_argument("--prompt-len", type=int, default=512, help="equality: tokens per prompt")
     parser.add_argument("--new-tokens", type=int, default=32, help="equality: greedy tokens per prompt")

@@ -198,9 +198,9 @@ def rank_heads(model, heads: int, kv_heads: int, head_dim: int) -> tuple[int, in
     if ranks is None or kv_heads % ranks or width != kv_heads // ranks * head_dim:
         split = f"{ranks} tensor-parallel ranks" if ranks else "the tensor-parallel ranks"
         raise ValueError(f"model: its {heads} query / {kv_heads} KV heads (head_dim {head_dim}) do not divide "
-                         f"evenly among {split}: this rank's k_proj computes {width} of the {total} key features; shard "
-                         "the attention over a number of ranks that divides both head counts, or keep it "
-                         "replicated (a tp_plan without the attention projections)")
+                         f"evenly among {split}: this rank's k_proj computes {width} of the {total} key "
+                         "features; shard the attention over a number of ranks that divides both head counts, or "
+                         "keep it replicated (a tp_plan without the attention projections)")
     return heads // ranks, kv_heads // ranks
 
 
