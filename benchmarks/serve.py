@@ -297,6 +297,17 @@ def foscar_scheme(geo, fmt):
                        gqa_ratio=geo.q_heads // geo.kv_heads)
 
 
+def prefill_random(cache, context, capacity, generator) -> list[int]:
+    """Fill a :class:`~foscar.cache.PagedKVCache` with random codes, scales and BF16 parts, and make
+    its ``max_seqs`` sequences (ids 0, 1, ...) of ``context`` tokens each, pages reserved for ``capacity``."""
+    for t in (cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.k_bf16, cache.v_bf16):
+        fill_random_(t, generator)
+    seqs = [cache.allocate_prefilled(context) for _ in range(cache.max_seqs)]
+    for seq in seqs:
+        cache.reserve(seq, capacity)
+    return seqs
+
+
 class FoscarKV:
     """FOSCAR ``PagedKVCache`` (all layers, one page pool): append and attend per layer."""
 
@@ -329,12 +340,8 @@ class FoscarKV:
 
     def __init__(self, geo, fmt, max_seqs, context, capacity, device, generator):
         probe = self._cache(geo, fmt, 1, 1, capacity, "meta")
-        self.cache = cache = self._cache(geo, fmt, max_seqs * probe.pages_for(capacity), max_seqs, capacity, device)
-        for t in (cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.k_bf16, cache.v_bf16):
-            fill_random_(t, generator)
-        self.seqs = [cache.allocate_prefilled(context) for _ in range(max_seqs)]
-        for seq in self.seqs:
-            cache.reserve(seq, capacity)
+        self.cache = self._cache(geo, fmt, max_seqs * probe.pages_for(capacity), max_seqs, capacity, device)
+        self.seqs = prefill_random(self.cache, context, capacity, generator)
 
     def nbytes(self):
         return self._parts(self.cache)
@@ -400,10 +407,10 @@ def _side_stream(device):
 
 class DecodeLoop:
     """Decode steps for sequences ``0 .. batch - 1``: static token and position buffers; on CUDA one
-    step is captured into a CUDA graph (no allocation, no host sync in a replay)."""
+    step is captured into a CUDA graph (no allocation, no host sync in a replay) unless ``graph`` is False."""
 
-    def __init__(self, model: Decoder, backend, batch: int, position: int, generator):
-        self.model, self.backend = model, backend
+    def __init__(self, model: Decoder, backend, batch: int, position: int, generator, graph: bool = True):
+        self.model, self.backend, self.use_graph = model, backend, graph
         dev = model.device
         self.tokens = torch.randint(0, model.geo.vocab, (batch,), generator=generator, device=dev)
         self.positions = torch.full((batch,), position, dtype=torch.int64, device=dev)
@@ -418,7 +425,7 @@ class DecodeLoop:
     def capture(self):
         """One eager step (compiles kernels, caches index tensors, initializes cuBLAS), then, on
         CUDA, capture one step into a graph. The eager step on a side stream, as torch asks."""
-        if self.model.device.type != "cuda":
+        if self.model.device.type != "cuda" or not self.use_graph:
             self.step()
             return
         stream = _side_stream(self.model.device)
@@ -447,11 +454,11 @@ class DecodeLoop:
         return start.elapsed_time(stop) / 1e3
 
 
-def measure_point(model, backend, batch, preset, generator):
-    """One concurrency level: capture, warm up, time; checks that the loop made in-range tokens
-    and, where the cache tracks lengths, that every layer advanced by one token per step."""
+def measure_point(model, backend, batch, preset, generator, graph: bool = True):
+    """One concurrency level: capture (``graph``, on CUDA), warm up, time; checks that the loop made
+    in-range tokens and, where the cache tracks lengths, that every layer advanced by one token per step."""
     before = backend.tokens_held(batch)
-    loop = DecodeLoop(model, backend, batch, preset.context, generator)
+    loop = DecodeLoop(model, backend, batch, preset.context, generator, graph)
     start_tokens = loop.tokens.clone()
     loop.capture()
     loop.run(preset.warmup)

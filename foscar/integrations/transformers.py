@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import torch
 
@@ -50,7 +51,7 @@ from ..cache import PagedKVCache
 from ..scheme import Scheme
 
 __all__ = ["ATTENTION_NAME", "FoscarCache", "GraphedDecode", "cache_kwargs", "foscar_attention_forward",
-           "foscar_mask", "greedy_generate", "register", "use_foscar"]
+           "foscar_mask", "greedy_generate", "rank_heads", "register", "use_foscar"]
 
 ATTENTION_NAME = "foscar"
 
@@ -211,6 +212,32 @@ def _make_layer_class():
     return FoscarLayer
 
 
+def rank_heads(model, heads: int, kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(query heads, KV heads) that this process's attention layers compute, of the config's global
+    ``heads`` and ``kv_heads``: all of them, or on a tensor-parallel model (transformers'
+    ``tp_plan``) this rank's share. Read from the first decoder attention layer's key projection (a
+    module with ``k_proj`` and ``layer_idx``): its rows are this rank's KV heads (a DTensor's local
+    shard; a plain tensor as it is); the ranks are the DTensor mesh dimensions that shard them, else
+    the global width over the local one. A model without such a layer (fused QKV) is taken as unsharded."""
+    k_proj = next((m.k_proj for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")), None)
+    weight = getattr(k_proj, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return heads, kv_heads
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    width, total = local.shape[0], kv_heads * head_dim
+    if hasattr(weight, "device_mesh"):  # a DTensor: the mesh dimensions that shard its rows
+        ranks = math.prod(weight.device_mesh.size(i) for i, p in enumerate(weight.placements) if p.is_shard(0))
+    else:
+        ranks = total // width if 0 < width <= total and total % width == 0 else None
+    if ranks is None or kv_heads % ranks or width != kv_heads // ranks * head_dim:
+        split = f"{ranks} tensor-parallel ranks" if ranks else "the tensor-parallel ranks"
+        raise ValueError(f"model: its {heads} query / {kv_heads} KV heads (head_dim {head_dim}) do not divide "
+                         f"evenly among {split}: this rank's k_proj computes {width} of the {total} key "
+                         "features; shard the attention over a number of ranks that divides both head counts, or "
+                         "keep it replicated (a tp_plan without the attention projections)")
+    return heads // ranks, kv_heads // ranks
+
+
 def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq_len: int = 4096, sink: int = 64,
                 window: int = 256, rotate: bool | None = None, k: str = "channel", k_group: int | None = None,
                 v: str = "token", v_group: int | None = None, page_size: int | None = None, num_pages: int | None = None,
@@ -298,6 +325,8 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     k_group = _default_group(k, head_dim) if k_group is None else k_group
     v_group = _default_group(v, head_dim) if v_group is None else v_group
+    if is_model:
+        heads, kv_heads = rank_heads(model_or_config, heads, kv_heads, head_dim)
     scheme = Scheme.make(bits, k, k_group, v, v_group, head_dim, heads // kv_heads, dtype, k_bits=k_bits, v_bits=v_bits)
     rotate = scheme.k.bits == 2 if rotate is None else rotate
     probe = PagedKVCache(scheme, 1, 1, 1, 1, max_seq_len, page_size, sink, window, device="meta", use_kernels=False)
