@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -369,7 +370,8 @@ def markdown(meta: dict, ppl_rows, agreement, retrieval_rows) -> str:
              f"Command: `{meta['command']}`", "",
              f"Device: {meta['device']} ({meta['path']}). {meta['versions']}. Run time {meta['minutes']:.1f} min "
              f"(of which {compiles:.0f} s compiling or loading kernels).", "",
-             f"Model: {accuracy.SOURCES['model']}. Text: {accuracy.SOURCES['text']}; {meta['text_tokens']} tokens.",
+             f"Model: {accuracy.SOURCES['model']}; sha256 {meta['model_sha256']}. Text: {accuracy.SOURCES['text']}; "
+             f"{meta['text_tokens']} tokens.",
              "", f"Formats ({SINK}-token sink + {WINDOW}-token window in BF16 for all; groups of head_dim 64): "
              f"{formats}.", "", "Protocol: the docstring of `benchmarks/accuracy_long.py`.", ""]
     if ppl_rows:
@@ -495,14 +497,17 @@ def parse_args(argv):
     parser.add_argument("--compare", type=int, help="scored steps compared between the kernels and the torch path "
                         f"(CUDA only; 0: skip; default {FULL['compare']})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gguf", default=None, help=f"the model file (default: {accuracy.MODEL_FILE} of the installed "
+                        f"package {accuracy.MODEL_PACKAGE}; its sha256 goes into the report either way)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--tag", default=None, help="file stem (default accuracy-long-smollm2-135m-<device>-<date>, "
                         "+ -quick with --quick)")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     for name in ("trials", "ppl_rows", "ppl_length", "score", "greedy", "compare"):
-        if getattr(args, name) is None:
-            setattr(args, name, sizes[name])
+        if getattr(args, name) is None:  # greedy and compare default to at most --score
+            setattr(args, name, min(sizes[name], args.score or sizes["score"]) if name in ("greedy", "compare")
+                    else sizes[name])
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     args.lengths = ints(args.lengths) if args.lengths else sizes["lengths"]
     args.depths = ints(args.depths) if args.depths else sizes["depths"]
@@ -529,6 +534,14 @@ def device_label(device: torch.device) -> tuple[str, str]:
         name = torch.cuda.get_device_name(device)
         return name, re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
     return accuracy.cpu_name(), "cpu"
+
+
+def sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def versions() -> str:
@@ -561,13 +574,14 @@ def main(argv=None):
     log = lambda text: print(f"[{time.perf_counter() - start:6.1f} s] {text}", flush=True)  # noqa: E731
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    tokenizer, model = accuracy.load_model()
+    tokenizer, model = accuracy.load_model(args.gguf)
     model = model.to(device)
     limit = model.config.max_position_embeddings
     if max(args.lengths + [args.ppl_length]) > limit:
         raise ValueError(f"--lengths / --ppl-length: the model's context is {limit} tokens")
     text_ids = torch.tensor(tokenizer(accuracy.load_text(), add_special_tokens=False).input_ids)
     meta = run_meta(args, argv, device, text_ids.numel())
+    meta["model_sha256"] = sha256(args.gguf or accuracy.packaged_file(accuracy.MODEL_PACKAGE, accuracy.MODEL_FILE))
     meta["compile_seconds"] = {}
     for fmt in args.formats:  # first, so that the parts below time the steps alone
         if FORMATS[fmt] is not None and device.type == "cuda":

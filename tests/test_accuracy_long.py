@@ -75,6 +75,8 @@ def test_every_format_builds_a_foscar_cache_and_bf16_is_the_baseline():
 def test_options_put_the_baseline_first_and_refuse_unknown_formats():
     args = accuracy_long.parse_args(["--quick", "--formats", "int2,bf16,int2"])
     assert args.formats == ["bf16", "int2"] and args.lengths == accuracy_long.QUICK["lengths"]
+    short = accuracy_long.parse_args(["--score", "4"])  # the greedy and compare defaults follow a short --score
+    assert (short.greedy, short.compare) == (4, 4)
     for bad in (["--formats", "int3"], ["--depths", "120"], ["--greedy", "600"], ["--greedy", "0"], ["--trials", "0"]):
         with pytest.raises(SystemExit):
             accuracy_long.parse_args(bad)
@@ -83,8 +85,9 @@ def test_options_put_the_baseline_first_and_refuse_unknown_formats():
 def _records():
     """Synthetic results of every part (the kernels-vs-torch part runs on CUDA only: its report is checked here)."""
     meta = {"date": "today", "device": "test", "device_tag": "test", "path": "p", "versions": "v", "command": "c",
-            "text_tokens": 1, "formats": ["bf16", "int4", "int2"], "minutes": 1.0, "compile_seconds": {"int4": 2.0},
-            "trials": 100, "ppl_rows": 4, "ppl_length": 8192, "score": 256, "greedy": 32}
+            "text_tokens": 1, "model_sha256": "x", "formats": ["bf16", "int4", "int2"], "minutes": 1.0,
+            "compile_seconds": {"int4": 2.0}, "trials": 100, "ppl_rows": 4, "ppl_length": 8192, "score": 256,
+            "greedy": 32}
     ppl = [{"format": f, "quantized_share": 0.9, "ppl": p, "ppl_delta": p - 10.0, "kl": 0.01, "top1_agreement": 0.9,
             "greedy_agreement": 0.5} for f, p in (("bf16", 10.0), ("int4", 10.1), ("int2", 11.0))]
     agreement = [{"format": "int4", "steps": 128, "greedy_steps": 32, "ppl_a": 10.1, "ppl_b": 10.1, "ppl_bf16": 10.0,
