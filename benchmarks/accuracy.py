@@ -105,14 +105,17 @@ def packaged_file(package: str, path: str) -> Path:
     return found
 
 
-def load_model():
+def load_model(gguf: str | os.PathLike | None = None):
     """(tokenizer, model): the GGUF checkpoint on the CPU in BF16, FOSCAR's attention function selected
-    (it falls back to SDPA for prefill and for caches other than FoscarCache)."""
+    (it falls back to SDPA for prefill and for caches other than FoscarCache). ``gguf``: the file (default:
+    the one the package ships; a path serves a machine where the 98 MB package cannot be installed)."""
     import transformers
 
     from foscar.integrations.transformers import use_foscar
 
-    gguf = packaged_file(MODEL_PACKAGE, MODEL_FILE)
+    gguf = Path(gguf) if gguf is not None else packaged_file(MODEL_PACKAGE, MODEL_FILE)
+    if not gguf.is_file():
+        raise FileNotFoundError(f"gguf: no file {gguf}")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                               dtype=torch.bfloat16)
