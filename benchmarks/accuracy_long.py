@@ -61,7 +61,10 @@ FORMATS = {
     "int4": dict(bits=4, k="channel", v="token"),  # KIVI layout: K channel-wise, V token-wise
     "int2": dict(bits=2, k="channel", v="token", rotate=True),  # + Hadamard rotation of K and Q
     "k4v2": dict(k_bits=4, v_bits=2, k="channel", v="token"),
+    # a format written outside the package (foscar.formats): --user-formats tests/user_formats.py registers int8
+    "int8": dict(bits=8, k="channel", v="token"),
 }
+DEFAULT_FORMATS = ("bf16", "int4", "int2", "k4v2")
 BASELINE = "bf16"
 SINK, WINDOW = 64, 256
 
@@ -484,8 +487,11 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"small sizes for a CPU smoke run: {QUICK}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {list(FORMATS)} "
+    parser.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help=f"comma-separated, of {list(FORMATS)} "
                         f"({BASELINE} is always run first: the reference)")
+    parser.add_argument("--user-formats", default=None, metavar="FILE_OR_MODULE",
+                        help="import it first: the code formats it registers (foscar.formats), e.g. "
+                             "--user-formats tests/user_formats.py for int8")
     parser.add_argument("--lengths", help=f"passkey prompt lengths with the answer (default {FULL['lengths']})")
     parser.add_argument("--depths", help=f"needle depths in %% of the filler (default {FULL['depths']})")
     parser.add_argument("--trials", type=int, help=f"passkey prompts per (length, depth): the batch "
@@ -515,6 +521,16 @@ def parse_args(argv):
     unknown = [f for f in names if f not in FORMATS]
     if unknown:
         parser.error(f"--formats: unknown {unknown}; known: {list(FORMATS)}")
+    if args.user_formats:
+        from benchmarks.decode import import_user_formats
+
+        import_user_formats(args.user_formats)
+    from foscar.formats import FORMATS as REGISTERED
+
+    unregistered = [f for f in names if FORMATS[f] and any(f"int{FORMATS[f][k]}" not in REGISTERED
+                                                           for k in ("bits", "k_bits", "v_bits") if k in FORMATS[f])]
+    if unregistered:
+        parser.error(f"--formats: {unregistered} need a registered format: pass --user-formats tests/user_formats.py")
     args.formats = [BASELINE] + [f for f in dict.fromkeys(names) if f != BASELINE]
     if not all(0 <= d <= 100 for d in args.depths):
         parser.error(f"--depths must be in 0..100, got {args.depths}")

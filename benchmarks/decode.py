@@ -222,6 +222,22 @@ def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=6
     return [(lambda layer=layer: cache.attend(layer, seqs, q)) for layer in range(copies)], nbytes, copies
 
 
+def import_user_formats(spec: str):
+    """Import the module that registers user code formats (``foscar.formats``): a file path
+    (``tests/user_formats.py``, imported under its stem) or a dotted module name."""
+    if not spec.endswith(".py"):
+        return importlib.import_module(spec)
+    if not os.path.isfile(spec):
+        raise SystemExit(f"--user-formats: no such file {spec!r}")
+    import importlib.util
+
+    name = os.path.splitext(os.path.basename(spec))[0]
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, spec))
+    sys.modules[name] = module
+    module.__spec__.loader.exec_module(module)
+    return module
+
+
 def scheme_of(method: str):
     """The Scheme a FOSCAR method names (Qwen3-8B geometry; the sweep sets head_dim and GQA per model):
     ``<format>-k<t|c><group>`` (K token- or channel-wise, V token-wise in groups of 128) for any
@@ -372,13 +388,13 @@ def main(argv=None):
     parser.add_argument("--methods", default="flashinfer-bf16,flashinfer-fp8,sdpa-bf16,int2-kt128,int2-kc128,int4-kt128,"
                         "int4-kc128,int2-kc128+sw,int4-kt128+sw")
     parser.add_argument("--tag", default="decode")
-    parser.add_argument("--user-formats", default=None, metavar="MODULE",
-                        help="import MODULE first: the code formats it registers (foscar.formats) become methods, "
-                             "e.g. --user-formats tests.user_formats --methods int8-kt128,k8v4-kc128")
+    parser.add_argument("--user-formats", default=None, metavar="FILE_OR_MODULE",
+                        help="import it first: the code formats it registers (foscar.formats) become methods, "
+                             "e.g. --user-formats tests/user_formats.py --methods int8-kt128,k8v4-kc128")
     parser.add_argument("--reps", type=int, default=None, help="graph replays per row (default 30; 10 with --quick)")
     args = parser.parse_args(argv)
     if args.user_formats:
-        importlib.import_module(args.user_formats)
+        import_user_formats(args.user_formats)
     methods = args.methods.split(",")
     for method in methods:  # a typo fails now, naming the choices, not after the first configs
         if method not in BASELINES and scheme_of(method) is None:

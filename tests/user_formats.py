@@ -1,6 +1,6 @@
 """Code formats written outside the package, the way a user writes one (``foscar.formats``): registered
 on import (``tests/conftest.py`` imports this module), they join the registry-driven GPU coverage matrix
-(``foscar.testing.coverage_matrix``) and ``python -m benchmarks.decode --user-formats tests.user_formats``.
+(``foscar.testing.coverage_matrix``) and ``python -m benchmarks.decode --user-formats tests/user_formats.py``.
 """
 
 from foscar.formats import MinMaxFormat, register_format
