@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -66,6 +67,16 @@ from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_group
 from .scheme import Axis, Scheme
 
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
+
+
+class _AttendPlan(NamedTuple):
+    """What a torch-path attend of a batch at given lengths reads (the same in every layer)."""
+
+    quantized: slice | torch.Tensor  # the quantized part's tokens in a layer's fp32 pages: a slice, or an index
+    width: int  # quantized-part tokens per sequence (whole pages)
+    rows: slice | torch.Tensor  # the sequences' rows of the 16-bit slots
+    bias: torch.Tensor  # [B, 1, 1, width + S + ring]: 0 at a token the sequence holds, -inf elsewhere
+    maybe_empty: bool  # whether a sequence may hold no token at all
 
 
 class PagePoolFull(RuntimeError):
@@ -175,6 +186,7 @@ class PagedKVCache:
         self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64)  # host mirror of lengths
         self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
         self._index_cache: dict[tuple, torch.Tensor] = {}
+        self._plan: tuple[tuple, _AttendPlan] | None = None  # the last torch-path attend's (key, plan)
         # the attend launch's per-(sequence, KV head) completion counters (foscar.split_merge):
         # zero between launches, shared by the layers (their launches are ordered on the stream)
         self._counters = torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=dev)
@@ -302,6 +314,7 @@ class PagedKVCache:
         self._free_pages.extend(reversed(self._pages[seq_id]))
         self._pages[seq_id] = None
         self.page_table[seq_id].fill_(self.trash_page)
+        self._plan = None
         self.lengths[:, seq_id] = 0
         self._host_len[:, seq_id] = 0
 
@@ -323,14 +336,14 @@ class PagedKVCache:
             return
         pages = self._pages[seq_id]
         new = [self._free_pages.pop() for _ in range(count)]
+        self._plan = None  # it read the page table
         self.page_table[seq_id, len(pages):len(pages) + count] = torch.tensor(new, dtype=torch.int32).to(self.device)
         pages.extend(new)
 
-    def _reserve_for_append(self, layer: int, ids: tuple, tokens: int) -> None:
-        """All-or-nothing page reservation for appending ``tokens`` to ``ids`` in ``layer``
-        (pages are shared by the layers: the first layer to grow reserves them for all)."""
-        totals = self._host_len[layer, list(ids)] + tokens
-        need = [self.pages_for(int(n)) - len(self._pages[s]) for s, n in zip(ids, totals)]
+    def _reserve_for_append(self, ids: tuple, held: list[int], tokens: int) -> None:
+        """All-or-nothing page reservation for appending ``tokens`` to ``ids``, which hold ``held`` tokens in
+        the layer appended to (pages are shared by the layers: the first layer to grow reserves them for all)."""
+        need = [self.pages_for(n + tokens) - len(self._pages[s]) for s, n in zip(ids, held)]
         if sum(max(0, x) for x in need) > self.free_pages:
             raise PagePoolFull(f"page pool full: appending {tokens} token(s) to seq_ids {list(ids)} needs "
                                f"{sum(max(0, x) for x in need)} more pages, {self.free_pages} of num_pages="
@@ -428,7 +441,7 @@ class PagedKVCache:
             held = self._host_len[layer, list(ids)].tolist()
             if max(held) + tokens > self.max_seq_len:
                 raise ValueError(f"k: appending {tokens} token(s) would exceed max_seq_len={self.max_seq_len}")
-            self._reserve_for_append(layer, ids, tokens)
+            self._reserve_for_append(ids, held, tokens)
             # the torch path skips the quantize step of the (usual) append that completes no granule; the
             # kernel path keeps it, so that its eager steps are the graph's
             flush = self.use_kernels or any(self.quantized_tokens(n + 1) > self.quantized_tokens(n) for n in held)
@@ -576,34 +589,40 @@ class PagedKVCache:
                 self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, self.lengths[layer], self._counters,
                 self.sink, self.window, sm_scale, scheme, self.num_splits(q.shape[0]), self.cta_budget)
             return (out, lse) if return_lse else out
+        out, lse = self._softmax_attend(layer, q, self._attend_plan(layer, ids, index), sm_scale)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
+
+    def _attend_plan(self, layer, ids, index) -> _AttendPlan:
+        """What a torch-path attend of ``ids`` reads; outside a capture it is kept for the next attend of the
+        same sequences at the same lengths (every layer's at a decode step): pages and slots are laid out
+        alike in every layer, and a page-table change drops it."""
+        capturing = _capturing(self.device)
+        if not capturing:
+            self._sync_mirror()
+            key = (ids, tuple(self._host_len[layer, list(ids)].tolist()))
+            if self._plan is not None and self._plan[0] == key:
+                return self._plan[1]
         contiguous = ids == tuple(range(ids[0], ids[0] + len(ids)))
         rows = slice(ids[0], ids[0] + len(ids)) if contiguous else index  # slices avoid gathers
         n = self.lengths[layer, index]
         qlen = self._quantized_tokens_dev(n)
-        k_q, v_q, valid_q = self._quantized_part(layer, ids, rows, qlen)
-        k_s, v_s = self._slots_fp32["k"][layer][rows], self._slots_fp32["v"][layer][rows]  # [B, kvh, S + ring, D]
-        valid = torch.cat([valid_q, self._valid_slots(n, qlen)], dim=1)
-        out, lse = self._softmax_attend(q, (k_q, k_s), (v_q, v_s), valid, sm_scale)
-        out = out.to(q.dtype)
-        return (out, lse) if return_lse else out
-
-    def _quantized_part(self, layer, ids, rows, qlen):
-        """fp32 ``k, v [B, kvh, L, D]`` of the quantized tokens in page-table order and ``valid [B, L]``,
-        ``L`` a whole number of pages: at least one (the trash page for a sequence without quantized
-        tokens, all invalid), all of them while capturing."""
         table = self.page_table[rows]
-        if not _capturing(self.device):  # only pages that hold tokens: work follows the lengths, not max_seq_len
+        if not capturing:  # only pages that hold tokens (at least one): work follows the lengths, not max_seq_len
             table = table[:, :max(1, -(-int(qlen.max()) // self.page_size))]
-        batch, width = table.shape[0], table.shape[1] * self.page_size
-        valid = torch.arange(width, device=self.device)[None, :] < qlen[:, None]
+        width = table.shape[1] * self.page_size
         first = self._page_run(ids, table.shape[1])
-        if first is not None:  # one sequence whose pages follow each other in the pool: a view, no gather
-            tokens = slice(first * self.page_size, first * self.page_size + width)
-            return self._dequantized["k"][layer][None, :, tokens], self._dequantized["v"][layer][None, :, tokens], valid
-        tokens = (table.long()[:, :, None] * self.page_size + self._page_steps).reshape(-1)
-        k, v = (self._dequantized[role][layer].index_select(1, tokens).view(self.kv_heads, batch, width, -1)
-                .transpose(0, 1) for role in "kv")
-        return k, v, valid
+        if first is not None:  # one sequence whose pages follow each other in the pool: read in place
+            quantized = slice(first * self.page_size, first * self.page_size + width)
+        else:
+            quantized = (table.long()[:, :, None] * self.page_size + self._page_steps).reshape(-1)
+        valid = torch.cat([torch.arange(width, device=self.device)[None, :] < qlen[:, None],
+                           self._valid_slots(n, qlen)], dim=1)
+        bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, -torch.inf)[:, None, None, :]
+        plan = _AttendPlan(quantized, width, rows, bias, capturing or min(key[1]) == 0)
+        if not capturing:
+            self._plan = (key, plan)
+        return plan
 
     def _page_run(self, ids, count):
         """The first page where ``ids`` is one sequence whose first ``count`` pages are consecutive in the
@@ -620,16 +639,26 @@ class PagedKVCache:
         in_ring = (j - self.sink - qlen[:, None]) % self.ring < recent
         return torch.where(j < self.sink, j < n[:, None], in_ring)
 
-    def _softmax_attend(self, q, ks, vs, valid, sm_scale):
-        """fp32 attention of ``q [B, Hq, D]`` over the parts ``ks, vs`` (each ``[B, kvh, L_i, D]``) where
-        ``valid [B, sum L_i]``; a row with no valid token gets ``out = 0``, ``lse = -inf``."""
+    def _read(self, layer, role, plan):
+        """fp32 ``(quantized part [B, kvh, width, D], slots [B, kvh, S + ring, D])`` of ``role`` by ``plan``."""
+        values = self._dequantized[role][layer]
+        if isinstance(plan.quantized, slice):
+            quantized = values[None, :, plan.quantized]
+        else:
+            batch = plan.quantized.numel() // plan.width
+            quantized = values.index_select(1, plan.quantized).view(self.kv_heads, batch, plan.width, -1).transpose(0, 1)
+        return quantized, self._slots_fp32[role][layer][plan.rows]
+
+    def _softmax_attend(self, layer, q, plan, sm_scale):
+        """fp32 attention of ``q [B, Hq, D]`` over what ``plan`` reads, one softmax over the quantized part and
+        the slots; a sequence that holds no token gets ``out = 0``, ``lse = -inf``."""
         batch, hq, d = q.shape
-        qg = q.float().reshape(batch, self.kv_heads, hq // self.kv_heads, d)
-        scores = torch.cat([torch.matmul(qg, k.transpose(-1, -2)) for k in ks], dim=-1) * sm_scale
-        scores = scores.masked_fill(~valid[:, None, None, :], -torch.inf)
+        (k_q, k_s), (v_q, v_s) = self._read(layer, "k", plan), self._read(layer, "v", plan)
+        qg = (q.float() * sm_scale).reshape(batch, self.kv_heads, hq // self.kv_heads, d)
+        scores = torch.cat([torch.matmul(qg, k_q.mT), torch.matmul(qg, k_s.mT)], dim=-1).add_(plan.bias)
         lse = torch.logsumexp(scores, dim=-1)
-        p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-        out = sum(torch.matmul(part, v) for part, v in zip(p.split([v.shape[2] for v in vs], dim=-1), vs))
+        p = scores.sub_((torch.where(torch.isfinite(lse), lse, 0.0) if plan.maybe_empty else lse)[..., None]).exp_()
+        out = torch.matmul(p[..., :plan.width], v_q).add_(torch.matmul(p[..., plan.width:], v_s))
         return out.reshape(batch, hq, d), lse.reshape(batch, hq)
 
     # ------------------------------------------------------------------ inspection

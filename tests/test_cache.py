@@ -335,14 +335,14 @@ def test_cpu_attend_work_follows_the_lengths_not_max_seq_len(rng, monkeypatch):
     """The torch path attends only the pages that hold tokens: a cache sized for 32K tokens attends a
     short sequence over its own pages, with the same result as a small cache."""
     widths = []
-    real = PagedKVCache._quantized_part
+    real = PagedKVCache._attend_plan
 
     def spy(self, *args):
-        k, v, valid = real(self, *args)
-        widths.append(k.shape[2] // self.page_size)  # the pages attended
-        return k, v, valid
+        plan = real(self, *args)
+        widths.append(plan.width // self.page_size)  # the pages attended
+        return plan
 
-    monkeypatch.setattr(PagedKVCache, "_quantized_part", spy)
+    monkeypatch.setattr(PagedKVCache, "_attend_plan", spy)
     scheme = SCHEMES[1]
     k, v = kv(rng, scheme, 1, 700)
     q = torch.randn(1, 2 * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)
