@@ -83,7 +83,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# CPU decode step: plain transformers vs FoscarCache (SmolLM2-135M, {meta['date']})", "",
              f"Command: `{meta['command']}`", "",
              f"Machine: {meta['device']}. torch {meta['torch']}, transformers {meta['transformers']}, Python "
-             f"{meta['python']}; commit {meta['commit']}.", "",
+             f"{meta['python']}; commit {meta['commit']}. Load average (1 min) before / after the steps: "
+             f"{meta['load_average_1min'][0]:.1f} / {meta['load_average_1min'][1]:.1f} (other processes on the "
+             "same cores slow every method, unevenly: compare runs of similar load).", "",
              f"Protocol: {meta['prompt']}-token prompt (batch 1) prefilled into each method's cache, then greedy "
              f"decode steps taken by the methods in turn; {meta['warmup']} untimed steps, then {meta['steps']} timed "
              "(wall clock of the model forward + argmax). FoscarCache: sink 64, window 256 (PagedKVCache's torch "
@@ -122,13 +124,15 @@ def main(argv=None):
 
     tokenizer, plain, foscar_model = load_models()
     ids = tokenizer(accuracy.load_text(), add_special_tokens=False, return_tensors="pt").input_ids[:, :args.prompt]
+    load_before = os.getloadavg()[0]
     rows = measure(plain, foscar_model, ids, args.methods, args.steps, args.warmup)
+    load = [load_before, os.getloadavg()[0]]
     argv = argv if argv is not None else sys.argv[1:]
     threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": accuracy.cpu_name(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(), "commit": git_commit(),
-            "prompt": ids.shape[1], "steps": args.steps, "warmup": args.warmup,
+            "prompt": ids.shape[1], "steps": args.steps, "warmup": args.warmup, "load_average_1min": load,
             "command": f"{threads}python -m benchmarks.cpu_step " + " ".join(argv), "sources": accuracy.SOURCES}
     os.makedirs(args.out, exist_ok=True)
     name = f"cpu-step-{datetime.date.today().isoformat()}" + (f"-{args.label}" if args.label else "")
