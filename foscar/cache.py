@@ -619,7 +619,7 @@ class PagedKVCache:
         valid = torch.cat([torch.arange(width, device=self.device)[None, :] < qlen[:, None],
                            self._valid_slots(n, qlen)], dim=1)
         bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, -torch.inf)[:, None, None, :]
-        plan = _AttendPlan(quantized, width, rows, bias, capturing or min(key[1]) == 0)
+        plan = _AttendPlan(quantized, width, rows, bias, capturing or 0 in key[1])  # a capture sees no lengths
         if not capturing:
             self._plan = (key, plan)
         return plan
@@ -646,7 +646,8 @@ class PagedKVCache:
             quantized = values[None, :, plan.quantized]
         else:
             batch = plan.quantized.numel() // plan.width
-            quantized = values.index_select(1, plan.quantized).view(self.kv_heads, batch, plan.width, -1).transpose(0, 1)
+            quantized = values.index_select(1, plan.quantized).view(self.kv_heads, batch, plan.width, -1)
+            quantized = quantized.transpose(0, 1)
         return quantized, self._slots_fp32[role][layer][plan.rows]
 
     def _softmax_attend(self, layer, q, plan, sm_scale):
