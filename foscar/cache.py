@@ -38,9 +38,12 @@ step as a quantize launch whose granules are skipped (page ``-1``) unless due, a
 allocation happens inside. Pages must then be reserved up front (:meth:`reserve`); temporaries come from the
 capturing graph's private memory pool.
 
-On CPU tensors (CI) the same logic runs in torch: the torch quantizer (``foscar.quantize``), a
-dequantize-then-attend for the quantized part, and an fp32 attention over the BF16 part merged by
-log-sum-exp (what the GPU launch does).
+On CPU tensors (CI) the same logic runs in torch (``use_kernels=False``): the torch quantizer
+(``foscar.quantize``) and an fp32 attention over the dequantized pages and the BF16 slots, one softmax over
+both. Only this path keeps fp32 copies of what it attends, written with what they copy, so that a decode
+step neither unpacks pages nor converts slots: each quantized token's dequantized value (what
+``QuantizedKV.dequantize`` gives, written when its granule is quantized) and each 16-bit slot. They cost 4
+bytes per element (the pool's codes take 1/4 or 1/2) and are not counted by :meth:`PagedKVCache.nbytes`.
 
 Optional Hadamard rotation (QuaRot/OSCAR): K and Q are multiplied per head by the normalized
 Sylvester Hadamard matrix ``H`` (orthogonal, so ``(qH)(kH)^T = qk^T``): outliers spread over all
@@ -53,19 +56,30 @@ import math
 
 import numbers
 import os
+from typing import NamedTuple
 
 import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
-from .quantize import PAGE_SIZES, QuantizedKV, quantize_groups
+from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups
 from .scheme import PARAM_DTYPE, Axis, Scheme
 from .work_list import CTAS_PER_SM, plan_splits
 
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
 
 MAX_INDEX = 2**31 - 1  # the kernels hold token positions and page indices in 32-bit ints
+
+
+class _AttendPlan(NamedTuple):
+    """What a torch-path attend of a batch at given lengths reads (the same in every layer)."""
+
+    quantized: slice | torch.Tensor  # the quantized part's tokens in a layer's fp32 pages: a slice, or an index
+    width: int  # quantized-part tokens per sequence (whole pages)
+    rows: slice | torch.Tensor  # the sequences' rows of the 16-bit slots
+    bias: torch.Tensor  # [B, 1, 1, width + S + ring]: 0 at a token the sequence holds, -inf elsewhere
+    maybe_empty: bool  # whether a sequence may hold no token at all
 
 
 class PagePoolFull(RuntimeError):
@@ -201,6 +215,11 @@ class PagedKVCache:
         bf16_shape = (num_layers, max_seqs, kv_heads, sink + self.ring, d)
         self.k_bf16 = torch.zeros(bf16_shape, dtype=dtype, device=dev)
         self.v_bf16 = torch.zeros(bf16_shape, dtype=dtype, device=dev)
+        # torch path: fp32 copies of what attend reads (module docstring): the dequantized pages
+        # ([layers, kv_heads, pool * page_size, D]: a page's tokens contiguous per head) and the 16-bit slots
+        fp32 = lambda *shape: {role: torch.zeros(shape, dtype=torch.float32, device=dev) for role in "kv"}  # noqa: E731
+        self._dequantized = None if self.use_kernels else fp32(num_layers, kv_heads, pool * page_size, d)
+        self._slots_fp32 = None if self.use_kernels else fp32(*bf16_shape)
         # rows padded to 16 bytes: a layer's row is handed to the decode launch, whose pointers are 16-byte aligned
         self.lengths = torch.zeros(num_layers, max_seqs + max_seqs % 2, dtype=torch.int64, device=dev)[:, :max_seqs]
         self.page_table = torch.full((max_seqs, self.max_pages), self.trash_page, dtype=torch.int32, device=dev)
@@ -211,11 +230,14 @@ class PagedKVCache:
         self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64)  # host mirror of lengths
         self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
         self._index_cache: dict[tuple, torch.Tensor] = {}
+        self._plan: tuple[tuple, _AttendPlan] | None = None  # the last torch-path attend's (key, plan)
         # the attend launch's per-(sequence, KV head) completion counters (foscar.split_merge):
         # zero between launches, shared by the layers (their launches are ordered on the stream)
         self._counters = torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=dev)
         self._heads = torch.arange(kv_heads, device=dev)
         self._granule_steps = torch.arange(granule, device=dev)
+        self._page_steps = torch.arange(page_size, device=dev)
+        self._slots = torch.arange(sink + self.ring, device=dev)  # the 16-bit slots of a sequence
         self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         self.cta_budget = self._num_sms * CTAS_PER_SM  # one wave of the decode launch (class docstring)
         self._splits: dict[int, int] = {}  # num_splits per batch size
@@ -279,7 +301,8 @@ class PagedKVCache:
         return list(self._pages[seq_id])
 
     def nbytes(self) -> dict:
-        """Device bytes of each part (all layers): packed pool, BF16 sink + window, page table."""
+        """Device bytes of each part (all layers): packed pool, BF16 sink + window, page table (the torch
+        path's fp32 copies of them are not the cache's format, and not counted)."""
         size = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {"quantized": size(self.k_codes, self.k_params, self.v_codes, self.v_params),
                 "bf16": size(self.k_bf16, self.v_bf16), "page_table": size(self.page_table)}
@@ -315,14 +338,33 @@ class PagedKVCache:
 
     def allocate_prefilled(self, num_tokens: int) -> int:
         """Claim a sequence that already holds ``num_tokens`` tokens: whatever its pages and BF16
-        slots contain is taken as their contents (every layer). For benchmarks: write random codes
+        slots contain now is taken as their contents (every layer). For benchmarks: write random codes
         and params straight into the pools (the real layout and byte counts, without quantizing a
         long prefix first); attention time does not depend on the values. Returns its id."""
         seq_id = self.allocate(num_tokens)
         self._sync_mirror()
         self.lengths[:, seq_id] = num_tokens
         self._host_len[:, seq_id] = num_tokens
+        self._copy_to_fp32(seq_id)
         return seq_id
+
+    def _copy_to_fp32(self, seq_id: int) -> None:
+        """Torch path: derive the fp32 copies of ``seq_id``'s pages and slots from the pools (all layers)."""
+        if self._dequantized is None:
+            return
+        for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
+            self._slots_fp32[role][:, seq_id] = bf16[:, seq_id].float()
+        pages = self._pages[seq_id]
+        if not pages:
+            return
+        table = torch.tensor([pages], dtype=torch.int32).to(self.device)
+        lengths = torch.tensor([len(pages) * self.page_size], dtype=torch.int32).to(self.device)
+        tokens = (table[0].long()[:, None] * self.page_size + self._page_steps).reshape(-1)
+        for layer in range(self.num_layers):
+            pages_kv = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer],
+                                   self.v_codes[layer], self.v_params[layer], table, lengths, self.arch.layout)
+            for role, x in zip("kv", pages_kv.dequantize()):
+                self._dequantized[role][layer].index_copy_(1, tokens, x[0])
 
     def free(self, seq_id: int) -> None:
         """Return the pages of ``seq_id`` to the pool and release its slot."""
@@ -332,6 +374,7 @@ class PagedKVCache:
         self._free_pages.extend(reversed(self._pages[seq_id]))
         self._pages[seq_id] = None
         self.page_table[seq_id].fill_(self.trash_page)
+        self._plan = None
         self.lengths[:, seq_id] = 0
         self._host_len[:, seq_id] = 0
 
@@ -353,14 +396,14 @@ class PagedKVCache:
             return
         pages = self._pages[seq_id]
         new = [self._free_pages.pop() for _ in range(count)]
+        self._plan = None  # it read the page table
         self.page_table[seq_id, len(pages):len(pages) + count] = torch.tensor(new, dtype=torch.int32).to(self.device)
         pages.extend(new)
 
-    def _reserve_for_append(self, layer: int, ids: tuple, tokens: int) -> None:
-        """All-or-nothing page reservation for appending ``tokens`` to ``ids`` in ``layer``
-        (pages are shared by the layers: the first layer to grow reserves them for all)."""
-        totals = self._host_len[layer, list(ids)] + tokens
-        need = [self.pages_for(int(n)) - len(self._pages[s]) for s, n in zip(ids, totals)]
+    def _reserve_for_append(self, ids: tuple, held: list[int], tokens: int) -> None:
+        """All-or-nothing page reservation for appending ``tokens`` to ``ids``, which hold ``held`` tokens in
+        the layer appended to (pages are shared by the layers: the first layer to grow reserves them for all)."""
+        need = [self.pages_for(n + tokens) - len(self._pages[s]) for s, n in zip(ids, held)]
         if sum(max(0, x) for x in need) > self.free_pages:
             raise PagePoolFull(f"page pool full: appending {tokens} token(s) to seq_ids {list(ids)} needs "
                                f"{sum(max(0, x) for x in need)} more pages, {self.free_pages} of num_pages="
@@ -448,19 +491,23 @@ class PagedKVCache:
             raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
         tokens = k.shape[2]
         capturing = _capturing(self.device)
+        flush = True  # whether a one-token append runs the quantize step
         if capturing:
             if tokens != 1:
                 raise RuntimeError("append of several tokens per sequence plans on the host: not capturable")
             self._mirror_stale = True
         else:
             self._sync_mirror()
-            longest = int(self._host_len[layer, list(ids)].max()) + tokens
-            if longest > self.max_seq_len:
+            held = self._host_len[layer, list(ids)].tolist()
+            if max(held) + tokens > self.max_seq_len:
                 raise ValueError(f"k: appending {tokens} token(s) would exceed max_seq_len={self.max_seq_len}")
-            self._reserve_for_append(layer, ids, tokens)
+            self._reserve_for_append(ids, held, tokens)
+            # the torch path skips the quantize step of the (usual) append that completes no granule; the
+            # kernel path keeps it, so that its eager steps are the graph's
+            flush = self.use_kernels or any(self.quantized_tokens(n + 1) > self.quantized_tokens(n) for n in held)
         k = self._rotate(k)
         if tokens == 1:
-            self._append_step(layer, index, k, v)
+            self._append_step(layer, index, k, v, flush)
         else:
             self._append_bulk(layer, ids, index, k, v)
         if not capturing:
@@ -472,14 +519,14 @@ class PagedKVCache:
             return torch.where(pos < self.sink, pos, self.sink + (pos - self.sink) % self.ring)
         return pos if pos < self.sink else self.sink + (pos - self.sink) % self.ring
 
-    def _append_step(self, layer, index, k, v):
+    def _append_step(self, layer, index, k, v, flush):
         n0 = self.lengths[layer, index]  # [B]
         slot = self._ring_slot(n0)
-        where = (index[:, None], self._heads[None, :], slot[:, None])
-        self.k_bf16[layer].index_put_(where, k[:, :, 0])
-        self.v_bf16[layer].index_put_(where, v[:, :, 0])
+        self._write_slots(layer, (index[:, None], self._heads[None, :], slot[:, None]), k[:, :, 0], v[:, :, 0])
         n1 = n0 + 1
         self.lengths[layer].index_copy_(0, index, n1)
+        if not flush:
+            return
         q0, q1 = self._quantized_tokens_dev(n0), self._quantized_tokens_dev(n1)
         # the granule that may be due: tokens S + q0 .. S + q0 + T - 1, all in the ring now
         ring = self.sink + (q0[:, None] + self._granule_steps[None, :]) % self.ring  # [B, T]
@@ -511,10 +558,10 @@ class PagedKVCache:
                         parts.append(new[b, :, max(n0, s0) - n0:s1 - n0])
                     block = torch.cat(parts, dim=1)  # [kvh, q1 - q0, D]
                     srcs[role].append(block.reshape(self.kv_heads, (q1 - q0) // T, T, -1).transpose(0, 1))
-                if n0 < self.sink:
-                    end = min(n1, self.sink)
-                    bf16[layer, seq_id, :, n0:end] = new[b, :, :end - n0]
                 ring_vals[role].append(new[b, :, first_recent - n0:])
+            if n0 < self.sink:
+                end = min(n1, self.sink)
+                self._write_slots(layer, (seq_id, slice(None), slice(n0, end)), k[b, :, :end - n0], v[b, :, :end - n0])
             ring_pos.append((seq_id, range(first_recent, n1)))
             for q in range(q0, q1, T):
                 pages.append(self._pages[seq_id][q // self.page_size])
@@ -529,11 +576,18 @@ class PagedKVCache:
         cols = torch.tensor([self._ring_slot(p) for _, r in ring_pos for p in r], dtype=torch.int64)
         if rows.numel():
             rows, cols = rows.to(self.device), cols.to(self.device)
-            for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
-                vals = torch.cat([x.transpose(0, 1) for x in ring_vals[role]])  # [tokens, kvh, D]
-                bf16[layer].index_put_((rows[:, None], self._heads[None, :], cols[:, None]), vals)
+            k_vals, v_vals = (torch.cat([x.transpose(0, 1) for x in ring_vals[role]]) for role in "kv")  # [t, kvh, D]
+            self._write_slots(layer, (rows[:, None], self._heads[None, :], cols[:, None]), k_vals, v_vals)
         self.lengths[layer].index_copy_(0, index, (self._host_len[layer, list(ids)] + k.shape[2]).to(
             self.device))
+
+    def _write_slots(self, layer, where, k, v):
+        """Write ``k``, ``v`` to the 16-bit slots ``where`` (an index into a layer's ``[max_seqs, kv_heads,
+        S + ring]``) and, on the torch path, to their fp32 copies."""
+        for role, bf16, x in (("k", self.k_bf16, k), ("v", self.v_bf16, v)):
+            bf16[layer][where] = x
+            if self._slots_fp32 is not None:
+                self._slots_fp32[role][layer][where] = x.float()
 
     def _quantize(self, layer, role, src, page, slot):
         """Quantize granules ``src [N, kvh, T, D]`` into ``page`` (< 0: skip) at token ``slot``."""
@@ -556,6 +610,9 @@ class PagedKVCache:
         first = slot.long() if quant.axis is Axis.TOKEN else slot.long() // quant.group
         rows = first[:, None] + torch.arange(rows_per_granule, device=src.device)[None, :]
         params[page[:, None], :, rows] = torch.stack([scale, offset], dim=-1).transpose(1, 2)
+        tokens = (page * self.page_size + slot.long())[:, None] + torch.arange(t, device=src.device)[None, :]
+        values = dequantize_groups(c, scale, offset, quant)  # [N, kvh, T, D]
+        self._dequantized[role][layer].index_copy_(1, tokens.reshape(-1), values.transpose(0, 1).reshape(kvh, n * t, d))
 
     # ------------------------------------------------------------------ attend
 
@@ -591,53 +648,77 @@ class PagedKVCache:
                 self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, self.lengths[layer], self._counters,
                 self.sink, self.window, sm_scale, scheme, self.num_splits(q.shape[0]), self.cta_budget)
             return (out, lse) if return_lse else out
+        out, lse = self._softmax_attend(layer, q, self._attend_plan(layer, ids, index), sm_scale)
+        out = out.to(q.dtype)
+        return (out, lse) if return_lse else out
+
+    def _attend_plan(self, layer, ids, index) -> _AttendPlan:
+        """What a torch-path attend of ``ids`` reads; outside a capture it is kept for the next attend of the
+        same sequences at the same lengths (every layer's at a decode step): pages and slots are laid out
+        alike in every layer, and a page-table change drops it."""
+        capturing = _capturing(self.device)
+        if not capturing:
+            self._sync_mirror()
+            key = (ids, tuple(self._host_len[layer, list(ids)].tolist()))
+            if self._plan is not None and self._plan[0] == key:
+                return self._plan[1]
         contiguous = ids == tuple(range(ids[0], ids[0] + len(ids)))
         rows = slice(ids[0], ids[0] + len(ids)) if contiguous else index  # slices avoid gathers
         n = self.lengths[layer, index]
         qlen = self._quantized_tokens_dev(n)
-        out_q, lse_q = self._attend_quantized(layer, rows, q, qlen, sm_scale)
-        out_b, lse_b = self._attend_bf16(layer, rows, q, n, qlen, sm_scale)
-        has_q = (qlen > 0)[:, None]
-        lse_q = torch.where(has_q, lse_q, -torch.inf)
-        lse = torch.logaddexp(lse_q, lse_b)  # -inf for a sequence with no token: its out is 0
-        reference = torch.where(torch.isfinite(lse), lse, 0.0)
-        w_q = torch.exp(lse_q - reference)[..., None]
-        w_b = torch.exp(lse_b - reference)[..., None]
-        out = torch.where(has_q[..., None], out_q.float(), 0.0) * w_q + out_b * w_b
-        out = out.to(q.dtype)
-        return (out, lse) if return_lse else out
-
-    def _attend_quantized(self, layer, rows, q, qlen, sm_scale):
-        # a sequence with no quantized token attends one token of its first page (a valid page:
-        # the trash page at worst); attend() drops that result by its lse
-        lengths = qlen.clamp(min=1).to(torch.int32)
         table = self.page_table[rows]
-        if not _capturing(self.device):  # only pages that hold tokens: work follows the lengths, not max_seq_len
-            table = table[:, :-(-int(lengths.max()) // self.page_size)]
-        cache = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
-                            self.v_params[layer], table, lengths, self.arch.layout)
-        k, v = cache.dequantize(torch.float32)  # [B, kvh, used pages * page_size, D], zero past the lengths
-        valid = torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None]
-        return self._softmax_attend(q, k, v, valid[:, None, :].expand(-1, self.kv_heads, -1), sm_scale)
+        if not capturing:  # only pages that hold tokens (at least one): work follows the lengths, not max_seq_len
+            table = table[:, :max(1, -(-int(qlen.max()) // self.page_size))]
+        width = table.shape[1] * self.page_size
+        first = self._page_run(ids, table.shape[1])
+        if first is not None:  # one sequence whose pages follow each other in the pool: read in place
+            quantized = slice(first * self.page_size, first * self.page_size + width)
+        else:
+            quantized = (table.long()[:, :, None] * self.page_size + self._page_steps).reshape(-1)
+        valid = torch.cat([torch.arange(width, device=self.device)[None, :] < qlen[:, None],
+                           self._valid_slots(n, qlen)], dim=1)
+        bias = torch.zeros(valid.shape, device=self.device).masked_fill_(~valid, -torch.inf)[:, None, None, :]
+        plan = _AttendPlan(quantized, width, rows, bias, capturing or 0 in key[1])  # a capture sees no lengths
+        if not capturing:
+            self._plan = (key, plan)
+        return plan
 
-    def _attend_bf16(self, layer, rows, q, n, qlen, sm_scale):
-        k, v = self.k_bf16[layer][rows], self.v_bf16[layer][rows]  # [B, kvh, S + ring, D]
-        j = torch.arange(self.sink + self.ring, device=self.device)[None, :]
+    def _page_run(self, ids, count):
+        """The first page where ``ids`` is one sequence whose first ``count`` pages are consecutive in the
+        pool, else None (and None while capturing: the host page lists may be ahead of a replay)."""
+        if len(ids) != 1 or _capturing(self.device):
+            return None
+        pages = self._pages[ids[0]][:count]
+        return pages[0] if len(pages) == count and pages == list(range(pages[0], pages[0] + count)) else None
+
+    def _valid_slots(self, n, qlen):
+        """Which of the ``S + ring`` 16-bit slots of sequences of ``n`` tokens hold one: ``[B, S + ring]``."""
+        j = self._slots[None, :]
         recent = (n - self.sink - qlen).clamp(min=0)[:, None]
         in_ring = (j - self.sink - qlen[:, None]) % self.ring < recent
-        valid = torch.where(j < self.sink, j < n[:, None], in_ring)
-        return self._softmax_attend(q, k.float(), v.float(), valid[:, None, :].expand(-1, self.kv_heads, -1), sm_scale)
+        return torch.where(j < self.sink, j < n[:, None], in_ring)
 
-    def _softmax_attend(self, q, k, v, valid, sm_scale):
-        """fp32 attention of ``q [B, Hq, D]`` over ``k, v [B, kvh, L, D]`` where ``valid [B, kvh, L]``;
-        a row with no valid token gets ``out = 0``, ``lse = -inf``."""
+    def _read(self, layer, role, plan):
+        """fp32 ``(quantized part [B, kvh, width, D], slots [B, kvh, S + ring, D])`` of ``role`` by ``plan``."""
+        values = self._dequantized[role][layer]
+        if isinstance(plan.quantized, slice):
+            quantized = values[None, :, plan.quantized]
+        else:
+            batch = plan.quantized.numel() // plan.width
+            quantized = values.index_select(1, plan.quantized).view(self.kv_heads, batch, plan.width, -1)
+            quantized = quantized.transpose(0, 1)
+        return quantized, self._slots_fp32[role][layer][plan.rows]
+
+    def _softmax_attend(self, layer, q, plan, sm_scale):
+        """fp32 attention of ``q [B, Hq, D]`` over what ``plan`` reads, one softmax over the quantized part and
+        the slots; a sequence that holds no token gets ``out = 0``, ``lse = -inf``."""
         batch, hq, d = q.shape
-        qg = q.float().reshape(batch, self.kv_heads, hq // self.kv_heads, d)
-        scores = torch.einsum("bhrd,bhld->bhrl", qg, k) * sm_scale
-        scores = scores.masked_fill(~valid[:, :, None, :], -torch.inf)
+        (k_q, k_s), (v_q, v_s) = self._read(layer, "k", plan), self._read(layer, "v", plan)
+        qg = (q.float() * sm_scale).reshape(batch, self.kv_heads, hq // self.kv_heads, d)
+        scores = torch.cat([torch.matmul(qg, k_q.mT), torch.matmul(qg, k_s.mT)], dim=-1).add_(plan.bias)
         lse = torch.logsumexp(scores, dim=-1)
-        p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-        out = torch.einsum("bhrl,bhld->bhrd", p, v)
+        p = scores.sub_((torch.where(torch.isfinite(lse), lse, 0.0) if plan.maybe_empty else lse)[..., None]).exp_()
+        out = torch.matmul(p[..., :plan.width], v_q).add_(torch.matmul(p[..., plan.width:], v_s))
         return out.reshape(batch, hq, d), lse.reshape(batch, hq)
 
     # ------------------------------------------------------------------ inspection

@@ -135,6 +135,94 @@ def test_empty_sequence_attends_to_the_empty_softmax(rng):
     assert (lse[1].double() - ref_lse).abs().max() < 1e-4
 
 
+def expected_dense(cache, k, v):
+    """What a sequence holding ``k, v [kv_heads, n, D]`` attends, from the inputs alone (not the cache):
+    sink and recent tokens exact, the quantized span as quantize_groups + dequantize_groups give it."""
+    s, qn = cache.sink, cache.quantized_tokens(k.shape[1])
+    out = []
+    for x, quant in ((k, cache.scheme.k), (v, cache.scheme.v)):
+        codes, scale, offset = quantize_groups(x[:, s:s + qn], quant)
+        quantized = dequantize_groups(codes, scale, offset, quant)
+        out.append(torch.cat([x[:, :s].float(), quantized, x[:, s + qn:].float()], 1))
+    return out
+
+
+def check_attend(cache, ids, held, rng, layer=0):
+    """``attend`` over ``ids`` equals float64 attention over what each sequence holds (``held[seq]``:
+    its appended ``k, v [kv_heads, n, D]``), and ``dense`` (read from the packed pages) is that too."""
+    scheme = cache.scheme
+    q = torch.randn(len(ids), cache.kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+    out, lse = cache.attend(layer, ids, q, sm_scale=0.1, return_lse=True)
+    for b, seq in enumerate(ids):
+        k, v = expected_dense(cache, *held[seq])
+        assert all(torch.equal(x, y) for x, y in zip(cache.dense(layer, seq), (k, v)))
+        ref, ref_lse = attention(q[b], k, v, 0.1)
+        assert (out[b].double() - ref).abs().max() < 1e-2
+        assert (lse[b].double() - ref_lse).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.name)
+def test_attend_after_one_token_appends_crossing_pages(scheme, rng):
+    """One-token steps from the sink through several flushes and page boundaries attend what was
+    appended: one sequence alone (its pages follow each other in the pool: attend reads them in place),
+    then two growing together (interleaved pages: attend gathers them)."""
+    cache = make_cache(scheme, max_seqs=3)
+    k, v = kv(rng, scheme, 3, 600)
+
+    def checked(n):  # lengths to check: around each flush, and some others
+        return n % 97 == 0 or any(cache.quantized_tokens(n + d) != cache.quantized_tokens(n) for d in (-1, 1))
+
+    alone = cache.allocate()
+    held = {}
+    for t in range(600):
+        cache.append(0, [alone], k[:1, :, t:t + 1], v[:1, :, t:t + 1])
+        held[alone] = (k[0, :, :t + 1], v[0, :, :t + 1])
+        if checked(t + 1):
+            check_attend(cache, [alone], held, rng)
+    pages = cache.pages_of(alone)
+    assert len(pages) == cache.pages_for(600) >= 3 and pages == list(range(pages[0], pages[0] + len(pages)))
+    a, b = cache.allocate(), cache.allocate()
+    cache.append(0, [a, b], k[1:, :, :200], v[1:, :, :200])
+    for t in range(200, 500):
+        cache.append(0, [a, b], k[1:, :, t:t + 1], v[1:, :, t:t + 1])
+        held[a], held[b] = ((k[i, :, :t + 1], v[i, :, :t + 1]) for i in (1, 2))
+        if checked(t + 1):
+            check_attend(cache, [b, a], held, rng)
+    assert cache.pages_of(a)[1] != cache.pages_of(a)[0] + 1  # interleaved with b's: gathered alone too
+    check_attend(cache, [a], held, rng)
+    check_attend(cache, [b, alone, a], held, rng)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.name)
+def test_freed_pages_and_slots_reused_attend_only_what_was_written(scheme, rng):
+    """A sequence that takes over a freed sequence's slot and pages attends its own tokens only, at every
+    stage (nothing quantized yet, pages partly rewritten, more pages), alone (in place) and in a batch
+    (gathered); the freed sequence's values, still in the pools past the new lengths, never show."""
+    cache = make_cache(scheme, num_pages=8, max_seqs=2)
+    k_old, v_old = kv(rng, scheme, 1, 1000)
+    k_other, v_other = kv(rng, scheme, 1, 300)
+    old, other = cache.allocate(), cache.allocate()
+    cache.append(0, [old], k_old, v_old)
+    cache.append(0, [other], k_other, v_other)
+    pages_old = cache.pages_of(old)
+    cache.free(old)
+    new = cache.allocate()
+    assert new == old
+    k_new, v_new = kv(rng, scheme, 1, 800)
+    k_new = -k_new  # unlike the old keys: attending one of those would show
+    held = {other: (k_other[0], v_other[0])}
+    n = 0
+    for bulk_to, step_to in ((10, 20), (120, 150), (300, 330), (560, 600), (760, 800)):
+        cache.append(0, [new], k_new[:, :, n:bulk_to], v_new[:, :, n:bulk_to])
+        for t in range(bulk_to, step_to):
+            cache.append(0, [new], k_new[:, :, t:t + 1], v_new[:, :, t:t + 1])
+        n = step_to
+        held[new] = (k_new[0, :, :n], v_new[0, :, :n])
+        check_attend(cache, [new], held, rng)
+        check_attend(cache, [other, new], held, rng)
+    assert cache.pages_of(new) == pages_old[:cache.pages_for(800)]  # the freed pages, in their order
+
+
 def test_pages_take_the_bit_order_of_the_cache_arch(rng):
     """One K4V2 sequence in a cache for each arch: pages packed in each arch's order (foscar.archs), the
     same tokens read back, and each tensor's pool as wide as its own bits."""
@@ -263,18 +351,17 @@ def test_allocate_prefilled_equals_appending(rng):
 
 
 def test_cpu_attend_work_follows_the_lengths_not_max_seq_len(rng, monkeypatch):
-    """The torch path dequantizes only the pages that hold tokens: a cache sized for 32K tokens
-    attends a short sequence over its own pages, with the same result as a small cache."""
-    import foscar.cache
-
+    """The torch path attends only the pages that hold tokens: a cache sized for 32K tokens attends a
+    short sequence over its own pages, with the same result as a small cache."""
     widths = []
-    real = foscar.cache.QuantizedKV
+    real = PagedKVCache._attend_plan
 
-    def spy(*args):
-        widths.append(args[6].shape[1])  # the page table's width: the pages dequantized
-        return real(*args)
+    def spy(self, *args):
+        plan = real(self, *args)
+        widths.append(plan.width // self.page_size)  # the pages attended
+        return plan
 
-    monkeypatch.setattr(foscar.cache, "QuantizedKV", spy)
+    monkeypatch.setattr(PagedKVCache, "_attend_plan", spy)
     scheme = SCHEMES[1]
     k, v = kv(rng, scheme, 1, 700)
     q = torch.randn(1, 2 * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)

@@ -26,6 +26,7 @@ def tokens(rng, scheme, batch, n):
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 def test_kernel_path_equals_torch_path(scheme, rotate, rng):
     gpu, cpu = make(scheme, "cuda", rotate), make(scheme, "cpu", rotate)
+    assert gpu._dequantized is None and gpu._slots_fp32 is None  # the torch path's fp32 copies: not on this one
     k, v = tokens(rng, scheme, 3, 1200)
     for cache in (gpu, cpu):
         ids = [cache.allocate() for _ in range(3)]
