@@ -105,6 +105,34 @@ def packaged_file(package: str, path: str) -> Path:
     return found
 
 
+def missing_sources() -> list[str]:
+    """Why the model or the text (or a module loading them) is not here: one line each, empty if all are."""
+    missing = []
+    for package, path in ((MODEL_PACKAGE, MODEL_FILE), (TEXT_PACKAGE, TEXT_FILE)):
+        try:
+            packaged_file(package, path)
+        except FileNotFoundError as error:
+            missing.append(str(error))
+    for module in ("gguf", "accelerate"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(f"module {module} is not installed (bash .ci/install installs it)")
+    return missing
+
+
+def require_sources():
+    """For tests: fail under CI (which installs the model and text: a missing one is an install bug),
+    else skip, naming what is missing."""
+    import pytest
+
+    missing = missing_sources()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail("; ".join(missing))
+        pytest.skip("; ".join(missing))
+
+
 def load_model(gguf: str | os.PathLike | None = None):
     """(tokenizer, model): the GGUF checkpoint on the CPU in BF16, FOSCAR's attention function selected
     (it falls back to SDPA for prefill and for caches other than FoscarCache). ``gguf``: the file (default:

@@ -113,16 +113,7 @@ def test_save_writes_the_records_plot_and_verdict(tmp_path):
 
 @pytest.fixture(scope="module")
 def model_and_text():
-    missing = []
-    for package, path in ((accuracy.MODEL_PACKAGE, accuracy.MODEL_FILE), (accuracy.TEXT_PACKAGE, accuracy.TEXT_FILE)):
-        try:
-            accuracy.packaged_file(package, path)
-        except FileNotFoundError as error:
-            missing.append(str(error))
-    if missing:
-        if os.environ.get("CI"):  # CI installs them: a missing one is an install bug, not a skip
-            pytest.fail("; ".join(missing))
-        pytest.skip("; ".join(missing))
+    accuracy.require_sources()
     tokenizer, model = accuracy.load_model()
     text_ids = torch.tensor(tokenizer(accuracy.load_text(), add_special_tokens=False).input_ids)
     return tokenizer, model, text_ids

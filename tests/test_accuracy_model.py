@@ -17,7 +17,6 @@ Bounds, set from this slice's measured numbers (torch 2.13 CPU, transformers 5.2
 About 1 minute on 2 idle cores, up to 4 on busy shared ones (the decode steps over FOSCAR's CPU path dominate).
 """
 
-import os
 
 import pytest
 
@@ -32,28 +31,9 @@ INT2_KIVI_PPL_BOUND, INT2_KIVI_KL_BOUND = 1.15, 0.15  # KIVI INT2 + sink + windo
 INT4_MIN_KL = 1e-4  # INT4 must differ from BF16 at all: the quantized path attends
 
 
-def _missing():
-    missing = []
-    for package, path in ((accuracy.MODEL_PACKAGE, accuracy.MODEL_FILE), (accuracy.TEXT_PACKAGE, accuracy.TEXT_FILE)):
-        try:
-            accuracy.packaged_file(package, path)
-        except FileNotFoundError as error:
-            missing.append(str(error))
-    for module in ("gguf", "accelerate"):
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(f"module {module} is not installed (bash .ci/install installs it)")
-    return missing
-
-
 @pytest.fixture(scope="module")
 def run():
-    missing = _missing()
-    if missing:
-        if os.environ.get("CI"):  # CI installs them: a missing one is an install bug, not a skip
-            pytest.fail("; ".join(missing))
-        pytest.skip("; ".join(missing))
+    accuracy.require_sources()
     tokenizer, model = accuracy.load_model()
     tokens = tokenizer(accuracy.load_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
     ids = accuracy.windows(tokens, ROWS, PREFILL + SCORE + 1)
