@@ -17,6 +17,7 @@ import sys
 import torch
 
 from .archs import ARCHS as REGISTERED
+from .formats import int_widths
 from .scheme import Scheme
 
 ARCHS = tuple(REGISTERED)  # the arch registry's targets (foscar.archs)
@@ -148,9 +149,10 @@ def gpu_check(scheme: Scheme, page_size: int, quick: bool):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m foscar", description=__doc__.split("\n\n")[1])
-    parser.add_argument("--bits", type=int, default=2, choices=(2, 4), help="code width of K and V (default: 2)")
-    parser.add_argument("--k-bits", type=int, default=None, choices=(2, 4), help="code width of K (default: --bits)")
-    parser.add_argument("--v-bits", type=int, default=None, choices=(2, 4), help="code width of V (default: --bits)")
+    widths = int_widths()  # of the registered int<bits> formats (foscar.formats)
+    parser.add_argument("--bits", type=int, default=2, choices=widths, help="code width of K and V (default: 2)")
+    parser.add_argument("--k-bits", type=int, default=None, choices=widths, help="code width of K (default: --bits)")
+    parser.add_argument("--v-bits", type=int, default=None, choices=widths, help="code width of V (default: --bits)")
     parser.add_argument("--k", default="channel", choices=("token", "channel"),
                         help="K group axis: token = one token x G channels, channel = one channel x G tokens "
                              "(default: channel, KIVI-style)")

@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 
 __all__ = ["Format", "MinMaxFormat", "Int2", "Int4", "INT2", "INT4", "Unsupported", "Construction", "FORMATS",
-           "register_format", "format_named", "as_format", "hopper_fp16", "BLACKWELL_FP4", "BLACKWELL_FP8", "PARAM_DTYPE",
+           "register_format", "format_named", "as_format", "int_widths", "hopper_fp16", "BLACKWELL_FP4", "BLACKWELL_FP8", "PARAM_DTYPE",
            "PACKABLE_BITS"]
 
 
@@ -239,6 +239,11 @@ def format_named(name: str) -> Format:
     return FORMATS[name]
 
 
+def int_widths() -> list[int]:
+    """The bit widths that name a registered ``int<bits>`` format (``as_format(2)``): the CLI's choices."""
+    return sorted(int(n[3:]) for n in FORMATS if n.startswith("int") and n[3:].isdigit())
+
+
 def as_format(value, field: str = "format") -> Format:
     """A Format from an instance, a registered name, or a bit width of a registered ``int<bits>``
     format (``2``, ``4``); a ValueError naming ``field`` otherwise (2.0 and True are refused)."""
@@ -248,8 +253,8 @@ def as_format(value, field: str = "format") -> Format:
         return FORMATS[value]
     if type(value) is int and f"int{value}" in FORMATS:
         return FORMATS[f"int{value}"]
-    widths = sorted(int(n[3:]) for n in FORMATS if n.startswith("int") and n[3:].isdigit())
-    raise ValueError(f"{field} must be a Format, one of {sorted(FORMATS)} or a bit width in {widths}, got {value!r}")
+    raise ValueError(f"{field} must be a Format, one of {sorted(FORMATS)} or a bit width in {int_widths()}, "
+                     f"got {value!r}")
 
 
 for _fmt in (INT2, INT4):

@@ -13,12 +13,14 @@ import time
 
 import torch
 
+from ..formats import int_widths
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="local model directory (no downloads)")
     parser.add_argument("--prompt", default="The history of the transistor begins")
-    parser.add_argument("--bits", type=int, choices=(2, 4), default=4)
+    parser.add_argument("--bits", type=int, choices=int_widths(), default=4)
     parser.add_argument("--k", choices=("token", "channel"), default="channel",
                         help="K group axis (default: channel, KIVI's; token: OSCAR's)")
     parser.add_argument("--sink", type=int, default=64)
