@@ -33,6 +33,7 @@ quantized length computed from the sequence's token count (``seq_lengths[row]``)
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 
@@ -48,9 +49,9 @@ from ..pipeline import split_range, stage_and_phase
 from ..softmax import finite_reference
 from ..split_merge import SplitMerge
 from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token
+from ..warp_mma import WarpMma
 from ..work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, PLAN_WORDS, WorkList
 from .kernel import BAR_CONSUMERS, PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel
-from ..warp_mma import WarpMma
 
 __all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
 
@@ -73,6 +74,53 @@ def fuses_window(scheme, page_size: int, consumers: int) -> bool:
     two: this kernel's quantized splits' partials, then ``foscar.kernels.sink_window``'s launch,
     which attends the 16-bit slots and merges all partials."""
     return cache_decode_config(scheme, page_size, consumers).window is not None
+
+
+@dataclass(frozen=True)
+class CacheLayer:
+    """The device tensors of one cache-decode launch (the launch's own arguments, bundled for the CTA's
+    functions): the queries, the layer's packed pages and 16-bit slots, and where results go."""
+
+    q: cute.Pointer  # [B, Hq, D] q dtype
+    k_codes: cute.Pointer
+    k_params: cute.Pointer
+    v_codes: cute.Pointer
+    v_params: cute.Pointer
+    page_table: cute.Pointer  # int32 [max_seqs, max_pages]
+    k_win: cute.Pointer  # [max_seqs, kv_heads, sink + ring, D] q dtype
+    v_win: cute.Pointer
+    o_part: cute.Pointer  # fp32 partials (see HopperCacheDecodeKernel.__call__)
+    lse_part: cute.Pointer
+    out: cute.Pointer  # [B, Hq, D] q dtype
+    lse: cute.Pointer  # fp32 [B, Hq]
+    counters: cute.Pointer  # int32 [>= B * kv_heads], zero (left zero)
+
+
+@dataclass(frozen=True)
+class CachePart:
+    """What one CTA attends: part ``part`` of ``n_parts`` of sequence ``b`` (cache row ``row``, ``n``
+    tokens), KV head ``h``, into partial ``out_index`` of ``out_count`` per row; ``item0``: the (sequence,
+    KV head)'s first work item (one launch; None: two launches, row-major partials)."""
+
+    b: Int32
+    h: Int32
+    row: Int64
+    n: Int32
+    part: Int32
+    n_parts: Int32
+    out_index: Int32
+    out_count: Int32
+    item0: Int32 | None = None
+
+
+@dataclass(frozen=True)
+class WindowSlots:
+    """The 16-bit part of each sequence: ``sink`` slots, then a ring of ``ring`` slots for the most
+    recent ``window`` tokens (``foscar.cache.PagedKVCache``)."""
+
+    sink: Int32
+    ring: Int32
+    window: Int32
 
 
 class CacheWindow:
@@ -232,12 +280,14 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         tidx, _, _ = cute.arch.thread_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         self.init_ring_barriers(storage.full.data_ptr(), storage.empty.data_ptr(), tidx)
+        layer = CacheLayer(q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, k_win, v_win, o_part, lse_part, out, lse,
+                           counters)
+        slots = WindowSlots(sink, ring, window)
         if cutlass.const_expr(cfg.window is None):  # two launches: the grid is (split, KV head, sequence)
             split, h, b = cute.arch.block_idx()
             row = at(seq_rows, b)  # the sequence's row (Int64)
-            self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, row,
-                             Int32(at(seq_lengths, row)), k_win, v_win, o_part, lse_part, out, lse, counters, b, h,
-                             split, num_splits, split, parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx)
+            part = CachePart(b, h, row, Int32(at(seq_lengths, row)), split, num_splits, split, parts)
+            self.attend_part(tiled_mma, storage, layer, part, slots, kv_heads, max_pages, scale_log2, tidx)
             # (budget: the work list's only)
         else:
             x, _, _ = cute.arch.block_idx()
@@ -249,9 +299,9 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             b, h, part, n_parts, item0, (n, row), valid = self.work.find(x, batch, kv_heads, budget, work_of,
                                                                          storage.plan.data_ptr(), tidx)
             if valid:
-                self.attend_part(tiled_mma, storage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, row.to(Int64), n,
-                                 k_win, v_win, o_part, lse_part, out, lse, counters, b, h, part, n_parts, item0 + part,
-                                 n_parts, kv_heads, max_pages, sink, ring, window, scale_log2, tidx, item0=item0)
+                self.attend_part(tiled_mma, storage, layer,
+                                 CachePart(b, h, row.to(Int64), n, part, n_parts, item0 + part, n_parts, item0),
+                                 slots, kv_heads, max_pages, scale_log2, tidx)
             # (num_splits, parts: the two-launch grid's only)
 
     @cute.jit
@@ -264,30 +314,25 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         return tiles * self.tile_units + win_units, cutlass.max(tiles // self.tiles_per_part, 1), n, Int32(row)
 
     @cute.jit
-    def attend_part(self, tiled_mma: cute.TiledMma, storage, q_ptr: cute.Pointer, kc_ptr: cute.Pointer,
-                    kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer, pt_ptr: cute.Pointer,
-                    row: Int64, n: Int32, k_win: cute.Pointer, v_win: cute.Pointer,
-                    o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer, lse: cute.Pointer,
-                    counters: cute.Pointer, b: Int32, h: Int32, part: Int32, n_parts: Int32, out_index: Int32,
-                    out_count: Int32, kv_heads: Int32, max_pages: Int32, sink: Int32, ring: Int32, window: Int32,
-                    scale_log2: Float32, tidx: Int32, item0=None):
-        """Part ``part`` of ``n_parts`` of sequence ``b``'s (cache row ``row``, ``n`` tokens) KV head ``h``:
-        its window tiles, then its packed tiles, into partial ``out_index`` of ``out_count`` per row
-        (two launches: row-major ``[B, Hq, out_count, D]``), or with ``item0`` (the (sequence, KV
-        head)'s first work item) the output (one part) or work item ``out_index``'s partial, the last
-        of its CTAs merging."""
+    def attend_part(self, tiled_mma: cute.TiledMma, storage, layer: CacheLayer, part: CachePart, slots: WindowSlots,
+                    kv_heads: Int32, max_pages: Int32, scale_log2: Float32, tidx: Int32):
+        """``part`` (:class:`CachePart`) of ``layer``'s cache: its window tiles, then its packed tiles, into
+        partial ``part.out_index`` of ``part.out_count`` per row (two launches: row-major ``[B, Hq,
+        out_count, D]``), or with ``part.item0`` the output (one part) or work item ``out_index``'s partial,
+        the last of its CTAs merging."""
         cfg = self.cfg
         role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumers
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
-        qlen = quantized_tokens(n, sink, window, self.granule)
-        _n_tiles, t_begin, t_end = split_range(qlen, part, n_parts, cfg.TPG)
+        b, h, row = part.b, part.h, part.row
+        qlen = quantized_tokens(part.n, slots.sink, slots.window, self.granule)
+        _n_tiles, t_begin, t_end = split_range(qlen, part.part, part.n_parts, cfg.TPG)
         q_row0 = (b * kv_heads + h).to(Int64) * cfg.R  # first query row of the KV head
-        first = (row * kv_heads + h) * (sink + ring) * cfg.D  # element of the window's slot 0
+        first = (row * kv_heads + h) * (slots.sink + slots.ring) * cfg.D  # element of the window's slot 0
         # (built in each branch: a Python object cannot be carried through a runtime `if`)
         window_of = lambda: None  # noqa: E731  (two launches: no window tiles)
         if cutlass.const_expr(cfg.window is not None):
-            window_of = lambda: CacheWindow(cfg, k_win, v_win, q_ptr, q_row0, first, n, qlen, sink,  # noqa: E731
-                                            ring, part, n_parts)
+            window_of = lambda: CacheWindow(cfg, layer.k_win, layer.v_win, layer.q, q_row0, first,  # noqa: E731
+                                            part.n, qlen, slots.sink, slots.ring, part.part, part.n_parts)
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -296,22 +341,26 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             if cutlass.const_expr(cfg.window is not None):
                 window_of().produce(storage.ring.data_ptr(), full, empty, pw, lane)  # the window tiles first
                 ring_first = window_of().tiles
-            self.produce(storage.ring.data_ptr(), full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, Int32(row), h,
-                         kv_heads, max_pages, t_begin, t_end, pw, lane, ring_first=ring_first)
+            self.produce(storage.ring.data_ptr(), full, empty, layer.k_codes, layer.k_params, layer.v_codes,
+                         layer.v_params, layer.page_table, Int32(row), h, kv_heads, max_pages, t_begin, t_end, pw, lane,
+                         ring_first=ring_first)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             warp, lane = cute.arch.make_warp_uniform(tidx // 32 - 4), tidx % 32
-            merge = self.attend_tiles(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, qlen, b, h, kv_heads,
+            merge = self.attend_tiles(tiled_mma, storage.ring.data_ptr(), full, empty, layer.q, qlen, b, h, kv_heads,
                                       t_begin, t_end, scale_log2, warp, lane, window=window_of())
             tc = warp * 32 + lane
-            if cutlass.const_expr(item0 is None):  # row-major partials; the window kernel merges
-                self.merge_and_store(merge, o_part, lse_part, b, h, out_index, kv_heads, out_count, tc,
-                                     split_output=True)
-            elif n_parts == 1:
-                self.merge_and_store(merge, out, lse, b, h, part, kv_heads, n_parts, tc, split_output=False)
+            if cutlass.const_expr(part.item0 is None):  # row-major partials; the window kernel merges
+                self.merge_and_store(merge, layer.o_part, layer.lse_part, b, h, part.out_index, kv_heads,
+                                     part.out_count, tc, split_output=True)
+            elif part.n_parts == 1:
+                self.merge_and_store(merge, layer.out, layer.lse, b, h, part.part, kv_heads, part.n_parts, tc,
+                                     split_output=False)
             else:
-                self.merge_and_store(merge, o_part, lse_part, b, h, part, kv_heads, n_parts, tc, split_output=True,
-                                     item=out_index)
-                if self.merger.arrive(counters + (b * kv_heads + h), storage.last.data_ptr(), n_parts, tc):
-                    partials = lambda: self.merger.item_major(o_part, lse_part, item0, n_parts)  # noqa: E731
-                    self.merger.merge(storage.merge_scratch.data_ptr(), partials, out, lse, q_row0, n_parts, tc)
+                self.merge_and_store(merge, layer.o_part, layer.lse_part, b, h, part.part, kv_heads, part.n_parts, tc,
+                                     split_output=True, item=part.out_index)
+                if self.merger.arrive(layer.counters + (b * kv_heads + h), storage.last.data_ptr(), part.n_parts, tc):
+                    partials = lambda: self.merger.item_major(layer.o_part, layer.lse_part, part.item0,  # noqa: E731
+                                                              part.n_parts)
+                    self.merger.merge(storage.merge_scratch.data_ptr(), partials, layer.out, layer.lse, q_row0,
+                                      part.n_parts, tc)
