@@ -19,6 +19,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass.pipeline import NamedBarrier
 
 from .device import NEG_INF, at, fsel, store
 from .softmax import lse_weight, merged_lse
@@ -65,7 +66,7 @@ class SplitMerge:
         self.D, self.R = head_dim, rows
         self.threads = threads
         self.warps = threads // 32
-        self.barrier_id = barrier_id
+        self.barrier = NamedBarrier(barrier_id, threads)
         self.out_dtype = out_dtype
         # shared scratch of merge (fp32 words): row max [R] | row weight sum [R]
         self.M, self.L = 0, rows
@@ -73,7 +74,7 @@ class SplitMerge:
         self.partial_sum = PartialSum()
 
     def _barrier(self):
-        cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=self.threads)
+        self.barrier.arrive_and_wait()
 
     @cute.jit
     def arrive(self, counter: cute.Pointer, flag: cute.Pointer, total: Int32, tc: Int32):

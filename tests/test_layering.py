@@ -3,7 +3,8 @@ inside a function, goes down the layers, and there is no import circle.
 
     core (formats, folds, scheme, layouts, operands, quantize, references, targets)
       <- compile (jit, compile cache, inspect)
-      <- shared device components (device, pipeline, softmax, split_merge, work_list, window_tiles, warp_mma)
+      <- shared device components (device, pipeline, softmax, split_merge, work_list, window_tiles, warp_mma,
+         barriers)
       <- kernels: arch kernels (hopper/, blackwell/) over helper kernels (kernels/)
       <- arch registry (archs)
       <- public API, cache and integrations
@@ -16,7 +17,7 @@ ROOT = pathlib.Path(__file__).parent.parent / "foscar"
 
 CORE = {"formats", "folds", "scheme", "operands", "quantize", "reference", "targets", "layouts"}
 COMPILE = {"jit", "compile_cache", "inspect"}
-DEVICE = {"device", "pipeline", "softmax", "split_merge", "work_list", "window_tiles", "warp_mma"}
+DEVICE = {"device", "pipeline", "softmax", "split_merge", "work_list", "window_tiles", "warp_mma", "barriers"}
 KERNELS = {"kernels": 3, "hopper": 4, "blackwell": 4}  # helper kernels below the arch kernels
 
 

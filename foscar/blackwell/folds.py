@@ -26,13 +26,15 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32
+from cutlass.pipeline import NamedBarrier
 
+from ..barriers import BlackwellDecodeBarrier
 from ..device import fsel
 from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VTokenWise
 from ..layouts.fragment import TILE_TOKENS
 from . import pipeline as pl
 from . import storage as sm_
-from .primitives import BAR_PREP, FP8_TARGET_EXP, STEP, WG, exp_floor, fabs, hilo, load_acc, max4, pow2_scale, scalar
+from .primitives import FP8_TARGET_EXP, STEP, WG, exp_floor, fabs, hilo, load_acc, max4, pow2_scale, scalar
 
 HOOKS = HookRegistry("sm_100a")
 register = HOOKS.register
@@ -161,7 +163,7 @@ class BlackwellKChannelWise(KHooks):
         stage so) and the S unscale 2^e_t / a; the group's (scale, offset) from the ring."""
         cfg = self.cfg
         N, NM, D, G = cfg.N, cfg.NM, cfg.D, self.fold.group
-        cute.arch.barrier(barrier_id=BAR_PREP, number_of_threads=WG)  # previous step's sZ / sRed reads done
+        NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()  # previous step's sZ / sRed reads done
         ks = cute.make_rmem_tensor((self.q_copies * nd,), Float32)
         for tk in cutlass.range_constexpr(self.q_copies):
             off = tk * min(G, STEP)  # first token of group tk in the step
@@ -178,7 +180,7 @@ class BlackwellKChannelWise(KHooks):
             smax = cute.arch.warp_reduction(smax, cute.arch.fmax)
             if lane == 0:
                 sm.sRedP[sm_.red_row(0, tk) + wq] = smax
-        cute.arch.barrier(barrier_id=BAR_PREP, number_of_threads=WG)
+        NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()
         for tk in cutlass.range_constexpr(self.q_copies):
             e = exp_floor(max4(sm.sRedP, sm_.red_row(0, tk))) + Float32(1.0)  # max_d |s| < 2^e
             s_norm = cute.math.exp2(-e, fastmath=True)
@@ -191,7 +193,7 @@ class BlackwellKChannelWise(KHooks):
                     qhi, qlo = hilo(sm.sQf[r * D + d] * qs * ks[tk * nd + i])  # |.| < 256
                     sm.sQ[((tk * NM + r, d % 32), 0, d // 32, so)] = qhi
                     sm.sQ[((tk * NM + N + r, d % 32), 0, d // 32, so)] = qlo
-        cute.arch.barrier(barrier_id=BAR_PREP, number_of_threads=WG)
+        NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()
 
     @cute.jit
     def prep_offset_terms(self, sm, kinfo, scale_log2, t):

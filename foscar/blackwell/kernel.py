@@ -81,7 +81,9 @@ import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float8E4M3FN, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+from cutlass.pipeline import NamedBarrier
 
+from ..barriers import BlackwellDecodeBarrier
 from ..device import LOG2E, NEG_INF, fsel, output_offsets
 from ..jit import half_type
 from ..layouts.fragment import TILE_TOKENS
@@ -94,7 +96,7 @@ from . import storage as sm_
 from .folds import hooks_for
 from .operands import recipe_for
 from .pipeline import tcgen05_fence_after, tcgen05_fence_before
-from .primitives import BAR_FINAL, BAR_PREP, BAR_SOFTMAX, STEP, WG, fabs, hilo, max4, pow2_scale, scalar
+from .primitives import STEP, WG, fabs, hilo, max4, pow2_scale, scalar
 from .sequence import DecodeSequence
 
 # warpgroup roles
@@ -581,14 +583,14 @@ class BlackwellDecodeKernel:
             amax = cute.arch.warp_reduction(amax, cute.arch.fmax)
             if lane == 0:
                 sm.sRedP[sm_.red_row(0, r) + wq] = amax
-            cute.arch.barrier(barrier_id=BAR_PREP, number_of_threads=WG)
+            NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()
             sc = pow2_scale(max4(sm.sRedP, sm_.red_row(0, r)))
             self.kh.prep_q_row(sm, qv, sc, r, t, nd)  # Q^T hi/lo once (token-wise K) or q kept for Q' per step
             if t == 0:
                 sm.sQinfo[sm_.s_unscale(r)] = scale_log2 / sc  # S unscale, log2(e)*sm_scale folded in
                 sm.sQinfo[sm_.q_scale(r)] = sc
         self.kh.prep_sums(sm, q_ptr, q_base, scale_log2, t)
-        cute.arch.barrier(barrier_id=BAR_PREP, number_of_threads=WG)
+        NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()
         self.prep_operands(sm, storage, sK_layout, sV_layout, ring, opnd, ring_words, seq, scale_log2, t, lane, wq, nd)
 
     @cute.jit
@@ -681,7 +683,7 @@ class BlackwellDecodeKernel:
             v_params = self.vh.softmax_params(sm, prm, ring_words, step, ok, red, t, lane, wq, nd)
             pl.release(ring, cfg.RING, 2 * step)  # last ring read of this step (params)
             pl.release(ring, cfg.RING, 2 * step + 1)
-            cute.arch.barrier(barrier_id=BAR_SOFTMAX, number_of_threads=WG)
+            NamedBarrier(BlackwellDecodeBarrier.SOFTMAX, WG).arrive_and_wait()
             pl.wait_empty(p_ch, cfg.P_BUFS, step)  # the PV of step - P_BUFS has read P buffer sp
             pl.wait_empty(st_ch, cfg.P_BUFS, step)  # the output warpgroup has read the statistics of buffer sp
             self.vh.softmax_hand_over(sm, v_params, sp, t, nd)
@@ -689,7 +691,7 @@ class BlackwellDecodeKernel:
             cute.arch.fence_view_async_shared()  # P'^T (generic stores) -> visible to tcgen05.mma
             pl.publish(p_ch, cfg.P_BUFS, step)
             pl.publish(st_ch, cfg.P_BUFS, step)
-        cute.arch.barrier(barrier_id=BAR_SOFTMAX, number_of_threads=WG)  # last step's sRed reads done
+        NamedBarrier(BlackwellDecodeBarrier.SOFTMAX, WG).arrive_and_wait()  # last step's sRed reads done
         self.softmax_final(sm, m_run, l_run, t, lane, wq)
 
     @cute.jit
@@ -738,7 +740,7 @@ class BlackwellDecodeKernel:
             if lane == 0:
                 sm.sRed[sm_.red_row(0, r) + wq] = ls
             self.vh.softmax_final_row(sm, r, t, lane, wq)
-        cute.arch.barrier(barrier_id=BAR_SOFTMAX, number_of_threads=WG)
+        NamedBarrier(BlackwellDecodeBarrier.SOFTMAX, WG).arrive_and_wait()
         if t < N:
             r = t
             o = sm_.red_row(0, r)
@@ -747,7 +749,7 @@ class BlackwellDecodeKernel:
         for r in cutlass.range_constexpr(N):
             if t == r:
                 sm.sFinal[sm_.final_m(r)] = m_run[r]
-        cute.arch.barrier(barrier_id=BAR_FINAL, number_of_threads=2 * WG)
+        NamedBarrier(BlackwellDecodeBarrier.FINAL, 2 * WG).arrive_and_wait()
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -778,7 +780,7 @@ class BlackwellDecodeKernel:
             tcgen05_fence_before()
             pl.release(o_ch, cfg.O_STAGES, step)  # O stage free for the PV of step + O_STAGES
             pl.release(st_ch, cfg.P_BUFS, step)
-        cute.arch.barrier(barrier_id=BAR_FINAL, number_of_threads=2 * WG)
+        NamedBarrier(BlackwellDecodeBarrier.FINAL, 2 * WG).arrive_and_wait()
         self.epilogue(sm, accO, o_ptr, lse_ptr, b, h, split, kv_heads, seq.partials(), t)
 
     @cute.jit

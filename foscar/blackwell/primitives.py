@@ -1,5 +1,5 @@
-"""Device building blocks of the sm_100a decode kernel and its fold hooks: the warpgroup geometry,
-named barriers, FP8 hi/lo operands with power-of-two normalisation, and TMEM row loads."""
+"""Device building blocks of the sm_100a decode kernel and its fold hooks: the warpgroup geometry
+(its named barriers: ``foscar.barriers``), FP8 hi/lo operands with power-of-two normalisation, and TMEM row loads."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ from ..layouts.fragment import TILE_TOKENS
 
 STEP = 2 * TILE_TOKENS  # tokens per MMA step (M = 128)
 WG = 128  # threads of a warpgroup
-# named barriers (0 = sync_threads)
-BAR_SOFTMAX = 3  # softmax warpgroup internal
-BAR_PREP = 4  # preparation warpgroup internal
-BAR_FINAL = 5  # softmax + output warpgroups: final reductions done
 FP8_TARGET_EXP = 7  # scale hi/lo operands so their max lies in [2^7, 2^8)
 
 

@@ -41,6 +41,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ..barriers import HopperDecodeBarrier
 from ..device import LOG2E, at
 from ..jit import half_type
 from ..kernels.quantize import granule_of
@@ -51,7 +52,7 @@ from ..split_merge import SplitMerge
 from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token
 from ..warp_mma import WarpMma
 from ..work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, PLAN_WORDS, WorkList
-from .kernel import BAR_CONSUMERS, PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel
+from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel
 
 __all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
 
@@ -212,7 +213,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         self.work = WorkList(cfg.threads, MAX_SPLITS)
         self.tile_units = max(1, cfg.TILE_BYTES // 256)  # a packed tile's work (WorkList units: 256 bytes)
         self.tiles_per_part = MIN_TOKENS_PER_SPLIT // TILE_TOKENS
-        self.merger = SplitMerge(cfg.D, cfg.R, cfg.NW * 32, BAR_CONSUMERS, cfg.q_dtype)
+        self.merger = SplitMerge(cfg.D, cfg.R, cfg.NW * 32, HopperDecodeBarrier.CONSUMERS, cfg.q_dtype)
 
     def cache_storage(self):
         if self.cfg.window is None:  # two launches: the window kernel merges

@@ -69,7 +69,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
+from cutlass.pipeline import NamedBarrier
 
+from ..barriers import HopperDecodeBarrier
 from ..device import LOG2E, NEG_INF, at, fsel, movmatrix_trans, output_offsets, reduce_over_rows
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
@@ -81,7 +83,6 @@ from .folds import hooks_for, q_index
 from ..warp_mma import WarpMma
 from .mma import TOKEN_BLOCKS, FragmentOperand
 
-BAR_CONSUMERS = 1  # named barrier of all consumer warps (id 0 is sync_threads)
 REGISTERS = 64 * 1024  # per SM
 PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
 PRODUCER_WARPS = 4  # the whole producer warpgroup issues copies
@@ -438,7 +439,7 @@ class HopperDecodeKernel:
             l_run[cs] = reduce_over_rows(l_run[cs], operator.add)
         vf.finish(mma, vst)
         # every consumer warp is past its last stage read: the ring becomes the merge area
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=cfg.NW * 32)
+        NamedBarrier(HopperDecodeBarrier.CONSUMERS, cfg.NW * 32).arrive_and_wait()
         merge = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32), cute.make_layout(cfg.RING_WORDS))
         mine = warp * cfg.MERGE_WARP
         cols = [mma.column(cs) for cs in range(mma.NS)]
@@ -451,7 +452,7 @@ class HopperDecodeKernel:
             for cs in cutlass.range_constexpr(mma.NS):
                 merge[mine + cfg.N * cfg.MERGE_ROW + cols[cs]] = m_run[cs]
                 merge[mine + cfg.N * cfg.MERGE_ROW + cfg.N + cols[cs]] = l_run[cs]
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=cfg.NW * 32)
+        NamedBarrier(HopperDecodeBarrier.CONSUMERS, cfg.NW * 32).arrive_and_wait()
         return merge
 
     # ------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ..barriers import WindowBarrier
 from ..device import LOG2E, reduce_over_rows
 from ..warp_mma import WarpMma
 from ..softmax import finite_reference, normalize
@@ -47,7 +48,6 @@ __all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "shared_storage",
 CHUNK = 128  # slots per CTA: 16 per warp
 MAX_CHUNKS = 32  # sink + window slots up to 4096
 WARPS = 8
-BAR_MERGE = 1  # named barrier of the merge (all threads)
 SMEM_BUDGET = 227 * 1024  # dynamic shared memory per CTA on sm_90 / sm_100
 
 
@@ -106,7 +106,7 @@ class SinkWindow:
         self.N = query_columns(rows)
         self.NB = self.N // 8
         self.dtype = dtype
-        self.merger = SplitMerge(head_dim, rows, 32 * WARPS, BAR_MERGE, dtype)
+        self.merger = SplitMerge(head_dim, rows, 32 * WARPS, WindowBarrier.MERGE, dtype)
         # the warps' outputs fit over the K and V rows (32 R D <= 512 (D + 8) bytes for R <= 16), which
         # are adjacent: K's rows are a whole number of 128-byte alignment units
         assert WARPS * rows * head_dim * 4 <= 2 * CHUNK * self.PD * 2, (head_dim, rows)

@@ -1,0 +1,30 @@
+"""Named-barrier ids of FOSCAR's kernels, one ``IntEnum`` per kernel (as flash_attn/cute's
+``named_barrier.py``): ids never repeat within a kernel, and id 0 is ``sync_threads``'s. A barrier is
+``cutlass.pipeline.NamedBarrier(id, threads)``; its ``arrive_and_wait`` is the ``bar.sync`` the kernels
+wrote by hand before (SASS byte-identical)."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["HopperDecodeBarrier", "WindowBarrier", "BlackwellDecodeBarrier"]
+
+
+class HopperDecodeBarrier(enum.IntEnum):
+    """``foscar.hopper``: the decode and cache-decode kernels."""
+
+    CONSUMERS = 1  # all consumer warps: merging the warps' outputs, and the in-launch split merge
+
+
+class WindowBarrier(enum.IntEnum):
+    """``foscar.kernels.sink_window``."""
+
+    MERGE = 1  # all threads: the split merge
+
+
+class BlackwellDecodeBarrier(enum.IntEnum):
+    """``foscar.blackwell``: the decode kernel's warpgroups."""
+
+    SOFTMAX = 3  # softmax warpgroup internal
+    PREP = 4  # preparation warpgroup internal
+    FINAL = 5  # softmax + output warpgroups: final reductions done
