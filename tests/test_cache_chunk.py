@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import foscar.cache
+from foscar import Scheme
 from test_cache import SCHEMES, assert_unchanged, expected_dense, kv, make_cache, snapshot
 
 CHUNKS = [1, 2, 4, 8, 16, 3, 61, 100, 300, 1, 16, 130]  # appended in turn: lengths cross pages, granules, the window
@@ -303,7 +304,7 @@ def gpu_cache(scheme, rotate=False):
     return foscar.cache.PagedKVCache(scheme, 1, 2, 48, 3, 4096, sink=64, window=256, rotate=rotate, device="cuda")
 
 
-GPU_SCHEMES = [SCHEMES[0], SCHEMES[1]]
+GPU_SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make(4, "token", 128, "token", 128, 128, 4)]
 
 
 @pytest.mark.gpu
