@@ -456,9 +456,9 @@ class PagedKVCache:
         for seq_id, n in zip(ids, held.tolist()):
             limit = max(0, n - self._shortest_restorable(layer, seq_id))
             if num_tokens > limit:
-                raise ValueError(f"num_tokens={num_tokens}: sequence {seq_id} holds {n} tokens in layer {layer} and can "
-                                 f"roll back at most {limit} (rollback_limit): a shorter sequence would hold in 16 bits "
-                                 "tokens that are quantized now and whose 16-bit slots the ring has reused")
+                raise ValueError(f"num_tokens={num_tokens}: sequence {seq_id} holds {n} tokens in layer {layer} and "
+                                 f"can roll back at most {limit} (rollback_limit): a shorter sequence would hold in "
+                                 "16 bits tokens that are quantized now and whose 16-bit slots the ring has reused")
         if num_tokens:
             self._written[layer, list(ids)] = torch.maximum(self._written[layer, list(ids)], held)
             self.lengths[layer].index_copy_(0, index, (held - num_tokens).to(self.device))
