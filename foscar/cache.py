@@ -45,6 +45,11 @@ step neither unpacks pages nor converts slots: each quantized token's dequantize
 ``QuantizedKV.dequantize`` gives, written when its granule is quantized) and each 16-bit slot. They cost 4
 bytes per element (the pool's codes take 1/4 or 1/2) and are not counted by :meth:`PagedKVCache.nbytes`.
 
+Several new tokens per sequence (chunked prefill, a new turn, draft tokens to verify): :meth:`attend_chunk`
+attends them over the cached tokens and, causally, over their own 16-bit K/V, before they are appended (torch
+code on every device: no kernel takes several query tokens yet). :meth:`truncate` rolls the last tokens back
+while the ring still holds, in 16 bits, everything the shorter sequence keeps there (:meth:`rollback_limit`).
+
 Optional Hadamard rotation (QuaRot/OSCAR): K and Q are multiplied per head by the normalized
 Sylvester Hadamard matrix ``H`` (orthogonal, so ``(qH)(kH)^T = qk^T``): outliers spread over all
 channels, which cuts the 2-bit error. V is not rotated.
@@ -70,6 +75,7 @@ from .work_list import CTAS_PER_SM, plan_splits
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
 
 MAX_INDEX = 2**31 - 1  # the kernels hold token positions and page indices in 32-bit ints
+CHUNK_SCORES = 1 << 24  # fp32 scores one block of attend_chunk's query tokens may hold (64 MiB)
 
 
 class _AttendPlan(NamedTuple):
@@ -228,6 +234,8 @@ class PagedKVCache:
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest index
         self._pages: list[list[int] | None] = [None] * max_seqs  # None: slot free
         self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64)  # host mirror of lengths
+        # the longest each sequence was since its last truncate (its ring slots hold the last `ring` tokens of that)
+        self._written = torch.zeros((num_layers, max_seqs), dtype=torch.int64)
         self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
         self._index_cache: dict[tuple, torch.Tensor] = {}
         self._plan: tuple[tuple, _AttendPlan] | None = None  # the last torch-path attend's (key, plan)
@@ -377,6 +385,7 @@ class PagedKVCache:
         self._plan = None
         self.lengths[:, seq_id] = 0
         self._host_len[:, seq_id] = 0
+        self._written[:, seq_id] = 0
 
     def reserve(self, seq_id: int, num_tokens: int) -> None:
         """Make sure ``seq_id`` has pages for ``num_tokens`` tokens in total (call before capturing
@@ -410,6 +419,50 @@ class PagedKVCache:
                                f"{self.num_pages} are free")
         for seq_id, count in zip(ids, need):
             self._grow(seq_id, count)
+
+    # ------------------------------------------------------------------ rollback
+
+    def rollback_limit(self, seq_id: int, layer: int = 0) -> int:
+        """How many of its last tokens :meth:`truncate` can remove from ``seq_id`` in ``layer``: as many as leave
+        every token that the shorter sequence holds in 16 bits still in the 16-bit slots. Removing tokens rewrites
+        no page, but a shorter sequence may hold in the ring a granule that is quantized now, and the ring reuses
+        a quantized granule's slots for the tokens after it. So right after a granule is quantized, ``granule``
+        tokens (it goes back to 16 bits); ``r`` tokens later, ``r`` (each reused one of its slots); a sequence
+        whose ring never wrapped, all. A truncate writes no slot, so it lowers the limit by what it removes."""
+        n = self.seq_len(seq_id, layer)
+        return max(0, n - self._shortest_restorable(layer, seq_id))
+
+    def _shortest_restorable(self, layer: int, seq_id: int) -> int:
+        """The fewest tokens a sequence can be cut to: its 16-bit part then lies in slots not written since. (Its
+        lengths only grew since the last truncate, so the most it held is the larger of then and now.)"""
+        written = max(int(self._written[layer, seq_id]), int(self._host_len[layer, seq_id]))
+        if written <= self.sink + self.ring:
+            return 0
+        # cut to m tokens, the ring must still hold tokens S + Q(m) .. m - 1; it holds the last `ring` written
+        return self.sink + self.window + self.granule * -(-(written - self.sink - self.ring) // self.granule)
+
+    def truncate(self, layer: int, seq_ids, num_tokens: int) -> None:
+        """Remove the last ``num_tokens`` tokens of each sequence of ``seq_ids`` in ``layer`` (a rollback: rejected
+        draft tokens, an undone step), as if they had never been appended. At most :meth:`rollback_limit` tokens
+        (what the shorter sequences hold in 16 bits must still be in the 16-bit slots), else a ValueError and
+        nothing changes. The sequences keep their pages (as after :meth:`reserve`)."""
+        self._no_capture("truncate")
+        self._check_layer(layer)
+        ids, index = self._rows(seq_ids)
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        self._sync_mirror()
+        held = self._host_len[layer, list(ids)]
+        for seq_id, n in zip(ids, held.tolist()):
+            limit = max(0, n - self._shortest_restorable(layer, seq_id))
+            if num_tokens > limit:
+                raise ValueError(f"num_tokens={num_tokens}: sequence {seq_id} holds {n} tokens in layer {layer} and "
+                                 f"can roll back at most {limit} (rollback_limit): a shorter sequence would hold in "
+                                 "16 bits tokens that are quantized now and whose 16-bit slots the ring has reused")
+        if num_tokens:
+            self._written[layer, list(ids)] = torch.maximum(self._written[layer, list(ids)], held)
+            self.lengths[layer].index_copy_(0, index, (held - num_tokens).to(self.device))
+            self._host_len[layer, list(ids)] = held - num_tokens
 
     # ------------------------------------------------------------------ validation helpers
 
@@ -445,13 +498,17 @@ class PagedKVCache:
             index = self._index_cache[ids] = torch.tensor(ids, dtype=torch.int64).to(self.device)
         return ids, index
 
-    def _check_tensor(self, name: str, t, batch: int, heads: int, tokens: int | None) -> None:
+    def _check_kind(self, name: str, t) -> None:
+        """A tensor of the cache's dtype on its device."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != self.scheme.q_dtype:
             raise TypeError(f"{name} must have dtype {self.scheme.q_dtype} (the cache's Scheme.q_dtype), got {t.dtype}")
         if t.device != self.device:
             raise ValueError(f"{name} must be on the cache's device {self.device}, got {t.device}")
+
+    def _check_tensor(self, name: str, t, batch: int, heads: int, tokens: int | None) -> None:
+        self._check_kind(name, t)
         d = self.scheme.head_dim
         if tokens is None:
             if t.dim() != 3 or t.shape[0] != batch or t.shape[2] != d:
@@ -547,7 +604,9 @@ class PagedKVCache:
             n1 = n0 + k.shape[2]
             q0, q1 = self.quantized_tokens(n0), self.quantized_tokens(n1)
             s0, s1 = self.sink + q0, self.sink + q1  # token range to quantize now
-            first_recent = max(n0, s1)  # new tokens from here on stay in the ring (fewer than its slots)
+            # new tokens from here on are written to the ring: those it holds (from s1) and, in the slots left,
+            # the quantized ones before them, so that the ring holds the last `ring` tokens appended (truncate)
+            first_recent = max(n0, self.sink, n1 - self.ring)
             for role, new, bf16 in (("k", k, self.k_bf16), ("v", v, self.v_bf16)):
                 if s1 > s0:
                     parts = []
@@ -637,10 +696,7 @@ class PagedKVCache:
         ids, index = self._rows(seq_ids)
         scheme = self.scheme
         self._check_tensor("q", q, len(ids), self.kv_heads * scheme.gqa_ratio, None)
-        if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool)
-                                     or not math.isfinite(sm_scale) or sm_scale <= 0):
-            raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
-        sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
+        sm_scale = self._sm_scale(sm_scale)
         q = self._rotate(q).contiguous()  # the kernels read q densely (a q sliced from a fused QKV is not)
         if self.use_kernels:  # packed pages + 16-bit slots, merged (Arch.run_cache_decode: one launch on Hopper)
             out, lse = self.arch.run_cache_decode(
@@ -651,6 +707,87 @@ class PagedKVCache:
         out, lse = self._softmax_attend(layer, q, self._attend_plan(layer, ids, index), sm_scale)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
+
+    def _sm_scale(self, sm_scale) -> float:
+        if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool)
+                                     or not math.isfinite(sm_scale) or sm_scale <= 0):
+            raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
+        return self.scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
+
+    def attend_chunk(self, layer: int, seq_ids, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     sm_scale: float | None = None, return_lse: bool = False):
+        """Attention of ``L`` new tokens per sequence that follow its cached tokens (chunked prefill, a new turn,
+        the tokens a draft proposes): ``q [len(seq_ids), L, kv_heads*gqa_ratio, head_dim]``, and the new
+        tokens' own ``k, v [len(seq_ids), kv_heads, L, head_dim]``, which are *not* appended (:meth:`append`
+        them afterwards to keep them). Query ``i`` attends every cached token, as :meth:`attend` does, and new
+        tokens ``0 .. i`` (causal), those in 16 bits as given (rotated like appended keys when ``rotate``).
+
+        Returns ``out [B, L, Hq, D]`` (q's dtype) and, if asked, ``lse [B, L, Hq]`` (fp32, as :meth:`attend`).
+        The cache is not changed. One fp32 softmax per block of query tokens over the dequantized pages, the
+        16-bit slots and the new tokens (a block's scores take at most ``CHUNK_SCORES`` elements), on any device:
+        the torch code of the CPU path, also on a GPU cache (no kernel takes several query tokens yet; there the
+        pages are dequantized per call). Host-planned: not capturable in a CUDA graph.
+        """
+        self._no_capture("attend_chunk")
+        self._check_layer(layer)
+        ids, index = self._rows(seq_ids)
+        batch, heads = len(ids), self.kv_heads * self.scheme.gqa_ratio
+        self._check_tensor("k", k, batch, self.kv_heads, 1)
+        self._check_tensor("v", v, batch, self.kv_heads, 1)
+        if v.shape != k.shape:
+            raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
+        tokens, d = k.shape[2], self.scheme.head_dim
+        self._check_kind("q", q)
+        if list(q.shape) != [batch, tokens, heads, d]:
+            raise ValueError(f"q must have shape [batch={batch}, tokens={tokens} (k's), heads={heads}, head_dim={d}], "
+                             f"got {list(q.shape)}")
+        sm_scale = self._sm_scale(sm_scale)
+        self._sync_mirror()
+        held = self._host_len[layer, list(ids)].tolist()
+        if max(held) + tokens > self.max_seq_len:
+            raise ValueError(f"q: {tokens} new tokens after the {max(held)} cached of a sequence exceed "
+                             f"max_seq_len={self.max_seq_len}")
+        plan = self._attend_plan(layer, ids, index)
+        cached = self._read_cached(layer, plan, index)
+        q, k = self._rotate(q), self._rotate(k)
+        rows = max(1, CHUNK_SCORES // (batch * heads * (plan.bias.shape[-1] + tokens)))
+        parts = [self._chunk_softmax(q[:, start:start + rows], k[:, :, :start + rows], v[:, :, :start + rows], start,
+                                     cached, plan, sm_scale) for start in range(0, tokens, rows)]
+        out = torch.cat([o for o, _ in parts], dim=1).to(q.dtype)
+        return (out, torch.cat([lse for _, lse in parts], dim=1)) if return_lse else out
+
+    def _read_cached(self, layer, plan, index):
+        """fp32 ``((k pages, k slots), (v pages, v slots))`` of what ``plan`` reads: the torch path's copies, or
+        on a kernel cache (which keeps none) the pages dequantized now and the slots converted."""
+        if self._dequantized is not None:
+            return self._read(layer, "k", plan), self._read(layer, "v", plan)
+        table = self.page_table[index, :plan.width // self.page_size]
+        width = torch.full((len(index),), plan.width, dtype=torch.int32, device=self.device)
+        pages = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
+                            self.v_params[layer], table, width, self.arch.layout).dequantize()
+        return tuple((x, bf16[layer][plan.rows].float()) for x, bf16 in zip(pages, (self.k_bf16, self.v_bf16)))
+
+    def _chunk_softmax(self, q, k, v, first, cached, plan, sm_scale):
+        """fp32 attention of new tokens ``first .. first + l - 1`` (``q [B, l, Hq, D]``, rotated) over the cached
+        tokens (``cached``, ``plan``) and new tokens ``0 .. first + l - 1`` (``k, v [B, kvh, c, D]``, causal)."""
+        batch, rows, hq, d = q.shape
+        kvh, width = self.kv_heads, plan.width
+        group = hq // kvh
+        (k_q, k_s), (v_q, v_s) = cached
+        qg = (q.float() * sm_scale).view(batch, rows, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(
+            batch, kvh, group * rows, d)  # rows ordered (query head of the group, token)
+        scores = torch.cat([torch.matmul(qg, k_q.mT), torch.matmul(qg, k_s.mT)], dim=-1).add_(plan.bias)
+        later = torch.arange(k.shape[2], device=q.device)[None, :] > torch.arange(first, first + rows,
+                                                                                   device=q.device)[:, None]
+        new = torch.matmul(qg, k.float().mT).view(batch, kvh, group, rows, -1).masked_fill_(later, -torch.inf)
+        scores = torch.cat([scores, new.view(batch, kvh, group * rows, -1)], dim=-1)
+        lse = torch.logsumexp(scores, dim=-1)  # finite: each token attends at least itself
+        p = scores.sub_(lse[..., None]).exp_()
+        cached_end = plan.bias.shape[-1]
+        out = torch.matmul(p[..., :width], v_q).add_(torch.matmul(p[..., width:cached_end], v_s))
+        out.add_(torch.matmul(p[..., cached_end:], v.float()))
+        out = out.view(batch, kvh, group, rows, d).permute(0, 3, 1, 2, 4).reshape(batch, rows, hq, d)
+        return out, lse.view(batch, kvh, group, rows).permute(0, 3, 1, 2).reshape(batch, rows, hq)
 
     def _attend_plan(self, layer, ids, index) -> _AttendPlan:
         """What a torch-path attend of ``ids`` reads; outside a capture it is kept for the next attend of the

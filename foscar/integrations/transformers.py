@@ -19,9 +19,20 @@ packed INT2/INT4 pages in between) and returns the new K/V themselves:
 
 * prefill (the first update, any number of tokens): the attention function runs SDPA on those BF16
   K/V -- exact, and cheap next to the quantized decode that follows;
-* decode (one token): the returned key carries a ``foscar`` attribute (the cache, the layer, the
-  sequence ids), and the attention function runs ``PagedKVCache.attend`` instead -- FOSCAR's kernel
-  over the packed pages merged with the BF16 parts.
+* decode (one token): the returned key carries a ``foscar`` attribute (the layer), and the attention
+  function runs ``PagedKVCache.attend`` instead -- FOSCAR's kernel over the packed pages merged with the
+  BF16 parts;
+* a chunk after the prefill (several tokens: chunked prefill, a new turn on the same cache -- a second
+  ``generate`` with the whole conversation --, the draft tokens of assisted decoding): the layer holds
+  its K/V back while ``PagedKVCache.attend_chunk`` attends it over the cached tokens and, causally, its
+  own 16-bit K/V, then appends it. Any length (the cache's ``max_seq_len`` aside); torch code on the GPU
+  too for now (no kernel takes several query tokens yet).
+
+Rollback (``crop``: assisted decoding, e.g. ``generate(..., prompt_lookup_num_tokens=10)``, which
+transformers prepares with ``activate_past_recording``): the layers then hold each chunk until the next
+crop or update, so crop drops rejected draft tokens before they reach the cache; tokens already appended
+are rolled back by ``PagedKVCache.truncate``, as far as its ``rollback_limit`` allows (a clear error past
+it: their 16-bit slots were reused after quantization).
 
 Greedy decoding as CUDA-graph replays (:class:`GraphedDecode`, :func:`greedy_generate`): after the prefill,
 one whole decode step of the model (embedding, every layer's append + FOSCAR attend, logits, argmax) is
@@ -31,11 +42,9 @@ run eagerly):
     from foscar.integrations.transformers import greedy_generate
     out = greedy_generate(model, input_ids, cache, max_new_tokens=256)   # like generate(do_sample=False)
 
-Not supported (clear errors): a second multi-token update after decoding started (chunked prefill,
-multi-turn reuse of one cache), beam search / cache reordering, cropping (assisted decoding),
-padded batches (the decode path takes no attention mask: a padded ``attention_mask`` is refused before
-the first layer runs, :func:`foscar_mask`), a model whose attention is not FOSCAR's (refused at the
-first update: call :func:`use_foscar`).
+Not supported (clear errors): beam search / cache reordering, padded batches (FOSCAR's attention takes
+no attention mask: a padded ``attention_mask`` is refused before the first layer runs, :func:`foscar_mask`),
+a model whose attention is not FOSCAR's (refused at the first update: call :func:`use_foscar`).
 transformers is imported lazily; it is not a dependency of foscar.
 """
 
@@ -47,7 +56,7 @@ import math
 
 import torch
 
-from ..cache import PagedKVCache
+from ..cache import PagedKVCache, PagePoolFull
 from ..scheme import Scheme
 
 __all__ = ["ATTENTION_NAME", "FoscarCache", "GraphedDecode", "cache_kwargs", "foscar_attention_forward",
@@ -63,13 +72,11 @@ def foscar_attention_forward(module, query, key, value, attention_mask, dropout:
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    marker = getattr(key, "foscar", None)
-    if marker is None or query.shape[2] != 1:
+    layer = getattr(key, "foscar", None)  # set by FoscarCache's update after the prefill
+    if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    kv, layer, seq_ids = marker
-    out = kv.attend(layer, seq_ids, query[:, :, 0].contiguous(), sm_scale=scaling)
-    return out[:, None], None
+    return layer.attend(query, scaling), None
 
 
 def foscar_mask(*args, attention_mask=None, **kwargs):
@@ -140,20 +147,34 @@ def _layer_base():
 
 def _make_layer_class():
     class FoscarLayer(_layer_base()):
-        """One model layer's view of the shared :class:`PagedKVCache` (transformers' layer API)."""
+        """One model layer's view of the shared :class:`PagedKVCache` (transformers' layer API).
+
+        A decode step (one token after the prefill) is appended at once and attended by ``PagedKVCache.attend``.
+        A chunk (the prefill, or several tokens after it) is *held*: its K/V stay out of the PagedKVCache while
+        it is attended (the prefill by SDPA; a later chunk by ``attend_chunk``, over the cached tokens before it),
+        then it is appended: right after its attention, or, once transformers called
+        :meth:`activate_past_recording` (assisted decoding), at the next :meth:`crop` (which may drop any of its
+        tokens first) or the next update."""
 
         is_compileable = False
-        is_croppable = False
+        is_croppable = True
         is_sliding = False
 
         def __init__(self, owner: "FoscarCache", layer_idx: int):
             super().__init__()
             self.owner, self.layer_idx = owner, layer_idx
-            self.cumulative_length = 0
+            self.cumulative_length = 0  # tokens this layer holds: appended, and held
+            self.held = None  # (k, v) [batch, kv_heads, tokens, head_dim] of a chunk not appended yet
+            self.record_past = False
 
         def lazy_initialization(self, key_states, value_states) -> None:
             self.dtype, self.device = key_states.dtype, key_states.device
             self.is_initialized = True
+
+        def activate_past_recording(self) -> None:
+            """Keep each chunk held until the next crop or update (transformers calls this before assisted
+            decoding, which crops the rejected draft tokens after each forward)."""
+            self.record_past = True
 
         def update(self, key_states, value_states, *args, **kwargs):
             held = self.owner.kv.scheme.q_dtype
@@ -165,16 +186,37 @@ def _make_layer_class():
                 self.lazy_initialization(key_states, value_states)
             tokens = key_states.shape[2]
             past = self.cumulative_length
-            if past and tokens != 1:
-                raise NotImplementedError(
-                    f"FoscarCache: a {tokens}-token update after {past} cached tokens (chunked prefill or reusing the "
-                    "cache for a new turn) is not supported; prefill in one call, then decode one token at a time")
-            seq_ids = self.owner.sequences_for(key_states.shape[0])
-            self.owner.kv.append(self.layer_idx, seq_ids, key_states.contiguous(), value_states.contiguous())
+            decode = tokens == 1 and past > 0
+            # a chunk's pages are reserved now: a refusal comes before anything changes, and no append fails later
+            seq_ids = self.owner.sequences_for(key_states.shape[0], None if decode else past + tokens)
+            self.commit()
+            if decode:
+                self.owner.kv.append(self.layer_idx, seq_ids, key_states.contiguous(), value_states.contiguous())
+            else:
+                self.held = (key_states.contiguous(), value_states.contiguous())
             self.cumulative_length += tokens
             if past:
-                key_states.foscar = (self.owner.kv, self.layer_idx, seq_ids)
+                key_states.foscar = self  # the attention function attends through attend()
+            elif not self.record_past:  # the prefill: SDPA attends the new K/V themselves
+                self.commit()
             return key_states, value_states
+
+        def attend(self, query, scaling):
+            """FOSCAR attention of ``query [batch, heads, q_len, head_dim]`` after an update with ``past > 0``:
+            ``[batch, q_len, heads, head_dim]``."""
+            kv, seq_ids = self.owner.kv, self.owner.seq_ids
+            if self.held is None:  # a decode step
+                return kv.attend(self.layer_idx, seq_ids, query[:, :, 0].contiguous(), sm_scale=scaling)[:, None]
+            out = kv.attend_chunk(self.layer_idx, seq_ids, query.transpose(1, 2), *self.held, sm_scale=scaling)
+            if not self.record_past:
+                self.commit()
+            return out
+
+        def commit(self) -> None:
+            """Append the held chunk, if any, to the PagedKVCache (its pages were reserved when it came)."""
+            if self.held is not None:
+                self.owner.kv.append(self.layer_idx, self.owner.seq_ids, *self.held)
+                self.held = None
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
             return self.cumulative_length + query_length, 0
@@ -187,15 +229,49 @@ def _make_layer_class():
 
         def reset(self) -> None:
             self.cumulative_length = 0
+            self.held = None
+
+        def _to_remove(self, tokens_to_remove) -> tuple[int, int]:
+            """(held tokens to drop, appended tokens to truncate) for ``crop(tokens_to_remove)``, or the error."""
+            if (isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.dim() == 0
+                    and tokens_to_remove.dtype in (torch.int32, torch.int64)):
+                tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a tensor
+            if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool) or tokens_to_remove > 0:
+                raise ValueError(f"tokens_to_remove must be an int <= 0 (minus the tokens to remove, as transformers "
+                                 f"passes it), got {tokens_to_remove!r}")
+            remove, held = -tokens_to_remove, 0 if self.held is None else self.held[0].shape[2]
+            if remove > self.cumulative_length:
+                raise ValueError(f"tokens_to_remove={tokens_to_remove}: the cache holds {self.cumulative_length} "
+                                 "tokens")
+            appended = max(0, remove - held)
+            if appended:
+                limit = min(self.owner.kv.rollback_limit(s, self.layer_idx) for s in self.owner.seq_ids)
+                if appended > limit:
+                    raise ValueError(
+                        f"tokens_to_remove={tokens_to_remove}: of the {self.cumulative_length} tokens of layer "
+                        f"{self.layer_idx}, the last {held} are held and {limit} more can be rolled back "
+                        "(PagedKVCache.rollback_limit: older ones are quantized, their 16-bit slots reused); "
+                        "activate_past_recording() before the forward keeps a chunk's tokens croppable")
+            return min(remove, held), appended
+
+        def crop(self, tokens_to_remove) -> None:
+            """Remove the last ``-tokens_to_remove`` tokens: held ones are dropped, appended ones rolled back
+            (``PagedKVCache.truncate``, within its ``rollback_limit``); the rest of a held chunk is appended."""
+            dropped, appended = self._to_remove(tokens_to_remove)
+            if appended:
+                self.owner.kv.truncate(self.layer_idx, self.owner.seq_ids, appended)
+            if dropped:
+                k, v = self.held
+                keep = k.shape[2] - dropped
+                self.held = (k[:, :, :keep], v[:, :, :keep]) if keep else None
+            self.cumulative_length -= dropped + appended
+            self.commit()
 
         def _unsupported(self, what):
             raise NotImplementedError(f"FoscarCache does not support {what}")
 
         def reorder_cache(self, beam_idx):
             self._unsupported("beam search (reorder_cache)")
-
-        def crop(self, tokens_to_remove):
-            self._unsupported("crop (assisted decoding)")
 
         def batch_repeat_interleave(self, repeats):
             self._unsupported("batch_repeat_interleave (num_return_sequences > 1, beam search)")
@@ -281,18 +357,45 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
                 self.model_config = model_config  # checked at the first update (None: built from a config)
                 super().__init__(layers=[layer_class(self, i) for i in range(kv.num_layers)])
 
-            def sequences_for(self, batch: int):
-                """The cache's sequence ids, allocated on the first update (one per batch row)."""
+            def sequences_for(self, batch: int, total: int | None):
+                """The cache's sequence ids, allocated on the first update (one per batch row); with ``total``,
+                pages reserved for that many tokens each. Refused before anything changes."""
+                kv = self.kv
                 if self.seq_ids is None:
                     if self.model_config is not None:
                         _check_attention(self.model_config)
-                    if batch > self.kv.max_seqs:
+                    if batch > kv.max_seqs:
                         _refuse_beam_search()
-                        raise ValueError(f"batch size {batch} exceeds max_batch_size={self.kv.max_seqs}")
-                    self.seq_ids = [self.kv.allocate() for _ in range(batch)]
-                if batch != len(self.seq_ids):
+                        raise ValueError(f"batch size {batch} exceeds max_batch_size={kv.max_seqs}")
+                elif batch != len(self.seq_ids):
                     raise ValueError(f"batch size changed from {len(self.seq_ids)} to {batch}; use a new FoscarCache")
+                if total is not None:
+                    if total > kv.max_seq_len:
+                        raise ValueError(f"input_ids: {total} tokens per sequence with the cached ones exceed the "
+                                         f"cache's max_seq_len={kv.max_seq_len}; build the FoscarCache with "
+                                         f"max_seq_len >= {total}")
+                    pages = [len(kv.pages_of(s)) for s in self.seq_ids] if self.seq_ids else [0] * batch
+                    need = sum(max(0, kv.pages_for(total) - p) for p in pages)
+                    if need > kv.free_pages:
+                        raise PagePoolFull(f"input_ids: {batch} sequences of {total} tokens need {need} more pages, "
+                                           f"{kv.free_pages} of num_pages={kv.num_pages} are free")
+                if self.seq_ids is None:
+                    self.seq_ids = [kv.allocate() for _ in range(batch)]
+                for seq_id in self.seq_ids if total is not None else ():
+                    kv.reserve(seq_id, total)
                 return self.seq_ids
+
+            def crop(self, tokens_to_remove: int) -> None:
+                """Remove the last ``-tokens_to_remove`` tokens of every layer (``FoscarLayer.crop``); checked on
+                every layer before any changes."""
+                for layer in self.layers:
+                    layer._to_remove(tokens_to_remove)
+                super().crop(tokens_to_remove)
+
+            def commit(self) -> None:
+                """Append every layer's held chunk (``FoscarLayer``) to the PagedKVCache now."""
+                for layer in self.layers:
+                    layer.commit()
 
             def reset(self):
                 if self.seq_ids is not None:
@@ -443,6 +546,7 @@ class GraphedDecode:
 
     def __init__(self, model, cache, next_tokens: torch.Tensor, max_new_tokens: int, graph: bool | None = None):
         _check_model_and_cache(model, cache)
+        cache.commit()  # a chunk still held (assisted decoding's): appended on the host, not inside the graph
         past = cache.get_seq_length()
         if past == 0:
             raise ValueError("cache: empty; prefill first (model(input_ids, **cache_kwargs(cache))) or use "
