@@ -52,7 +52,8 @@ def check_chunk(cache, ids, cached, rng, tokens, layer=0, sm_scale=0.1):
         ref, ref_lse = chunk_attention(rotated(cache, q[b]), k.cpu(), v.cpu(), rotated(cache, k_new[b]).float(),
                                        v_new[b].float(), sm_scale)
         assert (out[b].cpu().double() - ref).abs().max() < 1e-2, (seq, tokens)
-        assert (lse[b].cpu().double() - ref_lse).abs().max() < 1e-4, (seq, tokens)
+        # relative: an fp32 logsumexp over thousands of scores (the GPU's matmuls sum in another order: 2e-5 of 4.6)
+        assert ((lse[b].cpu().double() - ref_lse).abs() / ref_lse.abs().clamp_min(1)).max() < 1e-4, (seq, tokens)
     return k_new, v_new
 
 
