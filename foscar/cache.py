@@ -69,7 +69,7 @@ from .archs import HOPPER, arch_of_device, get_arch
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups
-from .scheme import PARAM_DTYPE, Axis, Scheme
+from .scheme import PARAM_DTYPE, Scheme
 from .work_list import CTAS_PER_SM, plan_splits
 
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
@@ -255,7 +255,7 @@ class PagedKVCache:
         layers, heads, d, ps = self.num_layers, self.kv_heads, self.scheme.head_dim, self.page_size
         page = 0  # one page of one layer and KV head: K and V codes and (scale, offset) params
         for role, quant in (("k", self.scheme.k), ("v", self.scheme.v)):
-            rows, cols = (ps, d // quant.group) if quant.axis is Axis.TOKEN else (ps // quant.group, d)
+            rows, cols = quant.params_shape(ps, d)
             page += ps // TILE_TOKENS * TileGeometry(role, quant.bits, d).words * 4 + rows * cols * 2 * 2
         rows = self.max_seqs + self.max_seqs % 2
         return {
@@ -665,9 +665,8 @@ class PagedKVCache:
         words = pack(c.reshape(n, kvh, t // TILE_TOKENS, TILE_TOKENS, d), TileGeometry(role, quant.bits, d))
         tiles = (slot.long() // TILE_TOKENS)[:, None] + torch.arange(t // TILE_TOKENS, device=src.device)[None, :]
         codes[page[:, None], :, tiles] = words.transpose(1, 2)
-        rows_per_granule = t if quant.axis is Axis.TOKEN else t // quant.group
-        first = slot.long() if quant.axis is Axis.TOKEN else slot.long() // quant.group
-        rows = first[:, None] + torch.arange(rows_per_granule, device=src.device)[None, :]
+        first = quant.params_shape(slot.long(), d)[0]  # the granule's first params row
+        rows = first[:, None] + torch.arange(quant.params_shape(t, d)[0], device=src.device)[None, :]
         params[page[:, None], :, rows] = torch.stack([scale, offset], dim=-1).transpose(1, 2)
         tokens = (page * self.page_size + slot.long())[:, None] + torch.arange(t, device=src.device)[None, :]
         values = dequantize_groups(c, scale, offset, quant)  # [N, kvh, T, D]
@@ -688,9 +687,9 @@ class PagedKVCache:
 
         Returns ``out`` (q's dtype) and, if asked, ``lse`` (fp32, natural log, scores scaled by
         ``sm_scale``, default ``head_dim**-0.5``). A sequence with no token yet attends to the empty
-        softmax: ``out = 0`` and ``lse = -inf`` (what a merge with other partials expects). Capturable in a CUDA graph. On the GPU one attend
-        per cache may be in flight at a time (its launches share the cache's completion counters):
-        issue a cache's attends on one stream.
+        softmax: ``out = 0`` and ``lse = -inf`` (what a merge with other partials expects). Capturable in a
+        CUDA graph. On the GPU one attend per cache may be in flight at a time (its launches share the
+        cache's completion counters): issue a cache's attends on one stream.
         """
         self._check_layer(layer)
         ids, index = self._rows(seq_ids)

@@ -19,7 +19,8 @@ from .quantize import QuantizedKV, check_page_size
 from .scheme import PARAM_DTYPE, Scheme
 from .work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, plan_splits
 
-__all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged", "MAX_SPLITS", "MIN_TOKENS_PER_SPLIT"]
+__all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged", "MAX_SPLITS",
+           "MIN_TOKENS_PER_SPLIT"]
 
 def _tensor(name, t, dtype, dims, device):
     if not isinstance(t, torch.Tensor):

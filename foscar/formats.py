@@ -39,8 +39,8 @@ from typing import ClassVar
 import torch
 
 __all__ = ["Format", "MinMaxFormat", "Int2", "Int4", "INT2", "INT4", "Unsupported", "Construction", "FORMATS",
-           "register_format", "format_named", "as_format", "int_widths", "hopper_fp16", "BLACKWELL_FP4", "BLACKWELL_FP8", "PARAM_DTYPE",
-           "PACKABLE_BITS"]
+           "register_format", "as_format", "int_widths", "hopper_fp16", "BLACKWELL_FP4",
+           "BLACKWELL_FP8", "PARAM_DTYPE", "PACKABLE_BITS"]
 
 
 PARAM_DTYPE = torch.float16  # scale and offset storage: 4 bytes per group, as in the byte arithmetic
@@ -230,13 +230,6 @@ def register_format(fmt: Format) -> Format:
         raise ValueError(f"format name {fmt.name!r} is taken by {held!r}")
     FORMATS[fmt.name] = fmt
     return fmt
-
-
-def format_named(name: str) -> Format:
-    """The registered format called ``name``, or a ValueError listing them."""
-    if name not in FORMATS:
-        raise ValueError(f"format must be one of {sorted(FORMATS)} (or a Format instance), got {name!r}")
-    return FORMATS[name]
 
 
 def int_widths() -> list[int]:

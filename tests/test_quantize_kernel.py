@@ -27,6 +27,9 @@ CASES = [  # (scheme, role)
     (Scheme.make(k="channel", k_group=128, v="token", v_group=64, k_bits=4, v_bits=2), "v"),
     (Scheme.make(k="token", k_group=32, v="channel", v_group=64, k_bits=2, v_bits=4), "k"),
     (Scheme.make(k="token", k_group=32, v="channel", v_group=64, k_bits=2, v_bits=4), "v"),
+    # 8-bit codes (the INT8 of tests/user_formats.py, registered by conftest): two registers' codes per word
+    (Scheme.make(8, "channel", 128, "token", 128, 128), "k"),
+    (Scheme.make(8, "channel", 128, "token", 128, 128), "v"),
 ]
 CONFIGS = [QuantizeConfig.of(scheme, role) for scheme, role in CASES]
 COMPILED = CONFIGS[:3] + CONFIGS[6:7] + [  # + the 2-bit V of a K4V2 scheme, + Blackwell's bit order
