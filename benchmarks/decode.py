@@ -193,9 +193,11 @@ def foscar_layers(scheme, batch, context, kv_heads, page_size=128):
     return fns, nbytes, copies, splits
 
 
-def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=64, window=256, lengths=None):
+def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=64, window=256, lengths=None,
+                         tokens=1):
     """Layer closures of ``PagedKVCache.attend``: BF16 sink + recent window merged with the quantized pages;
-    ``lengths``: per-sequence token counts (default ``context`` each)."""
+    ``lengths``: per-sequence token counts (default ``context`` each); ``tokens``: query tokens per sequence
+    (several: ``q [batch, tokens, Hq, D]``, the last tokens, causal: speculative verification)."""
     from foscar.cache import PagedKVCache
     from foscar.kernels.quantize import granule_of
 
@@ -205,7 +207,7 @@ def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=6
     d = scheme.head_dim
     nbytes = int(kv_heads * d * sum(2 * qn * scheme.bytes_per_element() + 2 * 2 * (n - qn)
                                     for n, qn in zip(lengths, quantized)))
-    nbytes += 2 * batch * kv_heads * scheme.gqa_ratio * d * 2
+    nbytes += 2 * batch * tokens * kv_heads * scheme.gqa_ratio * d * 2
     copies = copies_for(nbytes)
     pages = sum(-(-qn // page_size) for qn in quantized)
     cache = PagedKVCache(scheme, num_layers=copies, kv_heads=kv_heads, num_pages=max(1, pages), max_seqs=batch,
@@ -218,7 +220,8 @@ def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=6
             k = torch.randn(len(group), kv_heads, n, d, device="cuda", generator=gen, dtype=scheme.q_dtype)
             cache.append(layer, group, k, torch.randn_like(k))
             del k
-    q = torch.randn(batch, kv_heads * scheme.gqa_ratio, d, device="cuda", generator=gen, dtype=scheme.q_dtype)
+    shape = (batch, kv_heads * scheme.gqa_ratio, d) if tokens == 1 else (batch, tokens, kv_heads * scheme.gqa_ratio, d)
+    q = torch.randn(shape, device="cuda", generator=gen, dtype=scheme.q_dtype)
     return [(lambda layer=layer: cache.attend(layer, seqs, q)) for layer in range(copies)], nbytes, copies
 
 

@@ -99,15 +99,23 @@ class Arch:
         self.can_implement(scheme, page_size)
         return self._kernel().compile_decode(scheme, page_size, partial_output, arch=self.name, **options)
 
-    def compile_cache_decode(self, scheme: Scheme, page_size: int):
+    def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1):
         """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (Hopper: packed pages,
         window slots and merge in one, or the quantized splits' partials where
         ``foscar.hopper.fused.fuses_window`` says no; Blackwell: the quantized splits' partials; cached
-        per process; works without a GPU)."""
+        per process; works without a GPU) for ``tokens`` query tokens per sequence."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
+        self.check_query_tokens(scheme, page_size, tokens)
+        return self._kernel().compile_cache_decode(scheme, page_size, arch=self.name, tokens=tokens)
+
+    def check_query_tokens(self, scheme: Scheme, page_size: int, tokens: int) -> None:
+        """Raise a ValueError naming ``q`` if the cache decode cannot take ``tokens`` query tokens per
+        sequence (speculative verification: ``PagedKVCache.attend`` of a 4-D q); compiles nothing."""
         self.can_implement(scheme, page_size)
-        return self._kernel().compile_cache_decode(scheme, page_size, arch=self.name)
+        if tokens != 1:
+            raise ValueError(f"q: {tokens} query tokens per sequence: the {self.name} cache decode takes one "
+                             "(PagedKVCache.attend_chunk takes several)")
 
     def run_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme,
                    num_splits: int = 1, out=None, lse=None):
@@ -143,6 +151,15 @@ class _Hopper(Arch):
         from .hopper.kernel import DecodeConfig, default_consumers
 
         return DecodeConfig(scheme, page_size, True, default_consumers(scheme))
+
+    def check_query_tokens(self, scheme, page_size, tokens):
+        from .hopper.decode import check_query_tokens
+        from .hopper.kernel import default_consumers
+
+        self.can_implement(scheme, page_size)
+        if type(tokens) is not int or tokens < 1:
+            raise ValueError(f"q: query tokens per sequence must be a positive int, got {tokens!r}")
+        check_query_tokens(scheme, page_size, default_consumers(scheme, tokens), tokens)
 
     def _fuses_window(self, scheme, page_size):
         from .hopper.fused import fuses_window

@@ -14,7 +14,8 @@ precision for the same reason) and every packed word is written once, never read
 
 Why a ring: attention is order-invariant, so the recent part can sit in a fixed ``W + T``-slot ring
 (slot ``(t - S) % (W + T)``); an append writes one slot and a flush reads ``T`` slots, with no
-shifting. Requires ``W % T == 0`` so a granule is contiguous in the ring.
+shifting. Requires ``W % T == 0`` so a granule is contiguous in the ring (``rollback`` adds whole granules
+to the ring: :class:`PagedKVCache`).
 
 Layout (all layers in one object; a layer is an index): packed pages
 ``k_codes [layers, num_pages + 1, kv_heads, page_size // 64, tile_words]`` and params as in
@@ -146,6 +147,11 @@ class PagedKVCache:
     construction. Default: the CUDA device's, "sm_90a" on other devices (and, with ``use_kernels=False``, on
     a GPU the kernels do not run on).
 
+    ``rollback``: the tokens :meth:`truncate` can always remove (speculative decoding's rejected drafts, appended
+    before :meth:`attend` verifies them): the ring keeps ``ceil((rollback - 1) / granule)`` granules more 16-bit
+    slots, so :meth:`rollback_limit` never falls below it (default 0: it may fall to 1 right after a granule
+    is quantized).
+
     ``cta_budget`` (attribute, default the SM count x ``foscar.work_list.CTAS_PER_SM``): the CTAs the
     Hopper decode launch's work list spreads a batch over (``foscar.work_list``); lower it to cut
     sequences into fewer parts. ``num_splits(batch)``: the split count of the launches without a
@@ -154,7 +160,7 @@ class PagedKVCache:
 
     def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, num_pages: int, max_seqs: int, max_seq_len: int,
                  page_size: int | None = None, sink: int = 64, window: int = 256, rotate: bool = False,
-                 device=None, use_kernels: bool | None = None, arch: str | None = None):
+                 device=None, use_kernels: bool | None = None, arch: str | None = None, rollback: int = 0):
         if not isinstance(scheme, Scheme):
             raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
         self.scheme = scheme
@@ -164,7 +170,7 @@ class PagedKVCache:
             raise ValueError(f"page_size must be one of {PAGE_SIZES} and a multiple of the granule {granule}, got {page_size!r}")
         for name, value, low in (("num_layers", num_layers, 1), ("kv_heads", kv_heads, 1), ("num_pages", num_pages, 1),
                                  ("max_seqs", max_seqs, 1), ("max_seq_len", max_seq_len, 1), ("sink", sink, 0),
-                                 ("window", window, 0)):
+                                 ("window", window, 0), ("rollback", rollback, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if max_seq_len > MAX_INDEX:
@@ -205,12 +211,16 @@ class PagedKVCache:
             if device_arch is not self.arch:
                 raise ValueError(f"arch={self.arch.name}: the kernels cannot run on {self.device} "
                                  f"({device_arch.name}); leave arch unset or use use_kernels=False")
-            # fail now, naming the field, not at the first attend
-            self.arch.check_cache(scheme, page_size, sink + window + granule,
-                                  f"sink + window + granule ({sink} + {window} + {granule})")
+        # recent-part slots: the window and a granule, and whole granules more so that a truncate of `rollback`
+        # tokens always finds the 16-bit values of a granule quantized in between (rollback_limit)
+        ring = window + granule + granule * -(-max(rollback - 1, 0) // granule)
+        if self.use_kernels:  # fail now, naming the field, not at the first attend
+            self.arch.check_cache(scheme, page_size, sink + ring,
+                                  f"sink + window + granule{' + rollback margin' if ring > window + granule else ''} "
+                                  f"({sink} + {ring})")
         self.num_layers, self.kv_heads, self.num_pages, self.max_seqs = num_layers, kv_heads, num_pages, max_seqs
         self.page_size, self.sink, self.window, self.max_seq_len = page_size, sink, window, max_seq_len
-        self.ring = window + granule  # recent-part slots
+        self.ring = ring
         self.max_pages = max(1, -(-self.quantized_tokens(max_seq_len) // page_size))
         self.trash_page = num_pages
         _check_fits(self._planned_bytes(), self.device)  # before allocating: a clear error, not the allocator's
@@ -683,18 +693,22 @@ class PagedKVCache:
         return self._splits[batch]
 
     def attend(self, layer: int, seq_ids, q: torch.Tensor, sm_scale: float | None = None, return_lse: bool = False):
-        """Decode attention of ``q [len(seq_ids), kv_heads*gqa_ratio, head_dim]`` over each sequence.
+        """Decode attention of ``q [len(seq_ids), kv_heads*gqa_ratio, head_dim]`` over each sequence, or of
+        ``q [len(seq_ids), tokens, kv_heads*gqa_ratio, head_dim]``: the sequences' last ``tokens`` tokens
+        (speculative verification: the draft tokens, appended first), each attending every token up to its
+        own (causal). They sit in the 16-bit window (``tokens <= window``); on the GPU the kernel takes
+        ``gqa_ratio x tokens <= 16`` query rows per KV head (``Arch.check_query_tokens``).
 
-        Returns ``out`` (q's dtype) and, if asked, ``lse`` (fp32, natural log, scores scaled by
-        ``sm_scale``, default ``head_dim**-0.5``). A sequence with no token yet attends to the empty
-        softmax: ``out = 0`` and ``lse = -inf`` (what a merge with other partials expects). Capturable in a
-        CUDA graph. On the GPU one attend per cache may be in flight at a time (its launches share the
-        cache's completion counters): issue a cache's attends on one stream.
+        Returns ``out`` (q's dtype and shape) and, if asked, ``lse`` (fp32, q's shape less head_dim, natural
+        log, scores scaled by ``sm_scale``, default ``head_dim**-0.5``). A sequence with no token yet attends
+        to the empty softmax: ``out = 0`` and ``lse = -inf`` (what a merge with other partials expects).
+        Capturable in a CUDA graph. On the GPU one attend per cache may be in flight at a time (its launches
+        share the cache's completion counters): issue a cache's attends on one stream.
         """
         self._check_layer(layer)
         ids, index = self._rows(seq_ids)
         scheme = self.scheme
-        self._check_tensor("q", q, len(ids), self.kv_heads * scheme.gqa_ratio, None)
+        tokens = self._check_query(layer, q, ids)
         sm_scale = self._sm_scale(sm_scale)
         q = self._rotate(q).contiguous()  # the kernels read q densely (a q sliced from a fused QKV is not)
         if self.use_kernels:  # packed pages + 16-bit slots, merged (Arch.run_cache_decode: one launch on Hopper)
@@ -703,9 +717,39 @@ class PagedKVCache:
                 self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, self.lengths[layer], self._counters,
                 self.sink, self.window, sm_scale, scheme, self.num_splits(q.shape[0]), self.cta_budget)
             return (out, lse) if return_lse else out
-        out, lse = self._softmax_attend(layer, q, self._attend_plan(layer, ids, index), sm_scale)
+        plan = self._attend_plan(layer, ids, index)
+        if q.dim() == 3:
+            out, lse = self._softmax_attend(layer, q, plan, sm_scale)
+        else:
+            out, lse = self._softmax_attend_tokens(layer, q, plan, index, tokens, sm_scale)
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
+
+    def _check_query(self, layer, q, ids) -> int:
+        """Validate ``attend``'s ``q`` (3-D: one token per sequence; 4-D: ``tokens`` of them); returns ``tokens``."""
+        heads = self.kv_heads * self.scheme.gqa_ratio
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            self._check_tensor("q", q, len(ids), heads, None)
+            return 1
+        self._check_kind("q", q)
+        batch, tokens, d = len(ids), q.shape[1], self.scheme.head_dim
+        if q.shape[0] != batch or q.shape[2] != heads or q.shape[3] != d or tokens < 1:
+            raise ValueError(f"q must have shape [batch={batch}, tokens >= 1, heads={heads}, head_dim={d}] "
+                             f"(or [batch, heads, head_dim]), got {list(q.shape)}")
+        if tokens > max(self.window, 1):
+            raise ValueError(f"q: {tokens} query tokens per sequence exceed window={self.window}: attend's query "
+                             "tokens are the last ones appended, which the 16-bit window holds (attend_chunk "
+                             "takes longer chunks)")
+        if self.use_kernels:
+            self.arch.check_query_tokens(self.scheme, self.page_size, tokens)
+        if not _capturing(self.device):  # a capture sees no lengths: the caller appended the tokens
+            self._sync_mirror()
+            held = self._host_len[layer, list(ids)]
+            if int(held.min()) < tokens:
+                short = ids[int(held.argmin())]
+                raise ValueError(f"q: {tokens} query tokens per sequence, but sequence {short} holds "
+                                 f"{int(held.min())} tokens: append the query tokens' K/V before attend")
+        return tokens
 
     def _sm_scale(self, sm_scale) -> float:
         if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool)
@@ -856,6 +900,31 @@ class PagedKVCache:
         p = scores.sub_((torch.where(torch.isfinite(lse), lse, 0.0) if plan.maybe_empty else lse)[..., None]).exp_()
         out = torch.matmul(p[..., :plan.width], v_q).add_(torch.matmul(p[..., plan.width:], v_s))
         return out.reshape(batch, hq, d), lse.reshape(batch, hq)
+
+    def _softmax_attend_tokens(self, layer, q, plan, index, tokens, sm_scale):
+        """:meth:`_softmax_attend` of ``q [B, tokens, Hq, D]``, the sequences' last ``tokens`` tokens, each
+        masked from the slots that hold later tokens (those are in the 16-bit window: ``tokens <= window``)."""
+        batch, _, hq, d = q.shape
+        group = hq // self.kv_heads
+        (k_q, k_s), (v_q, v_s) = self._read(layer, "k", plan), self._read(layer, "v", plan)
+        qg = (q.float() * sm_scale).view(batch, tokens, self.kv_heads, group, d).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(batch, self.kv_heads, group * tokens, d)  # rows (query head of the group, token)
+        scores = torch.cat([torch.matmul(qg, k_q.mT), torch.matmul(qg, k_s.mT)], dim=-1).add_(plan.bias)
+        n = self.lengths[layer, index]
+        later = self._slot_positions(n, self._quantized_tokens_dev(n))[:, None, :] > (
+            n[:, None] - tokens + torch.arange(tokens, device=self.device)[None, :])[:, :, None]  # [B, tokens, slots]
+        slots = scores[..., plan.width:].view(batch, self.kv_heads, group, tokens, -1)
+        slots.masked_fill_(later[:, None, None], -torch.inf)
+        lse = torch.logsumexp(scores, dim=-1)  # finite: each query token attends at least itself
+        p = scores.sub_(lse[..., None]).exp_()
+        out = torch.matmul(p[..., :plan.width], v_q).add_(torch.matmul(p[..., plan.width:], v_s))
+        out = out.view(batch, self.kv_heads, group, tokens, d).permute(0, 3, 1, 2, 4).reshape(q.shape)
+        return out, lse.view(batch, self.kv_heads, group, tokens).permute(0, 3, 1, 2).reshape(q.shape[:-1])
+
+    def _slot_positions(self, n, qlen):
+        """The token position each of the ``S + ring`` 16-bit slots holds (where it holds one): ``[B, S + ring]``."""
+        j = self._slots[None, :]
+        return torch.where(j < self.sink, j, self.sink + qlen[:, None] + (j - self.sink - qlen[:, None]) % self.ring)
 
     # ------------------------------------------------------------------ inspection
 

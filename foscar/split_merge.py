@@ -59,11 +59,12 @@ class PartialSum:
 
 class SplitMerge:
     """Device side, for ``threads`` threads (``threads / 32`` warps) of a CTA that meet at named
-    barrier ``barrier_id``: ``arrive`` (am I last?) and ``merge`` (R query rows x D channels of one
-    (sequence, KV head), from any number of partials)."""
+    barrier ``barrier_id``: ``arrive`` (am I last?) and ``merge`` (the R query columns x D channels of one
+    (sequence, KV head), ``query``: ``foscar.query_rows.QueryRows``, from any number of partials)."""
 
-    def __init__(self, head_dim: int, rows: int, threads: int, barrier_id: int, out_dtype):
-        self.D, self.R = head_dim, rows
+    def __init__(self, head_dim: int, query, threads: int, barrier_id: int, out_dtype):
+        rows = query.R
+        self.D, self.R, self.query = head_dim, rows, query
         self.threads = threads
         self.warps = threads // 32
         self.barrier = NamedBarrier(barrier_id, threads)
@@ -107,10 +108,11 @@ class SplitMerge:
                 cute.make_tensor(lse_part + first, cute.make_ordered_layout((R, total), (0, 1))))
 
     @cute.jit
-    def merge(self, scratch: cute.Pointer, partials, out: cute.Pointer, lse: cute.Pointer, row0, total: Int32,
-              tc: Int32):
-        """``out[row0 + r, d]`` (``out_dtype``) and ``lse[row0 + r]`` from the ``total`` partials of
-        rows ``row0 .. row0 + R - 1`` (Int64): ``partials()`` gives them as ``o_rows (R, total, D)``,
+    def merge(self, scratch: cute.Pointer, partials, out: cute.Pointer, lse: cute.Pointer, row0, kv_heads: Int32,
+              total: Int32, tc: Int32):
+        """Column ``r``'s ``out[row, d]`` (``out_dtype``) and ``lse[row]`` (``row = row0 + query.offset(r,
+        kv_heads)``, ``row0`` Int64: column 0's) from the ``total`` partials of the R columns:
+        ``partials()`` gives them as ``o_rows (R, total, D)``,
         ``lse_rows (R, total)`` (:meth:`row_major`, :meth:`item_major`), built after the acquire fence.
         Two rounds: each row's max lse and weight sum (a warp per row, its lanes over the partials),
         then 4 output channels per thread (``PartialSum``: a batch of partials' loads in flight)."""
@@ -134,8 +136,9 @@ class SplitMerge:
                 w[self.L + r] = weights
         self._barrier()
         vecs = D // VEC
-        # (R * D,): the outputs
+        # (R * D,): the outputs (one token: R consecutive rows)
         out_rows = cute.make_tensor(out + row0 * D, cute.make_layout((R * D,)))
+        offset = self.query.offset  # (a method of a local object is not called inside a runtime loop)
         for unit in cutlass.range(tc, R * vecs, self.threads, unroll=1):
             r, vec = unit // vecs, unit % vecs
             acc = cute.make_rmem_tensor((VEC,), Float32)
@@ -146,7 +149,11 @@ class SplitMerge:
             inv = fsel(weights > Float32(0.0), cute.arch.rcp_approx(weights), Float32(0.0))
             result = cute.make_rmem_tensor((VEC,), self.out_dtype)
             result.store((acc.load() * inv).to(self.out_dtype))
-            # ((VEC), (R * D / VEC))
-            cute.autovec_copy(result, cute.zipped_divide(out_rows, (VEC,))[None, unit])
+            if cutlass.const_expr(self.query.tokens == 1):
+                # ((VEC), (R * D / VEC))
+                cute.autovec_copy(result, cute.zipped_divide(out_rows, (VEC,))[None, unit])
+            else:  # the column's row: (VEC,) at channel VEC * vec
+                dst = out + cute.assume((row0 + offset(r, kv_heads)) * D + vec * VEC, divby=VEC)
+                cute.autovec_copy(result, cute.make_tensor(dst, cute.make_layout((VEC,))))
             if vec == 0:
-                store(lse, row0 + r, merged_lse(w[self.M + r], weights))
+                store(lse, row0 + offset(r, kv_heads), merged_lse(w[self.M + r], weights))

@@ -27,9 +27,10 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import warp as warp_mma
 
 from .device import NEG_INF, cp_async_16, fsel, movmatrix_trans, pack_bf16x2, pack_f16x2
+from .query_rows import QueryRows
 
-__all__ = ["ROW_PAD", "BLOCK", "WindowOperands", "slot_holds_token", "quantized_tokens", "query_columns",
-           "shared_word_index", "fsel_i32"]
+__all__ = ["ROW_PAD", "BLOCK", "WindowOperands", "slot_holds_token", "slot_position", "quantized_tokens",
+           "query_columns", "shared_word_index", "fsel_i32"]
 
 ROW_PAD = 8  # 16-bit elements of padding per shared K / V row (16 bytes: rows 4 banks apart)
 BLOCK = 16  # slots per MMA block (the m16 of S^T)
@@ -49,9 +50,21 @@ def quantized_tokens(n, sink, window, granule: int):
 @cute.jit
 def slot_holds_token(j: Int32, n: Int32, qlen: Int32, sink: Int32, ring: Int32, recent: Int32):
     """Whether window slot ``j`` holds a token (module docstring; ``recent = max(n - sink - qlen, 0)``)."""
-    rel = (j - sink - qlen) % ring
-    rel = rel + fsel_i32(rel < 0, ring, 0)  # floor mod
+    rel = ring_index(j, qlen, sink, ring)
     return (j < sink + ring) & cutlass.select_(j < sink, j < n, rel < recent)
+
+
+@cute.jit
+def slot_position(j: Int32, qlen: Int32, sink: Int32, ring: Int32):
+    """The position in its sequence of the token window slot ``j`` holds (where it holds one)."""
+    return Int32(cutlass.select_(j < sink, j, sink + qlen + ring_index(j, qlen, sink, ring)))
+
+
+@cute.jit
+def ring_index(j: Int32, qlen: Int32, sink: Int32, ring: Int32):
+    """``(j - sink - qlen) mod ring``: how many tokens after the packed ones a ring slot's token comes."""
+    rel = (j - sink - qlen) % ring
+    return rel + fsel_i32(rel < 0, ring, 0)  # floor mod
 
 
 def shared_word_index(slot, element, padded_row: int):
@@ -65,12 +78,13 @@ def fsel_i32(cond, a, b):
 
 
 class WindowOperands:
-    """Compile time: head_dim, R query rows per KV head, the window's 16-bit dtype."""
+    """Compile time: head_dim, the query rows of a KV head (``foscar.query_rows.QueryRows``: R columns), the
+    window's 16-bit dtype."""
 
-    def __init__(self, head_dim: int, rows: int, dtype):
-        self.D, self.R = head_dim, rows
+    def __init__(self, head_dim: int, query: QueryRows, dtype):
+        self.D, self.query, self.R = head_dim, query, query.R
         self.PD = head_dim + ROW_PAD  # elements per shared K / V row
-        self.N = query_columns(rows)
+        self.N = query_columns(self.R)
         self.NB = self.N // 8
         self.dtype = dtype
         self.pack = pack_bf16x2 if dtype is cutlass.BFloat16 else pack_f16x2
@@ -118,15 +132,15 @@ class WindowOperands:
         return cute.make_tensor(rows + shared_word_index(slot, element, self.PD), cute.make_layout((1,)))[0]
 
     @cute.jit
-    def query_fragments(self, mma, q: cute.Pointer, q_row0: Int64):
+    def query_fragments(self, mma, q: cute.Pointer, q_row0: Int64, kv_heads: Int32):
         """Q^T as B fragments, [nb][kb]: value e + 2*hh = channel 16*kb + 2*tq + e + 8*hh of query column
-        8*nb + g (zeros past the R rows)."""
+        8*nb + g (zeros past the R rows; ``q_row0``: column 0's row of q)."""
         D, R = self.D, self.R
         q_words = cute.recast_ptr(q, dtype=Int32)
         q_t = []
         for nb in cutlass.range_constexpr(self.NB):
             col = 8 * nb + mma.g
-            qrow = q_row0 + cutlass.min(col, R - 1)
+            qrow = q_row0 + self.query.offset(cutlass.min(col, R - 1), kv_heads)
             frags = []
             for kb in cutlass.range_constexpr(D // 16):
                 frag = mma.fragment_B()
@@ -140,10 +154,10 @@ class WindowOperands:
         return q_t
 
     @cute.jit
-    def scores(self, mma, k_rows: cute.Pointer, slot0, q_t, scale_log2: Float32, valid):
+    def scores(self, mma, k_rows: cute.Pointer, slot0, q_t, scale_log2: Float32, valid, visible=None):
         """S^T of the 16 slots from ``slot0`` of the shared K rows (log2 domain; -inf where ``valid[h_r]``
-        is false): NB accumulator values ``4*nb + e + 2*h_r`` = slot ``slot0 + g + 8*h_r``, query
-        column ``8*nb + 2*tq + e``."""
+        is false, or ``visible(nb, i)``, if given, is): NB accumulator values ``i = 4*nb + e + 2*h_r`` = slot
+        ``slot0 + g + 8*h_r``, query column ``8*nb + 2*tq + e``."""
         acc = [mma.zero_accumulator() for _ in range(self.NB)]
         for kb in cutlass.range_constexpr(self.D // 16):
             a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # K: value e + 2*h_r + 4*h_c, slot g + 8*h_r
@@ -156,7 +170,10 @@ class WindowOperands:
         s = cute.make_rmem_tensor((4 * self.NB,), Float32)
         for nb in cutlass.range_constexpr(self.NB):
             for i in cutlass.range_constexpr(4):
-                s[4 * nb + i] = fsel(valid[i // 2], acc[nb][i] * scale_log2, Float32(NEG_INF))
+                keep = valid[i // 2]
+                if cutlass.const_expr(visible is not None):
+                    keep = keep & visible(nb, i)
+                s[4 * nb + i] = fsel(keep, acc[nb][i] * scale_log2, Float32(NEG_INF))
         return s
 
     @cute.jit

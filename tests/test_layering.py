@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).parent.parent / "foscar"
 
 CORE = {"formats", "folds", "scheme", "operands", "quantize", "reference", "targets", "layouts"}
 COMPILE = {"jit", "compile_cache", "inspect"}
-DEVICE = {"device", "pipeline", "softmax", "split_merge", "work_list", "window_tiles", "warp_mma", "barriers"}
+DEVICE = {"device", "pipeline", "softmax", "split_merge", "work_list", "window_tiles", "warp_mma", "barriers",
+          "query_rows"}
 KERNELS = {"kernels": 3, "hopper": 4, "blackwell": 4}  # helper kernels below the arch kernels
 
 

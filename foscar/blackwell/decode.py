@@ -84,10 +84,13 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     return out, lse
 
 
-def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH):
+def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH, tokens: int = 1):
     """Compile (or fetch) the decode launch of ``foscar.cache.PagedKVCache`` (``foscar.blackwell.fused``:
-    the quantized splits' partials, read in place from the cache's tensors)."""
+    the quantized splits' partials, read in place from the cache's tensors); one query token per sequence
+    (``tokens``: the window launch, ``foscar.kernels.sink_window``, has no causal mask)."""
     _check_arch(arch)
+    if tokens != 1:
+        raise ValueError(f"q: {tokens} query tokens per sequence: the {arch} cache decode takes one")
     key = ("blackwell_cache_decode", scheme, int(page_size), arch)
     return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch))
 

@@ -18,8 +18,8 @@ from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
 from ..scheme import Scheme
 from .kernel import DecodeConfig, default_consumers
 
-__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "DEFAULT_ARCH",
-           "default_consumers"]
+__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "check_query_tokens",
+           "DEFAULT_ARCH", "default_consumers"]
 
 DEFAULT_ARCH = "sm_90a"
 
@@ -115,22 +115,41 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
     return out, lse
 
 
-def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH, consumers: int | None = None):
+def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH, consumers: int | None = None,
+                         tokens: int = 1):
     """Compile (or fetch) the decode launch of ``foscar.cache.PagedKVCache`` (``foscar.hopper.fused``:
     packed pages, 16-bit sink + window slots and the split merge in one launch, reading the cache's
-    tensors in place; where ``fuses_window`` says no, the quantized splits' partials only)."""
-    consumers = default_consumers(scheme) if consumers is None else consumers
-    key = ("hopper_cache_decode", scheme, int(page_size), int(consumers), arch)
-    return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch, consumers))
+    tensors in place; where ``fuses_window`` says no, the quantized splits' partials only) for ``tokens``
+    query tokens per sequence (several: the window tiles carry the causal mask; one launch only)."""
+    consumers = default_consumers(scheme, tokens) if consumers is None else consumers
+    check_query_tokens(scheme, page_size, consumers, tokens)
+    key = ("hopper_cache_decode", scheme, int(page_size), int(consumers), arch) + ((int(tokens),) if tokens > 1 else ())
+    return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch, consumers, tokens))
 
 
-def _build_cache_decode(scheme, page_size, arch, consumers):
+def check_query_tokens(scheme: Scheme, page_size: int, consumers: int, tokens: int) -> None:
+    """Raise a ValueError naming ``q`` if the cache decode cannot take ``tokens`` query tokens per sequence:
+    ``gqa_ratio x tokens`` query columns fit one query tile (``foscar.query_rows``), and several tokens need
+    the one-launch decode (its window tiles carry the causal mask)."""
+    from ..query_rows import MAX_QUERY_COLUMNS
+    from .fused import fuses_window
+
+    if type(tokens) is not int or not 1 <= tokens * scheme.gqa_ratio <= MAX_QUERY_COLUMNS:
+        raise ValueError(f"q: {tokens} query tokens per sequence x gqa_ratio={scheme.gqa_ratio}: the sm_90a cache "
+                         f"decode takes at most {MAX_QUERY_COLUMNS} query rows per KV head "
+                         f"(at most {MAX_QUERY_COLUMNS // scheme.gqa_ratio} tokens)")
+    if tokens > 1 and not fuses_window(scheme, page_size, consumers):
+        raise ValueError(f"q: {tokens} query tokens per sequence: {scheme.name} at page_size={page_size} decodes in "
+                         "two launches (its window tiles do not fit the ring), which take one query token")
+
+
+def _build_cache_decode(scheme, page_size, arch, consumers, tokens):
     import cuda.bindings.driver as cuda
     from cutlass import Float16, Float32, Int32, Int64
 
     from .fused import HopperCacheDecodeKernel, cache_decode_config
 
-    cfg = cache_decode_config(scheme, page_size, consumers)
+    cfg = cache_decode_config(scheme, page_size, consumers, tokens)
     q_type, i32 = cfg.q_dtype, Int32(1)
     return compile_for(
         arch, HopperCacheDecodeKernel(cfg),
@@ -150,16 +169,17 @@ def _build_cache_decode(scheme, page_size, arch, consumers):
 
 
 def cache_partials(scheme: Scheme, page_size: int, batch: int, kv_heads: int, num_splits: int, budget: int,
-                   slots: int, consumers: int | None = None) -> tuple[int, ...]:
+                   slots: int, consumers: int | None = None, tokens: int = 1) -> tuple[int, ...]:
     """The shape of the fp32 ``o`` partials :func:`run_cache_decode` allocates (``lse``'s: all but the
     last dim): one launch, one ``[R, D]`` per work item (``foscar.work_list``: at most ``budget + batch *
-    kv_heads``); two, ``[batch, Hq, parts, D]``, the window kernel's partials after the splits'."""
+    kv_heads``; R = gqa x tokens); two, ``[batch, Hq, parts, D]``, the window kernel's partials after the
+    splits'."""
     from ..kernels.sink_window import window_ctas
     from ..work_list import grid_ctas
     from .fused import fuses_window
 
-    consumers = default_consumers(scheme) if consumers is None else consumers
-    r, d = scheme.gqa_ratio, scheme.head_dim
+    consumers = default_consumers(scheme, tokens) if consumers is None else consumers
+    r, d = scheme.gqa_ratio * tokens, scheme.head_dim
     if fuses_window(scheme, page_size, consumers):
         return (grid_ctas(budget, batch, kv_heads), r, d)
     return (batch, kv_heads * r, num_splits + window_ctas(slots), d)
@@ -168,12 +188,13 @@ def cache_partials(scheme: Scheme, page_size: int, batch: int, kv_heads: int, nu
 def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
                      sink: int, window: int, sm_scale: float, scheme: Scheme, num_splits: int, budget: int,
                      arch: str = DEFAULT_ARCH, consumers: int | None = None):
-    """Decode on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``,
+    """Decode on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``, or
+    ``q [B, tokens, Hq, D]`` for several query tokens per sequence (the sequence's last tokens: causal),
     packed pages, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win [max_seqs, kv_heads,
     sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs], ``counters`` int32
     (>= B * kv_heads, zero; left zero). One launch (``foscar.hopper.fused``) whose work list fills
     ``budget`` CTAs, or, where ``fuses_window`` says no, ``num_splits`` splits per sequence then the
-    window kernel. Returns ``(out, lse)``: q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
+    window kernel. Returns ``(out, lse)``: q's dtype and shape, fp32 ``lse`` of q's shape less head_dim."""
     import torch
     from cutlass import Float16, Float32, Int32, Int64
 
@@ -182,19 +203,19 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     from .fused import fuses_window
 
     device = q.device
-    batch, hq, d = q.shape
+    batch, tokens, d = q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-1]
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
     page_size = k_codes.shape[2] * 64
-    consumers = default_consumers(scheme) if consumers is None else consumers
+    consumers = default_consumers(scheme, tokens) if consumers is None else consumers
     one_launch = fuses_window(scheme, page_size, consumers)
     check_cache_launch(num_splits, counters, batch * kv_heads, budget)  # before anything compiles or launches
     if not one_launch:
-        check_sink_window(d, hq // kv_heads, slots)
-    compiled = compile_cache_decode(scheme, page_size, arch, consumers)
+        check_sink_window(d, scheme.gqa_ratio, slots)
+    compiled = compile_cache_decode(scheme, page_size, arch, consumers, tokens)
     q_type = half_type(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    lse = torch.empty(batch, hq, dtype=torch.float32, device=device)
-    shape = cache_partials(scheme, page_size, batch, kv_heads, num_splits, budget, slots, consumers)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=device)
+    shape = cache_partials(scheme, page_size, batch, kv_heads, num_splits, budget, slots, consumers, tokens)
     o_part = torch.empty(shape, dtype=torch.float32, device=device)
     lse_part = torch.empty(shape[:-1], dtype=torch.float32, device=device)
     compiled(

@@ -49,7 +49,7 @@ from ..layouts.fragment import THREADS, TILE_TOKENS
 from ..pipeline import split_range, stage_and_phase
 from ..softmax import finite_reference
 from ..split_merge import SplitMerge
-from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token
+from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token, slot_position
 from ..warp_mma import WarpMma
 from ..work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, PLAN_WORDS, WorkList
 from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel
@@ -57,14 +57,15 @@ from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKer
 __all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
 
 
-def cache_decode_config(scheme, page_size: int, consumers: int) -> DecodeConfig:
+def cache_decode_config(scheme, page_size: int, consumers: int, tokens: int = 1) -> DecodeConfig:
     """The split-output config whose ring stages also hold a window tile; where such a ring does not
     fit (head_dim 256 with channel-wise K groups of 256 tokens: 16 stages of 16.5 KB), the packed-only
-    config: the cache decode is then two launches (:func:`fuses_window`)."""
-    plain = DecodeConfig(scheme, page_size, True, consumers)  # raises what the variant itself cannot build
-    window = WindowOperands(scheme.head_dim, scheme.gqa_ratio, half_type(scheme.q_dtype))
+    config: the cache decode is then two launches (:func:`fuses_window`). ``tokens``: query tokens per
+    sequence (``foscar.query_rows``; several only where the window tiles fit: they carry the causal mask)."""
+    plain = DecodeConfig(scheme, page_size, True, consumers, tokens=tokens)  # raises what the variant cannot build
+    window = WindowOperands(scheme.head_dim, plain.rows, half_type(scheme.q_dtype))
     try:
-        return DecodeConfig(scheme, page_size, True, consumers, window)
+        return DecodeConfig(scheme, page_size, True, consumers, window, tokens)
     except ValueError:  # the one check the window adds: its stages' ring fits
         return plain
 
@@ -130,9 +131,10 @@ class CacheWindow:
     the packed tiles; their count is rounded up to whole runs of ``TPG`` (so the packed runs stay
     aligned to channel-wise K groups), the extra tiles' slots all past the cache row."""
 
-    def __init__(self, cfg: DecodeConfig, k_win, v_win, q_ptr, q_row0, first, n, qlen, sink, ring, split, num_splits):
+    def __init__(self, cfg: DecodeConfig, k_win, v_win, q_ptr, q_row0, kv_heads, first, n, qlen, sink, ring, split,
+                 num_splits):
         self.cfg, self.ops = cfg, cfg.window
-        self.k_win, self.v_win, self.q_ptr, self.q_row0 = k_win, v_win, q_ptr, q_row0
+        self.k_win, self.v_win, self.q_ptr, self.q_row0, self.kv_heads = k_win, v_win, q_ptr, q_row0, kv_heads
         self.first = first  # element of the (sequence, KV head)'s slot 0 in k_win / v_win
         self.n, self.qlen, self.sink, self.ring = n, qlen, sink, ring
         self.slots = sink + ring
@@ -175,13 +177,17 @@ class CacheWindow:
         after a packed tile; its corrections get nothing: these slots are exact)."""
         cfg, ops, vf = self.cfg, self.ops, kernel.v_hooks
         wmma = WarpMma(ops.tiled_mma(), lane, cfg.NB)  # the window's 16-bit type, same fragment geometry
-        q_t = ops.query_fragments(wmma, self.q_ptr, self.q_row0)
+        q_t = ops.query_fragments(wmma, self.q_ptr, self.q_row0, self.kv_heads)
         j0 = self.slot0(i)
         valid = tuple(self.holds(j0 + wmma.g + 8 * hr) for hr in range(2))
+        visible = None  # one query token: it sees every token the slots hold
+        if cutlass.const_expr(cfg.rows.tokens > 1):  # several: the causal mask, by the slots' token positions
+            positions = [slot_position(j0 + wmma.g + 8 * hr, self.qlen, self.sink, self.ring) for hr in range(2)]
+            visible = lambda nb, i: cfg.rows.sees(8 * nb + 2 * wmma.tq + i % 2, positions[i // 2], self.n)  # noqa: E731
         stage, phase = stage_and_phase(i, cfg.STAGES)
         cute.arch.mbarrier_wait(full + stage, phase)
         sbuf = ring + cute.assume(stage * cfg.STAGE_WORDS, divby=4)
-        sc = ops.scores(wmma, sbuf + cfg.WIN_K, 0, q_t, scale_log2, valid)
+        sc = ops.scores(wmma, sbuf + cfg.WIN_K, 0, q_t, scale_log2, valid, visible)
         alpha, moved = kernel.online_softmax(mma, sc, m_run, l_run, token_blocks=1, may_be_empty=True)
         vf.rescale_corrections(mma, vst, alpha)
         rescale = vf.rescale_direct  # (a method of a local object is not called inside a runtime `if`)
@@ -213,7 +219,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         self.work = WorkList(cfg.threads, MAX_SPLITS)
         self.tile_units = max(1, cfg.TILE_BYTES // 256)  # a packed tile's work (WorkList units: 256 bytes)
         self.tiles_per_part = MIN_TOKENS_PER_SPLIT // TILE_TOKENS
-        self.merger = SplitMerge(cfg.D, cfg.R, cfg.NW * 32, HopperDecodeBarrier.CONSUMERS, cfg.q_dtype)
+        self.merger = SplitMerge(cfg.D, cfg.rows, cfg.NW * 32, HopperDecodeBarrier.CONSUMERS, cfg.q_dtype)
 
     def cache_storage(self):
         if self.cfg.window is None:  # two launches: the window kernel merges
@@ -327,13 +333,13 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         b, h, row = part.b, part.h, part.row
         qlen = quantized_tokens(part.n, slots.sink, slots.window, self.granule)
         _n_tiles, t_begin, t_end = split_range(qlen, part.part, part.n_parts, cfg.TPG)
-        q_row0 = (b * kv_heads + h).to(Int64) * cfg.R  # first query row of the KV head
+        q_row0 = cfg.rows.first(b, h, kv_heads)  # row of the KV head's query column 0
         first = (row * kv_heads + h) * (slots.sink + slots.ring) * cfg.D  # element of the window's slot 0
         # (built in each branch: a Python object cannot be carried through a runtime `if`)
         window_of = lambda: None  # noqa: E731  (two launches: no window tiles)
         if cutlass.const_expr(cfg.window is not None):
-            window_of = lambda: CacheWindow(cfg, layer.k_win, layer.v_win, layer.q, q_row0, first,  # noqa: E731
-                                            part.n, qlen, slots.sink, slots.ring, part.part, part.n_parts)
+            window_of = lambda: CacheWindow(cfg, layer.k_win, layer.v_win, layer.q, q_row0, kv_heads,  # noqa: E731
+                                            first, part.n, qlen, slots.sink, slots.ring, part.part, part.n_parts)
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -364,4 +370,4 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
                     partials = lambda: self.merger.item_major(layer.o_part, layer.lse_part, part.item0,  # noqa: E731
                                                               part.n_parts)
                     self.merger.merge(storage.merge_scratch.data_ptr(), partials, layer.out, layer.lse, q_row0,
-                                      part.n_parts, tc)
+                                      kv_heads, part.n_parts, tc)

@@ -76,6 +76,7 @@ from ..device import LOG2E, NEG_INF, at, fsel, movmatrix_trans, output_offsets, 
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..pipeline import bulk_copy_g2s, split_range, stage_and_phase
+from ..query_rows import QueryRows
 from ..scheme import Scheme
 from ..softmax import finite_reference, normalize
 from ..window_tiles import BLOCK
@@ -91,7 +92,7 @@ MAX_STAGES = 48
 MERGE_PAD = 4  # fp32 words of padding per merged output row: conflict-free fragment stores
 
 
-def default_consumers(scheme: Scheme) -> int:
+def default_consumers(scheme: Scheme, tokens: int = 1) -> int:
     """Consumer warpgroups: as many warps as keep a warp's loop-carried state (fp32 O^T, the Q^T
     fragments, fp32 q for channel-wise K) in registers next to a tile's working set (its packed
     words): 3 warpgroups leave 152 registers per thread, 2 leave 232, 1 leaves 240. (Measured on
@@ -99,8 +100,8 @@ def default_consumers(scheme: Scheme) -> int:
     faster with 3 warpgroups despite an 8-byte spill; INT4, 80 + 64 words, 6% slower; the variants
     with more V state spill 24-192 bytes with 3.) Fewer where the ring's stages of that many warps do not fit (8-bit
     codes: a 64-token tile of K and V at head_dim 128 is 16 KB, and channel-wise K groups take runs of
-    tiles per warp)."""
-    wanted = _consumers_for_state(scheme)
+    tiles per warp). ``tokens``: query tokens per sequence (their rows widen the state like query heads)."""
+    wanted = _consumers_for_state(scheme, scheme.gqa_ratio * tokens)
     return next((c for c in range(wanted, 1, -1) if _ring_fits(scheme, c)), 1)
 
 
@@ -112,10 +113,11 @@ def _ring_fits(scheme: Scheme, consumers: int) -> bool:
     return True
 
 
-def _consumers_for_state(scheme: Scheme) -> int:
-    """:func:`default_consumers`'s count by the registers a warp's state and working set take."""
+def _consumers_for_state(scheme: Scheme, rows: int) -> int:
+    """:func:`default_consumers`'s count by the registers a warp's state and working set take (``rows``
+    query rows per KV head)."""
     plan = scheme.plan("sm_90a")
-    nb = 1 if scheme.gqa_ratio <= 8 else 2
+    nb = 1 if rows <= 8 else 2
     blocks = scheme.head_dim // 16
     state = blocks * nb * (4 + 2)  # O^T accumulators + f16x2 Q^T
     if not plan.k.token_wise:
@@ -136,9 +138,10 @@ class DecodeConfig:
     its fold case and operand construction), page size, output format and consumer warpgroups.
 
     The variant's limits (gqa ratio, page sizes, group sizes) are ``foscar.archs.HOPPER.can_implement``'s,
-    checked before this is built; what only the geometry tells (the ring fits) is checked here."""
+    checked before this is built; what only the geometry tells (the ring fits, ``tokens`` query tokens
+    per sequence fit the query tile: ``foscar.query_rows``) is checked here."""
 
-    def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int, window=None):
+    def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int, window=None, tokens: int = 1):
         if consumers not in (1, 2, 3):
             raise ValueError(f"consumers must be 1, 2 or 3 warpgroups, got {consumers}")
         plan = scheme.plan("sm_90a")
@@ -147,7 +150,8 @@ class DecodeConfig:
         self.page_size = page_size
         self.split = bool(split)
         self.D = scheme.head_dim
-        self.R = scheme.gqa_ratio
+        self.rows = QueryRows(scheme.gqa_ratio, tokens)
+        self.R = self.rows.R  # query columns per KV head: gqa x tokens
         self.N = 8 if self.R <= 8 else 16  # query columns padded to whole n8 blocks
         self.NB = self.N // 8  # n8 blocks
         self.NS = 2 * self.NB  # distinct query columns per thread in an m16n8 accumulator set
@@ -493,14 +497,13 @@ class HopperDecodeKernel:
 
     def load_query(self, mma: WarpMma, q_ptr: cute.Pointer, b, h, kv_heads):
         """fp32 q values of the thread's Q^T B-fragment positions (``q_index`` order); 0 for the
-        padding columns past R."""
+        padding columns past R (``foscar.query_rows``: the column's row of q)."""
         cfg = self.cfg
-        Hq = kv_heads * cfg.R
-        q_base = (b * Hq + h * cfg.R).to(Int64) * cfg.D
+        q_base = cfg.rows.row(b, h, 0, kv_heads) * cfg.D
         qv = cute.make_rmem_tensor((mma.NB * cfg.KB_D * 4,), Float32)
         for nb in range(mma.NB):
-            head = 8 * nb + mma.g
-            q_row = q_base + cutlass.min(head, cfg.R - 1) * cfg.D
+            head = 8 * nb + mma.g  # the query column
+            q_row = q_base + cfg.rows.offset(cutlass.min(head, cfg.R - 1), kv_heads) * cfg.D
             for kb in range(cfg.KB_D):
                 for hh in range(2):
                     for e in range(2):
@@ -571,8 +574,8 @@ class HopperDecodeKernel:
         cfg = self.cfg
         partial = cfg.split if split_output is None else split_output
         N, D, R, NW = cfg.N, cfg.D, cfg.R, cfg.NW
-        Hq = kv_heads * R
         ml = N * cfg.MERGE_ROW  # offset of m (then l) in a warp's area
+        row_of = cfg.rows.row  # (a method of a local object is not called inside a runtime `if`)
         for x in cutlass.range_constexpr((R * D + NW * 32 - 1) // (NW * 32)):
             el = tc + NW * 32 * x
             if el < R * D:
@@ -593,7 +596,7 @@ class HopperDecodeKernel:
                     lidx = item.to(Int64) * R + col
                     obase = lidx * D
                 else:
-                    obase, lidx = output_offsets(partial, (b * Hq + h * R + col).to(Int64), split, num_splits, D)
+                    obase, lidx = output_offsets(partial, row_of(b, h, col, kv_heads), split, num_splits, D)
                 if d == 0:
                     cute.make_tensor(lse_ptr + lidx, cute.make_layout((1,)))[0] = lse
                 val = ot * inv_l

@@ -38,6 +38,7 @@ from ..device import LOG2E, reduce_over_rows
 from ..warp_mma import WarpMma
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
+from ..query_rows import QueryRows
 from ..window_tiles import ROW_PAD, WindowOperands, quantized_tokens, query_columns, slot_holds_token
 from ..work_list import MAX_SPLITS
 
@@ -100,13 +101,13 @@ class SinkWindow:
 
     def __init__(self, head_dim: int, rows: int, dtype):
         check_sink_window(head_dim, rows, slots=1)
-        self.ops = WindowOperands(head_dim, rows, dtype)
+        self.ops = WindowOperands(head_dim, QueryRows(rows), dtype)
         self.D, self.R = head_dim, rows
         self.PD = self.ops.PD
         self.N = query_columns(rows)
         self.NB = self.N // 8
         self.dtype = dtype
-        self.merger = SplitMerge(head_dim, rows, 32 * WARPS, WindowBarrier.MERGE, dtype)
+        self.merger = SplitMerge(head_dim, QueryRows(rows), 32 * WARPS, WindowBarrier.MERGE, dtype)
         # the warps' outputs fit over the K and V rows (32 R D <= 512 (D + 8) bytes for R <= 16), which
         # are adjacent: K's rows are a whole number of 128-byte alignment units
         assert WARPS * rows * head_dim * 4 <= 2 * CHUNK * self.PD * 2, (head_dim, rows)
@@ -153,7 +154,7 @@ class SinkWindow:
 
         mma = WarpMma(ops.tiled_mma(), lane, self.NB)
         q_row0 = (b * kv_heads + h).to(Int64) * self.R  # first query row of the KV head
-        q_t = ops.query_fragments(mma, q, q_row0)
+        q_t = ops.query_fragments(mma, q, q_row0, kv_heads)
         slot = j0 + 16 * warp + mma.g  # this lane's accumulator rows: slots slot and slot + 8
         valid = tuple(holds(j) for j in (slot, slot + 8))
         cute.arch.cp_async_wait_group(1)
@@ -171,7 +172,7 @@ class SinkWindow:
         self.store(smem, o_part, lse_part, q_row0, num_splits + chunk, total, tidx)
         if self.merger.arrive(counters + (b * kv_heads + h), smem.last.data_ptr(), chunks, tidx):
             partials = lambda: self.merger.row_major(o_part, lse_part, q_row0, total)  # noqa: E731
-            self.merger.merge(smem.merge.data_ptr(), partials, out, lse, q_row0, total, tidx)
+            self.merger.merge(smem.merge.data_ptr(), partials, out, lse, q_row0, kv_heads, total, tidx)
 
     @cute.jit
     def column_max(self, smem, mma: WarpMma, s, warp: Int32):

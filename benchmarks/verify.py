@@ -1,0 +1,95 @@
+"""Speculative verification: ``PagedKVCache.attend`` of several query tokens per sequence (the draft tokens,
+appended to the 16-bit window first) against the same decode with one, in one process.
+
+    python -m benchmarks.verify [--tokens 1,2,4] [--methods int2-kt128,int4-kt128] [--out benchmarks/results]
+
+The pages are read once whatever the token count (the query tile takes gqa x tokens columns), so the target
+is a verification of 4 tokens costing at most 1.3x a single-token decode (issue 25). Timing as
+``benchmarks.decode``: one CUDA graph over enough cache copies to keep L2 out, median of replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+
+from .decode import MODELS, _versions, foscar_window_layers, scheme_of, time_layers
+
+SHAPES = [("qwen3-8b", 8, 32768), ("qwen3-8b", 1, 131072), ("qwen3-8b", 64, 8192), ("tp4-70b", 1, 131072)]
+
+
+def measure(methods, tokens_list, reps):
+    """Rows ``(model, batch, context, method, tokens, us, ratio to one token)``; a count the kernel cannot
+    take (gqa x tokens > 16) is a row with its reason."""
+    rows = []
+    for model, batch, context in SHAPES:
+        hq, kvh, d = MODELS[model]
+        for method in methods:
+            scheme = dataclasses.replace(scheme_of(method), head_dim=d, gqa_ratio=hq // kvh)
+            base = None
+            for tokens in tokens_list:
+                try:
+                    fns, _, _ = foscar_window_layers(scheme, batch, context, kvh, tokens=tokens)
+                    us = time_layers(fns, reps)
+                except ValueError as err:  # the kernel's limit (attend raises before anything launches)
+                    rows.append((model, batch, context, method, tokens, None, None, str(err)))
+                    continue
+                finally:
+                    fns = None
+                    torch.cuda.empty_cache()
+                base = us if tokens == 1 else base
+                rows.append((model, batch, context, method, tokens, us, us / base if base else None, ""))
+                print(f"{model} {batch}x{context} {method} tokens={tokens}: {us:.1f} us", flush=True)
+    return rows
+
+
+def table(rows):
+    lines = ["| model | batch | context | method | query tokens | us | vs 1 token | note |", "|---|---|---|---|---|---|---|---|"]
+    for model, batch, context, method, tokens, us, ratio, note in rows:
+        lines.append(f"| {model} | {batch} | {context} | {method} | {tokens} | {'-' if us is None else f'{us:.1f}'} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}'} | {note} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,2,4", help="query tokens per sequence (1 first: the reference)")
+    parser.add_argument("--methods", default="int2-kt128,int2-kc128,int4-kt128")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--tag", default="verify")
+    args = parser.parse_args(argv)
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    if tokens_list[0] != 1 or any(t < 1 for t in tokens_list):
+        parser.error(f"--tokens must start with 1 (the single-token reference), got {args.tokens!r}")
+    methods = args.methods.split(",")
+    for method in methods:
+        if scheme_of(method) is None or method.endswith("+sw"):
+            parser.error(f"--methods: {method!r} is not <format>-k<t|c><group> (the cache decode: sink + window)")
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.verify needs a CUDA GPU")
+    rows = measure(methods, tokens_list, args.reps)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
+            "versions": _versions(), "command": "python -m benchmarks.verify " + " ".join(argv or sys.argv[1:]),
+            "timing": f"CUDA graph, median of {args.reps} replays; cache: sink 64 + window 256, page 128"}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.tag)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    text = table(rows)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# Speculative verification ({meta['device']}, {meta['date']})\n\n{meta['command']}\n\n"
+                f"{meta['timing']}. Versions: {meta['versions']}\n\n{text}\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

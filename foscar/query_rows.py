@@ -1,0 +1,57 @@
+"""The query rows of one KV head that a decode CTA attends, and where they live in q and out.
+
+A decode kernel's query tile holds ``R = gqa x tokens`` columns per KV head: column ``c`` is query token
+``c // gqa`` (of the ``tokens`` new tokens of its sequence) of query head ``c % gqa`` of the KV head. The
+query and output tensors are ``[batch, tokens, kv_heads * gqa, head_dim]`` (``lse`` without the last dim),
+so the columns of one KV head are ``gqa`` consecutive rows per token, ``kv_heads * gqa`` rows apart. With
+one token (single-token decode) they are ``R`` consecutive rows, the layout ``[batch, kv_heads * gqa,
+head_dim]`` the kernels read and write.
+
+Several tokens (speculative verification: the draft tokens, already appended to the cache's 16-bit
+window) see every packed page; only the window carries the causal mask (:meth:`QueryRows.sees`).
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Int32, Int64
+
+__all__ = ["QueryRows", "MAX_QUERY_COLUMNS"]
+
+MAX_QUERY_COLUMNS = 16  # gqa x tokens columns a query tile holds (two n8 MMA blocks)
+
+
+class QueryRows:
+    """Compile time: ``gqa`` query heads per KV head, ``tokens`` query tokens per sequence."""
+
+    def __init__(self, gqa: int, tokens: int = 1):
+        if not 1 <= gqa * tokens <= MAX_QUERY_COLUMNS:
+            raise ValueError(f"{tokens} query tokens x gqa_ratio={gqa} = {gqa * tokens} query rows per KV head: "
+                             f"a decode tile holds 1..{MAX_QUERY_COLUMNS}")
+        self.gqa, self.tokens = gqa, tokens
+        self.R = gqa * tokens
+
+    def first(self, b, h, kv_heads) -> Int64:
+        """Row (of ``[batch * tokens * kv_heads * gqa]``) of column 0 of sequence ``b``'s KV head ``h``."""
+        if cutlass.const_expr(self.tokens == 1):
+            return (b * kv_heads + h).to(Int64) * self.R
+        return (b * (self.tokens * kv_heads) + h).to(Int64) * self.gqa
+
+    def offset(self, col, kv_heads):
+        """Rows from column 0's to column ``col``'s."""
+        if cutlass.const_expr(self.tokens == 1):
+            return col
+        return col % self.gqa + col // self.gqa * (kv_heads * self.gqa)
+
+    def row(self, b, h, col, kv_heads) -> Int64:
+        """Row of column ``col`` of sequence ``b``'s KV head ``h``."""
+        if cutlass.const_expr(self.tokens == 1):
+            return (b * (kv_heads * self.R) + h * self.R + col).to(Int64)
+        return self.first(b, h, kv_heads) + self.offset(col, kv_heads)
+
+    def sees(self, col, position, n: Int32):
+        """Whether column ``col`` attends the token at ``position`` of its ``n``-token sequence, whose last
+        ``tokens`` tokens are the query tokens (causal; always true with one token: every cached token)."""
+        if cutlass.const_expr(self.tokens == 1):
+            return position < n
+        return position <= n - self.tokens + col // self.gqa
