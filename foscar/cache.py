@@ -314,6 +314,13 @@ class PagedKVCache:
         self._sync_mirror()
         return int(self._host_len[layer, seq_id])
 
+    def seq_lens(self, seq_ids) -> torch.Tensor:
+        """Tokens held by each of ``seq_ids`` in every layer: a host int64 tensor ``[num_layers, len(seq_ids)]``
+        (the host mirror, as :meth:`seq_len`; one read for a batch)."""
+        ids, _ = self._rows(seq_ids)
+        self._sync_mirror()
+        return self._host_len[:, list(ids)].clone()
+
     def pages_of(self, seq_id: int) -> list[int]:
         self._check_seq("seq_id", seq_id)
         return list(self._pages[seq_id])
