@@ -109,13 +109,19 @@ class Arch:
         self.check_query_tokens(scheme, page_size, tokens)
         return self._kernel().compile_cache_decode(scheme, page_size, arch=self.name, tokens=tokens)
 
+    def max_query_tokens(self, scheme: Scheme, page_size: int) -> tuple[int, str]:
+        """The most query tokens per sequence the cache decode takes (speculative verification:
+        ``PagedKVCache.attend`` of a 4-D q), and why no more; compiles nothing."""
+        return 1, "its window launch (foscar.kernels.sink_window) has no causal mask"
+
     def check_query_tokens(self, scheme: Scheme, page_size: int, tokens: int) -> None:
         """Raise a ValueError naming ``q`` if the cache decode cannot take ``tokens`` query tokens per
-        sequence (speculative verification: ``PagedKVCache.attend`` of a 4-D q); compiles nothing."""
+        sequence (:meth:`max_query_tokens`); compiles nothing."""
         self.can_implement(scheme, page_size)
-        if tokens != 1:
-            raise ValueError(f"q: {tokens} query tokens per sequence: the {self.name} cache decode takes one "
-                             "(PagedKVCache.attend_chunk takes several)")
+        limit, why = self.max_query_tokens(scheme, page_size)
+        if type(tokens) is not int or not 1 <= tokens <= limit:
+            raise ValueError(f"q: {tokens!r} query tokens per sequence: the {self.name} cache decode of {scheme.name} "
+                             f"takes 1..{limit} ({why}; PagedKVCache.attend_chunk takes more)")
 
     def run_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme,
                    num_splits: int = 1, out=None, lse=None):
@@ -152,14 +158,10 @@ class _Hopper(Arch):
 
         return DecodeConfig(scheme, page_size, True, default_consumers(scheme))
 
-    def check_query_tokens(self, scheme, page_size, tokens):
-        from .hopper.decode import check_query_tokens
-        from .hopper.kernel import default_consumers
+    def max_query_tokens(self, scheme, page_size):
+        from .hopper.decode import max_query_tokens
 
-        self.can_implement(scheme, page_size)
-        if type(tokens) is not int or tokens < 1:
-            raise ValueError(f"q: query tokens per sequence must be a positive int, got {tokens!r}")
-        check_query_tokens(scheme, page_size, default_consumers(scheme, tokens), tokens)
+        return max_query_tokens(scheme, page_size)
 
     def _fuses_window(self, scheme, page_size):
         from .hopper.fused import fuses_window

@@ -116,16 +116,17 @@ class BatchAttention:
 
     def _attend_group(self, layer, group, q, k, v, sm_scale):
         """``(out, lse)`` of one group (``q [B*L, Hq, D]``, ``k, v [B*L, kv_heads, D]``, sequence by sequence),
-        its K/V appended. The one place that picks a cache path by the number of new tokens: one token is
-        appended, then attended by ``attend`` (the decode kernel on a GPU); several are attended by
-        ``attend_chunk`` (over the cached tokens and, causally, their own K/V), then appended. A kernel that
-        attends a few query tokens per sequence after they are appended would take the verify groups here."""
+        its K/V appended. The one place that picks a cache path by the number of new tokens: up to
+        ``cache.max_query_tokens()`` (a decode, a draft to verify) are appended, then attended by ``attend``
+        (the decode kernel on a GPU: one launch, causal over the window); more (a chunk) are attended by
+        ``attend_chunk`` (over the cached tokens and, causally, their own K/V), then appended."""
         cache, ids, length = self.cache, group.ids, group.length
-        if length == 1:
-            cache.append(layer, ids, k[:, :, None], v[:, :, None])
-            return cache.attend(layer, ids, q, sm_scale, return_lse=True)
         batch = len(ids)
         k, v = (x.view(batch, length, *x.shape[1:]).transpose(1, 2) for x in (k, v))  # [B, kv_heads, L, D]
+        if length <= cache.max_query_tokens():
+            cache.append(layer, ids, k, v)
+            q = q if length == 1 else q.view(batch, length, *q.shape[1:])
+            return cache.attend(layer, ids, q, sm_scale, return_lse=True)
         out = cache.attend_chunk(layer, ids, q.view(batch, length, *q.shape[1:]), k, v, sm_scale, return_lse=True)
         cache.append(layer, ids, k, v)
         return out

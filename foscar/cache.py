@@ -48,7 +48,8 @@ bytes per element (the pool's codes take 1/4 or 1/2) and are not counted by :met
 
 Several new tokens per sequence (chunked prefill, a new turn, draft tokens to verify): :meth:`attend_chunk`
 attends them over the cached tokens and, causally, over their own 16-bit K/V, before they are appended (torch
-code on every device: no kernel takes several query tokens yet). :meth:`truncate` rolls the last tokens back
+code on every device). A few of them, appended first, :meth:`attend` takes itself (``q [B, tokens, Hq, D]``:
+speculative verification, in the decode kernel on Hopper, up to :meth:`max_query_tokens`). :meth:`truncate` rolls the last tokens back
 while the ring still holds, in 16 bits, everything the shorter sequence keeps there (:meth:`rollback_limit`).
 
 Optional Hadamard rotation (QuaRot/OSCAR): K and Q are multiplied per head by the normalized
@@ -732,6 +733,13 @@ class PagedKVCache:
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
 
+    def max_query_tokens(self) -> int:
+        """The most query tokens per sequence :meth:`attend` takes (the sequences' last tokens): the 16-bit window
+        holds them, and on the GPU the decode kernel takes them (``Arch.max_query_tokens``: Hopper's query tile
+        holds ``gqa_ratio x tokens <= 16`` rows). More go through :meth:`attend_chunk`, before they are appended."""
+        limit = max(self.window, 1)
+        return min(limit, self.arch.max_query_tokens(self.scheme, self.page_size)[0]) if self.use_kernels else limit
+
     def _check_query(self, layer, q, ids) -> int:
         """Validate ``attend``'s ``q`` (3-D: one token per sequence; 4-D: ``tokens`` of them); returns ``tokens``."""
         heads = self.kv_heads * self.scheme.gqa_ratio
@@ -775,8 +783,8 @@ class PagedKVCache:
         Returns ``out [B, L, Hq, D]`` (q's dtype) and, if asked, ``lse [B, L, Hq]`` (fp32, as :meth:`attend`).
         The cache is not changed. One fp32 softmax per block of query tokens over the dequantized pages, the
         16-bit slots and the new tokens (a block's scores take at most ``CHUNK_SCORES`` elements), on any device:
-        the torch code of the CPU path, also on a GPU cache (no kernel takes several query tokens yet; there the
-        pages are dequantized per call). Host-planned: not capturable in a CUDA graph.
+        the torch code of the CPU path, also on a GPU cache (no kernel takes a chunk before it is appended yet;
+        there the pages are dequantized per call). Host-planned: not capturable in a CUDA graph.
         """
         self._no_capture("attend_chunk")
         self._check_layer(layer)

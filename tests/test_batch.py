@@ -56,13 +56,14 @@ def offsets_of(lens):
 
 
 def one_at_a_time(cache, layer, ids, offsets, q, k, v):
-    """Each sequence alone: one token appended then attended, several attended by attend_chunk then appended."""
+    """Each sequence alone: up to ``max_query_tokens`` tokens appended then attended, more attended by
+    attend_chunk then appended."""
     outs, lses = [], []
     for seq, start, end in zip(ids, offsets, offsets[1:]):
         k_seq, v_seq = (x[start:end].transpose(0, 1)[None] for x in (k, v))
-        if end - start == 1:
+        if end - start <= cache.max_query_tokens():
             cache.append(layer, [seq], k_seq, v_seq)
-            out, lse = cache.attend(layer, [seq], q[start:end], SM_SCALE, return_lse=True)
+            out, lse = cache.attend(layer, [seq], q[None, start:end], SM_SCALE, return_lse=True)
         else:
             out, lse = cache.attend_chunk(layer, [seq], q[None, start:end], k_seq, v_seq, SM_SCALE, return_lse=True)
             cache.append(layer, [seq], k_seq, v_seq)
@@ -91,12 +92,12 @@ def reference(q, k, v):
 
 
 def check_float64(cache, layer, ids, offsets, before, q, k, v, out, lse):
-    """Each sequence's rows against float64 attention over what it attended: a decode, the cache as it holds the
-    token now (``dense``); a chunk, what it held before (``before``) and its own new K/V. The project's rule:
-    error at most twice the same attention's in q's dtype, plus FLOOR."""
+    """Each sequence's rows against float64 attention over what it attended: a decode or a verify, the cache as it
+    holds the tokens now (``dense``); a chunk, what it held before (``before``) and its own new K/V. The project's
+    rule: error at most twice the same attention's in q's dtype, plus FLOOR."""
     for seq, start, end in zip(ids, offsets, offsets[1:]):
         new_k, new_v = (x[start:end].transpose(0, 1).cpu() for x in (rotated(cache, k), v))
-        if end - start == 1:
+        if end - start <= cache.max_query_tokens():
             k_all, v_all = (x.cpu() for x in cache.dense(layer, seq))
         else:
             k_all, v_all = (torch.cat([x.cpu(), y.float()], 1) for x, y in zip(before[seq], (new_k, new_v)))

@@ -18,7 +18,7 @@ from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
 from ..scheme import Scheme
 from .kernel import DecodeConfig, default_consumers
 
-__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "check_query_tokens",
+__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "max_query_tokens",
            "DEFAULT_ARCH", "default_consumers"]
 
 DEFAULT_ARCH = "sm_90a"
@@ -122,25 +122,24 @@ def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARC
     tensors in place; where ``fuses_window`` says no, the quantized splits' partials only) for ``tokens``
     query tokens per sequence (several: the window tiles carry the causal mask; one launch only)."""
     consumers = default_consumers(scheme, tokens) if consumers is None else consumers
-    check_query_tokens(scheme, page_size, consumers, tokens)
+    limit, why = max_query_tokens(scheme, page_size)
+    if not 1 <= tokens <= limit:
+        raise ValueError(f"q: {tokens} query tokens per sequence: the {arch} cache decode takes 1..{limit} ({why})")
     key = ("hopper_cache_decode", scheme, int(page_size), int(consumers), arch) + ((int(tokens),) if tokens > 1 else ())
     return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch, consumers, tokens))
 
 
-def check_query_tokens(scheme: Scheme, page_size: int, consumers: int, tokens: int) -> None:
-    """Raise a ValueError naming ``q`` if the cache decode cannot take ``tokens`` query tokens per sequence:
-    ``gqa_ratio x tokens`` query columns fit one query tile (``foscar.query_rows``), and several tokens need
-    the one-launch decode (its window tiles carry the causal mask)."""
+def max_query_tokens(scheme: Scheme, page_size: int) -> tuple[int, str]:
+    """The most query tokens per sequence the cache decode takes, and why no more: ``gqa_ratio x tokens``
+    query columns fit one query tile (``foscar.query_rows``), and several tokens need the one-launch decode
+    (its window tiles carry the causal mask)."""
     from ..query_rows import MAX_QUERY_COLUMNS
     from .fused import fuses_window
 
-    if type(tokens) is not int or not 1 <= tokens * scheme.gqa_ratio <= MAX_QUERY_COLUMNS:
-        raise ValueError(f"q: {tokens} query tokens per sequence x gqa_ratio={scheme.gqa_ratio}: the sm_90a cache "
-                         f"decode takes at most {MAX_QUERY_COLUMNS} query rows per KV head "
-                         f"(at most {MAX_QUERY_COLUMNS // scheme.gqa_ratio} tokens)")
-    if tokens > 1 and not fuses_window(scheme, page_size, consumers):
-        raise ValueError(f"q: {tokens} query tokens per sequence: {scheme.name} at page_size={page_size} decodes in "
-                         "two launches (its window tiles do not fit the ring), which take one query token")
+    if not fuses_window(scheme, page_size, default_consumers(scheme)):  # fewer consumers for more rows fit it too
+        return 1, "it decodes in two launches (its window tiles do not fit the ring), which take one query token"
+    return MAX_QUERY_COLUMNS // scheme.gqa_ratio, (f"a query tile holds {MAX_QUERY_COLUMNS} rows per KV head: "
+                                                   f"gqa_ratio={scheme.gqa_ratio} x tokens")
 
 
 def _build_cache_decode(scheme, page_size, arch, consumers, tokens):
