@@ -122,9 +122,10 @@ def run_mixed_step(batched, single, ids, lens, rng, indptr_type):
         assert lse.dtype == torch.float32
         want, want_lse = one_at_a_time(single, layer, ids, offsets, q, k, v)
         # batched matmuls (of padded widths) may round the last bit apart from one sequence's; on the GPU the decode
-        # kernel cuts a sequence into parts by the batch (foscar.work_list), merged in another order
-        out_tol, lse_tol = ((2**-7, 1e-6), 1e-5) if not batched.use_kernels else ((0, 1e-2), 1e-4)
-        assert torch.allclose(out.float(), want.float(), *out_tol) and torch.allclose(lse, want_lse, lse_tol, 0)
+        # kernel cuts a sequence into parts by the batch (foscar.work_list), merged in another order: each lse within
+        # the decode tests' 1e-3 of float64, so two of them within 2e-3
+        out_tol, lse_tol = ((2**-7, 1e-6), (1e-5, 0)) if not batched.use_kernels else ((0, 1e-2), (0, 2e-3))
+        assert torch.allclose(out.float(), want.float(), *out_tol) and torch.allclose(lse, want_lse, *lse_tol)
         check_float64(batched, layer, ids, offsets, before, q, k, v, out, lse)
 
 

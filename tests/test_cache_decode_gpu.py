@@ -43,6 +43,7 @@ CASES = [  # (scheme, page_size, max_seq_len, kv_heads, rotate)
     (Scheme.make(2, "token", 128, "token", 128, 256, 6), 128, 8192, 1, False),
     (Scheme.make(4, "token", 128, "token", 128, 256, 11), 128, 8192, 1, False),
     (Scheme.make(2, "token", 128, "token", 128, 256, 16), 128, 8192, 2, False),  # the most shared memory taken
+    (Scheme.make(2, "channel", 128, "token", 128, 128, 16), 128, 8192, 1, True),  # 2 consumer warpgroups, spilling
     # no ring of window-sized stages fits (4 x 4 stages of 16.5 KB): two launches, the window kernel merging
     (Scheme.make(2, "channel", 256, "token", 128, 256, 8), 256, 8192, 2, False),
 ]
@@ -100,7 +101,7 @@ def test_one_launch_decode_any_work_budget(case, budget, rng):
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_two_launch_decode_any_split_count(splits, rng):
     """The two-launch variant (window tiles do not fit the ring) with 1, 2 and 5 splits per sequence."""
-    check_cache_decode(*CASES[15], rng, splits=splits)
+    check_cache_decode(*CASES[-1], rng, splits=splits)
 
 
 @pytest.mark.parametrize("budget", [132, 1000])
