@@ -2,10 +2,15 @@
 
     python -m benchmarks.decode [--quick] [--out benchmarks/results]
 
-Baselines: FlashInfer BF16 paged decode (tensor cores), FlashInfer FP8 (e4m3) KV decode, torch SDPA
-BF16 (enable_gqa), and a Triton read-bandwidth ceiling. A baseline that cannot be imported is
-reported as missing, never dropped silently. FlashInfer is installed by the ``bench`` extra
-(``pip install -e '.[bench]'``, flashinfer-python); Triton comes with CUDA builds of torch.
+Baselines: FlashInfer BF16 paged decode (tensor cores), FlashInfer FP8 (e4m3) KV decode through the
+same wrapper (``flashinfer-fp8``) and through FlashInfer's XQA kernel (``flashinfer-fp8-xqa``: on
+sm_90 TensorRT-LLM's Hopper FP8 kernel, whose products take Q and P in e4m3), torch SDPA BF16
+(enable_gqa), and a Triton read-bandwidth ceiling. The table's "vs FI fp8" is against the faster of
+the FP8 baselines run for that config. A baseline that cannot be imported is reported as missing,
+never dropped silently; one whose FlashInfer lacks its path stops the run before the sweep.
+FlashInfer is installed by the ``bench`` extra (``pip install -e '.[bench]'``, flashinfer-python;
+``benchmarks/fi_bundle.sh`` bundles another release for the GPU machine); Triton comes with CUDA
+builds of torch.
 
 Timing: every method is captured in one CUDA graph that runs it over ``copies`` distinct buffer
 sets ("layers"), enough that the working set of one replay is at least 4x the 60 MB L2, so no
@@ -31,7 +36,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-BASELINES = ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16")
+BASELINES = ("flashinfer-bf16", "flashinfer-fp8", "flashinfer-fp8-xqa", "sdpa-bf16")
+FP8_BASELINES = ("flashinfer-fp8", "flashinfer-fp8-xqa")  # "vs FI fp8" takes the faster of those run
+FASTEST_FP8 = "fastest FI fp8"  # the geo-means' name of that choice
+XQA_PAGE = 64  # tokens per page of the XQA baseline, as the wrapper's (XQA takes 16, 32, 64 or 128)
 L2_BYTES = 60 * 2**20
 WORKING_SET = 4 * L2_BYTES
 
@@ -149,6 +157,8 @@ class FlashInferDecode:
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True)
         self.wrapper.plan(indptr, indices, last, q_heads, kv_heads, head_dim, page, q_data_type=torch.bfloat16,
                           kv_data_type=kv_dtype)
+        # what the wrapper picked (fa2 for an FP8 cache under a BF16 query, fa3 for BF16 on sm_90)
+        self.path = f"wrapper {getattr(self.wrapper, '_backend', '?')}"
         self.q = torch.randn(batch, q_heads, head_dim, device=dev, dtype=torch.bfloat16)
         self.out = torch.empty_like(self.q)
         self.nbytes = self.cache.numel() * self.cache.element_size() + 2 * self.q.numel() * 2
@@ -156,6 +166,72 @@ class FlashInferDecode:
     def __call__(self, cache=None):
         kw = dict(k_scale=1.0, v_scale=1.0) if self.kv_dtype != torch.bfloat16 else {}
         self.wrapper.run(self.q, self.cache if cache is None else cache, out=self.out, **kw)
+
+
+def xqa_decode_of(flashinfer):
+    """FlashInfer's XQA decode entry (``flashinfer.decode.xqa_batch_decode_with_kv_cache``), or an ImportError
+    that names the method and the installed FlashInfer version."""
+    decode = getattr(flashinfer, "decode", None)
+    entry = getattr(decode, "xqa_batch_decode_with_kv_cache", None)
+    if entry is None:
+        raise ImportError(f"flashinfer-fp8-xqa needs flashinfer.decode.xqa_batch_decode_with_kv_cache, which the "
+                          f"installed flashinfer {getattr(flashinfer, '__version__', '?')} lacks "
+                          "(benchmarks/fi_bundle.sh bundles 0.7.4)")
+    return entry
+
+
+def xqa_kernel(capability, head_dim):
+    """Which XQA kernel FlashInfer's ``xqa`` runs on an FP8 cache: the Hopper one (mha_sm90: FP8 GMMA, so Q and P
+    are rounded to e4m3 for the products) on sm_90 with head_dim <= 256, the generic one (mha.cu) elsewhere."""
+    if capability[0] == 9 and head_dim <= 256:
+        return "XQA mha_sm90 (FP8 GMMA, Q and P in e4m3)"
+    return "XQA mha.cu (generic)"
+
+
+class FlashInferXQADecode:
+    """FlashInfer's XQA decode (TensorRT-LLM's kernel) over an FP8 e4m3 cache of HND pages of ``XQA_PAGE``
+    tokens (K and V of a page in one buffer, as the wrapper's), scales 1, FlashInfer's defaults otherwise (its
+    split count, PDL on sm_90, as the wrapper's ``run``)."""
+
+    def __init__(self, batch, context, q_heads, kv_heads, head_dim):
+        flashinfer = import_flashinfer()
+        self.decode = xqa_decode_of(flashinfer)
+        dev = "cuda"
+        pages = -(-context // XQA_PAGE)
+        self.cache = torch.randn(batch * pages, 2, kv_heads, XQA_PAGE, head_dim, device=dev,
+                                 dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+        self.block_tables = torch.arange(batch * pages, device=dev, dtype=torch.int32).view(batch, pages)
+        self.seq_lens = torch.full((batch,), context, device=dev, dtype=torch.int32).view(torch.uint32)
+        self.workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=dev)  # zeroed: its semaphores
+        self.q = torch.randn(batch, q_heads, head_dim, device=dev, dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.q)
+        self.sm_scale = head_dim**-0.5
+        self.nbytes = self.cache.numel() * self.cache.element_size() + 2 * self.q.numel() * 2
+        self.path = f"{xqa_kernel(torch.cuda.get_device_capability(), head_dim)}, pages of {XQA_PAGE}"
+
+    def __call__(self, cache=None):
+        self.decode(self.q, self.cache if cache is None else cache, self.workspace, self.block_tables, self.seq_lens,
+                    self.block_tables.shape[1] * XQA_PAGE, bmm1_scale=self.sm_scale, bmm2_scale=1.0, out=self.out,
+                    kv_layout="HND")
+
+
+def flashinfer_baseline(method, batch, context, q_heads, kv_heads, head_dim):
+    """The FlashInfer baseline a method names, ready to call over a cache of its layout."""
+    if method == "flashinfer-fp8-xqa":
+        return FlashInferXQADecode(batch, context, q_heads, kv_heads, head_dim)
+    dtype = torch.bfloat16 if method == "flashinfer-bf16" else torch.float8_e4m3fn
+    return FlashInferDecode(batch, context, q_heads, kv_heads, head_dim, dtype)
+
+
+def check_flashinfer_paths(methods):
+    """Stop before the sweep (SystemExit naming the method and the installed version) when a requested
+    FlashInfer baseline's path is missing from the installed FlashInfer."""
+    if "flashinfer-fp8-xqa" not in methods:
+        return
+    try:
+        xqa_decode_of(import_flashinfer())
+    except ImportError as exc:
+        raise SystemExit(f"--methods flashinfer-fp8-xqa: {exc}") from None
 
 
 def sdpa_layer(batch, context, q_heads, kv_heads, head_dim):
@@ -287,10 +363,9 @@ def run_sweep(shapes, methods, reps, after_config=None):
         for method in methods:
             row = Row(model, batch, context, method)
             try:
-                if method in ("flashinfer-bf16", "flashinfer-fp8"):
-                    dtype = torch.bfloat16 if method.endswith("bf16") else torch.float8_e4m3fn
-                    fi = FlashInferDecode(batch, context, q_heads, kv_heads, head_dim, dtype)
-                    row.bytes, row.copies = fi.nbytes, copies_for(fi.nbytes)
+                if method.startswith("flashinfer-"):
+                    fi = flashinfer_baseline(method, batch, context, q_heads, kv_heads, head_dim)
+                    row.bytes, row.copies, row.note = fi.nbytes, copies_for(fi.nbytes), fi.path
                     caches = [fi.cache] + [fi.cache.clone() for _ in range(row.copies - 1)]
                     row.us = time_layers([lambda c=c: fi(c) for c in caches], reps)
                 elif method == "sdpa-bf16":
@@ -326,6 +401,12 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
+def fastest_fp8(by, key):
+    """The fastest timed row of ``FP8_BASELINES`` for config ``key`` (model, batch, context), or None."""
+    timed = [r for m in FP8_BASELINES if (r := by.get((*key, m))) and r.us]
+    return min(timed, key=lambda r: r.us, default=None)
+
+
 def summarize(rows, ceiling_tbps):
     by = {(r.model, r.batch, r.context, r.method): r for r in rows}
     lines = ["| model | batch | context | method | us | TB/s | % ceiling | vs FI bf16 | vs FI fp8 | vs SDPA | note |",
@@ -333,17 +414,16 @@ def summarize(rows, ceiling_tbps):
     speedups = {}
     for r in rows:
         key = (r.model, r.batch, r.context)
-        rel = {}
-        for base in ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16"):
-            b = by.get((*key, base))
-            rel[base] = (b.us / r.us) if (b and b.us and r.us) else None
-            standard = r.model == "qwen3-8b" and (r.batch, r.context) in STANDARD  # the issue's geo-means
-            if standard and r.method not in ("flashinfer-bf16", "flashinfer-fp8", "sdpa-bf16") and rel[base]:
-                speedups.setdefault((r.method, base), []).append(rel[base])
+        bases = {b: by.get((*key, b)) for b in BASELINES} | {FASTEST_FP8: fastest_fp8(by, key)}
+        rel = {b: (base.us / r.us) if (base and base.us and r.us) else None for b, base in bases.items()}
+        standard = r.model == "qwen3-8b" and (r.batch, r.context) in STANDARD  # the issue's geo-means
+        for base, x in rel.items():
+            if standard and r.method not in BASELINES and x:
+                speedups.setdefault((r.method, base), []).append(x)
         pct = (100 * r.tbps / ceiling_tbps) if (r.tbps and ceiling_tbps) else None
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
         lines.append(f"| {r.model} | {r.batch} | {r.context} | {r.method} | {fmt(r.us, '.1f')} | {fmt(r.tbps, '.2f')} | "
-                     f"{fmt(pct, '.0f')} | {fmt(rel['flashinfer-bf16'], '.2f')} | {fmt(rel['flashinfer-fp8'], '.2f')} | "
+                     f"{fmt(pct, '.0f')} | {fmt(rel['flashinfer-bf16'], '.2f')} | {fmt(rel[FASTEST_FP8], '.2f')} | "
                      f"{fmt(rel['sdpa-bf16'], '.2f')} | {r.note} |")
     geo = {f"{m} vs {b}": geomean(v) for (m, b), v in speedups.items()}
     for method in sorted({r.method for r in rows}):
@@ -404,6 +484,7 @@ def main(argv=None):
             parser.error(f"--methods: {method!r} is neither a baseline {BASELINES} nor <format>-k<t|c><group>[+sw]")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.decode needs a CUDA GPU")
+    check_flashinfer_paths(methods)
     shapes = [("qwen3-8b", b, l) for b, l in (QUICK if args.quick else STANDARD)] + ([] if args.quick else EXTRA)
     if args.shapes != "standard":
         shapes = (shapes if args.shapes == "all" else []) + SERVING
@@ -442,7 +523,9 @@ def save(rows, meta, ceiling, stem):
         json.dump({"meta": meta, "geomean": geo, "rows": [asdict(r) | {"tbps": r.tbps} for r in rows]}, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(f"# Decode benchmark ({meta['device']}, {meta['date']})\n\n")
-        f.write(f"Read ceiling: {ceiling:.2f} TB/s. {meta['timing']}. Versions: {meta['versions']}\n\n{table}\n\n")
+        f.write(f"Read ceiling: {ceiling:.2f} TB/s. {meta['timing']}. Versions: {meta['versions']}\n\n")
+        f.write(f"vs FI fp8: against the faster of {', '.join(FP8_BASELINES)} for the config (geo-means: "
+                f"'vs {FASTEST_FP8}'); a FlashInfer row's note names the path it ran.\n\n{table}\n\n")
         f.write("Geo-means over the standard sweep (speedups, and fractions of the read ceiling):\n\n")
         f.write("\n".join(f"- {k}: {v:.2f}" for k, v in geo.items() if v) + "\n")
         f.write("\nSASS main loop per KV element (shift/logic; all instructions):\n\n")

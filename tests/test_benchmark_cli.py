@@ -37,3 +37,33 @@ def test_flashinfer_missing_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # what an environment without it gives
     with pytest.raises(ImportError, match=r"pip install -e '\.\[bench\]' \(flashinfer-python\)"):
         import_flashinfer()
+
+
+def test_xqa_baseline_missing_from_the_installed_flashinfer_stops_the_run(monkeypatch):
+    import sys
+    import types
+
+    from benchmarks import decode
+
+    old = types.SimpleNamespace(__version__="0.1.0", decode=types.SimpleNamespace())  # no XQA entry
+    with pytest.raises(ImportError, match="flashinfer-fp8-xqa needs flashinfer.decode.xqa_batch_decode_with_kv_cache"
+                                          ".*installed flashinfer 0.1.0"):
+        decode.xqa_decode_of(old)
+    monkeypatch.setitem(sys.modules, "flashinfer", old)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(decode, "read_ceiling_us", lambda: pytest.fail("measured before checking the baselines"))
+    with pytest.raises(SystemExit, match="--methods flashinfer-fp8-xqa: .*installed flashinfer 0.1.0"):
+        decode.main(["--methods", "flashinfer-fp8,flashinfer-fp8-xqa,int2-kt128"])
+    decode.check_flashinfer_paths(["flashinfer-fp8", "int2-kt128"])  # without XQA asked for, nothing to check
+    entry = object()
+    assert decode.xqa_decode_of(types.SimpleNamespace(decode=types.SimpleNamespace(
+        xqa_batch_decode_with_kv_cache=entry))) is entry
+
+
+def test_xqa_names_the_kernel_it_runs_and_the_bundle_its_variants():
+    from benchmarks.decode import xqa_kernel
+    from benchmarks.fi_xqa_aot import xqa_variants
+
+    assert xqa_kernel((9, 0), 128).startswith("XQA mha_sm90") and xqa_kernel((9, 0), 256).startswith("XQA mha_sm90")
+    assert xqa_kernel((10, 0), 128) == xqa_kernel((9, 0), 512) == "XQA mha.cu (generic)"
+    assert xqa_variants({"a": (32, 8, 128), "b": (64, 8, 128), "c": (16, 4, 256)}) == [(128, 4), (128, 8), (256, 4)]

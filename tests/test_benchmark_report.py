@@ -48,3 +48,23 @@ def test_save_and_plot_write_the_records(tmp_path):
 def test_working_sets_exceed_four_times_l2():
     for nbytes in (1, 19_000_000, 134_000_000, 4_300_000_000):
         assert bench.copies_for(nbytes) * nbytes >= bench.WORKING_SET >= 4 * bench.L2_BYTES
+
+
+def test_vs_fi_fp8_is_against_the_faster_fp8_baseline():
+    Row = bench.Row
+    rows = [Row("qwen3-8b", 1, 32768, "flashinfer-fp8", 36.0, 67_000_000, note="wrapper fa2"),
+            Row("qwen3-8b", 1, 32768, "flashinfer-fp8-xqa", 24.0, 67_000_000, note="XQA mha_sm90"),
+            Row("qwen3-8b", 1, 32768, "int2-kt128", 12.0, 19_000_000),
+            Row("qwen3-8b", 8, 32768, "flashinfer-fp8", 200.0, 536_000_000),  # no XQA row: the wrapper's
+            Row("qwen3-8b", 8, 32768, "flashinfer-fp8-xqa", None, 0, note="failed: RuntimeError: x"),
+            Row("qwen3-8b", 8, 32768, "int2-kt128", 50.0, 151_000_000)]
+    table, geo = bench.summarize(rows, ceiling_tbps=4.5)
+    int2_b1, fp8_b1 = (next(line for line in table.splitlines() if f"| 1 | 32768 | {m} |" in line)
+                       for m in ("int2-kt128", "flashinfer-fp8"))
+    assert int2_b1.split(" | ")[8] == "2.00"  # 24 / 12, not 36 / 12
+    assert fp8_b1.split(" | ")[8] == "0.67"  # the wrapper against XQA
+    assert geo["int2-kt128 vs fastest FI fp8"] == pytest.approx(math.sqrt(2.0 * 4.0))
+    assert geo["int2-kt128 vs flashinfer-fp8"] == pytest.approx(math.sqrt(3.0 * 4.0))
+    assert geo["int2-kt128 vs flashinfer-fp8-xqa"] == pytest.approx(2.0)  # the one config it ran
+    assert "int2-kt128 vs flashinfer-bf16" not in geo  # no BF16 rows here
+    assert "XQA mha_sm90" in table and "failed: RuntimeError: x" in table
