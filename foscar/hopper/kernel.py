@@ -130,9 +130,10 @@ def _consumers_for_state(scheme: Scheme, rows: int) -> int:
     v_extra = 0 if plan.v.token_wise and plan.v.channel_blocks == 1 else 16
     if nb == 1 and state + tile_words + v_extra <= 112:
         return 3
-    # 16 query columns with channel-wise K (state 160) spill with either count, yet run 1.5x faster with 2 than 1
-    # (H200, 8 x 32K, gqa 16: INT2 kc128 61.2 -> 41.4 us, INT4 67.5 -> 44.1; benchmarks/NOTES.md section 19)
-    return 2 if state <= 160 else 1
+    # 16 query columns with channel-wise K at head_dim 128 (state 160) spill with either count, yet run 1.5x faster
+    # with 2 than 1 (H200, 8 x 32K, gqa 16: INT2 kc128 61.2 -> 41.4 us, INT4 67.5 -> 44.1; benchmarks/NOTES.md
+    # section 20). (The same state with 8 columns, head_dim 256, keeps 1: with 2 its window tiles do not fit the ring.)
+    return 2 if state <= 96 or (nb == 2 and state <= 160) else 1
 
 
 class DecodeConfig:
