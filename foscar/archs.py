@@ -109,16 +109,16 @@ class Arch:
         self.check_query_tokens(scheme, page_size, tokens)
         return self._kernel().compile_cache_decode(scheme, page_size, arch=self.name, tokens=tokens)
 
-    def max_query_tokens(self, scheme: Scheme, page_size: int) -> tuple[int, str]:
+    def max_query_tokens(self, scheme: Scheme) -> tuple[int, str]:
         """The most query tokens per sequence the cache decode takes (speculative verification:
         ``PagedKVCache.attend`` of a 4-D q), and why no more; compiles nothing."""
-        return 1, "its window launch (foscar.kernels.sink_window) has no causal mask"
+        return self._kernel().max_query_tokens(scheme)
 
     def check_query_tokens(self, scheme: Scheme, page_size: int, tokens: int) -> None:
         """Raise a ValueError naming ``q`` if the cache decode cannot take ``tokens`` query tokens per
         sequence (:meth:`max_query_tokens`); compiles nothing."""
         self.can_implement(scheme, page_size)
-        limit, why = self.max_query_tokens(scheme, page_size)
+        limit, why = self.max_query_tokens(scheme)
         if type(tokens) is not int or not 1 <= tokens <= limit:
             raise ValueError(f"q: {tokens!r} query tokens per sequence: the {self.name} cache decode of {scheme.name} "
                              f"takes 1..{limit} ({why}; PagedKVCache.attend_chunk takes more)")
@@ -157,11 +157,6 @@ class _Hopper(Arch):
         from .hopper.kernel import DecodeConfig, default_consumers
 
         return DecodeConfig(scheme, page_size, True, default_consumers(scheme))
-
-    def max_query_tokens(self, scheme, page_size):
-        from .hopper.decode import max_query_tokens
-
-        return max_query_tokens(scheme, page_size)
 
     def _fuses_window(self, scheme, page_size):
         from .hopper.fused import fuses_window

@@ -49,8 +49,9 @@ bytes per element (the pool's codes take 1/4 or 1/2) and are not counted by :met
 Several new tokens per sequence (chunked prefill, a new turn, draft tokens to verify): :meth:`attend_chunk`
 attends them over the cached tokens and, causally, over their own 16-bit K/V, before they are appended (torch
 code on every device). A few of them, appended first, :meth:`attend` takes itself (``q [B, tokens, Hq, D]``:
-speculative verification, in the decode kernel on Hopper, up to :meth:`max_query_tokens`). :meth:`truncate` rolls the last tokens back
-while the ring still holds, in 16 bits, everything the shorter sequence keeps there (:meth:`rollback_limit`).
+speculative verification, in the decode kernel, up to :meth:`max_query_tokens`). :meth:`truncate` rolls the
+last tokens back while the ring still holds, in 16 bits, everything the shorter sequence keeps there
+(:meth:`rollback_limit`; the constructor's ``rollback`` keeps it from falling below a draft's length).
 
 Optional Hadamard rotation (QuaRot/OSCAR): K and Q are multiplied per head by the normalized
 Sylvester Hadamard matrix ``H`` (orthogonal, so ``(qH)(kH)^T = qk^T``): outliers spread over all
@@ -735,10 +736,10 @@ class PagedKVCache:
 
     def max_query_tokens(self) -> int:
         """The most query tokens per sequence :meth:`attend` takes (the sequences' last tokens): the 16-bit window
-        holds them, and on the GPU the decode kernel takes them (``Arch.max_query_tokens``: Hopper's query tile
-        holds ``gqa_ratio x tokens <= 16`` rows). More go through :meth:`attend_chunk`, before they are appended."""
+        holds them, and on the GPU the decode kernel takes them (``Arch.max_query_tokens``: its query tile holds
+        ``gqa_ratio x tokens <= 16`` columns). More go through :meth:`attend_chunk`, before they are appended."""
         limit = max(self.window, 1)
-        return min(limit, self.arch.max_query_tokens(self.scheme, self.page_size)[0]) if self.use_kernels else limit
+        return min(limit, self.arch.max_query_tokens(self.scheme)[0]) if self.use_kernels else limit
 
     def _check_query(self, layer, q, ids) -> int:
         """Validate ``attend``'s ``q`` (3-D: one token per sequence; 4-D: ``tokens`` of them); returns ``tokens``."""

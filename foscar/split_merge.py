@@ -92,12 +92,20 @@ class SplitMerge:
         self._barrier()
         return at(flag, 0) != Int32(0)
 
-    def row_major(self, o_part: cute.Pointer, lse_part: cute.Pointer, row0, total: Int32):
-        """(o, lse) partials of rows ``row0 ..`` (Int64) held as ``o [rows, total, D]``, ``lse [rows, total]``:
-        ``(R, total, D)`` and ``(R, total)`` tensors for :meth:`merge`."""
-        D, R = self.D, self.R
-        return (cute.make_tensor(o_part + row0 * total * D, cute.make_ordered_layout((R, total, D), (2, 1, 0))),
-                cute.make_tensor(lse_part + row0 * total, cute.make_ordered_layout((R, total), (1, 0))))
+    def row_major(self, o_part: cute.Pointer, lse_part: cute.Pointer, row0, kv_heads: Int32, total: Int32):
+        """(o, lse) partials of the R columns (column 0's row ``row0``, Int64; ``query.offset`` apart) held
+        row-major as ``o [rows, total, D]``, ``lse [rows, total]``: ``(R, total, D)`` and ``(R, total)`` tensors
+        for :meth:`merge` (several tokens: the column mode is (gqa, tokens), its tokens ``kv_heads * gqa``
+        rows apart)."""
+        D, R, q = self.D, self.R, self.query
+        if cutlass.const_expr(q.tokens == 1):
+            return (cute.make_tensor(o_part + row0 * total * D, cute.make_ordered_layout((R, total, D), (2, 1, 0))),
+                    cute.make_tensor(lse_part + row0 * total, cute.make_ordered_layout((R, total), (1, 0))))
+        token_rows = kv_heads * q.gqa * total  # lse elements from a column to the same head's next token
+        cols = (q.gqa, q.tokens)
+        return (cute.make_tensor(o_part + row0 * total * D,
+                                 cute.make_layout((cols, total, D), stride=((total * D, token_rows * D), D, 1))),
+                cute.make_tensor(lse_part + row0 * total, cute.make_layout((cols, total), stride=((total, token_rows), 1))))
 
     def item_major(self, o_part: cute.Pointer, lse_part: cute.Pointer, item0: Int32, total: Int32):
         """The same for partials held per work item (``foscar.work_list``): ``o [items, R, D]``,

@@ -136,31 +136,36 @@ def test_several_tokens_errors_name_q_and_leave_the_cache_unchanged(rng):
 
 
 def test_kernel_limits_on_query_tokens_are_stated_before_compiling():
-    """Hopper: gqa x tokens <= 16 query columns, one launch only (the window tiles carry the mask);
-    Blackwell: one token (its window launch has no mask)."""
+    """Both arches: gqa x tokens <= 16 query columns (one query tile), named before anything compiles."""
     gqa4 = Scheme.make(2, "token", 128, "token", 128, 128, 4)
-    for tokens in (1, 2, 4):
-        HOPPER.check_query_tokens(gqa4, 128, tokens)
-    with pytest.raises(ValueError, match=r"q: 5 query tokens .* takes 1..4 .* 16 rows per KV head"):
-        HOPPER.check_query_tokens(gqa4, 128, 5)
-    two_launches = Scheme.make(2, "channel", 256, "token", 128, 256, 8)
-    with pytest.raises(ValueError, match="q: 2 query tokens .* takes 1..1 .*two launches"):
-        HOPPER.check_query_tokens(two_launches, 256, 2)
-    with pytest.raises(ValueError, match="q: 2 query tokens .* sm_100a cache decode .* takes 1..1"):
-        BLACKWELL.check_query_tokens(gqa4, 128, 2)
-    with pytest.raises(ValueError, match="q: 2 query tokens"):
-        BLACKWELL.compile_cache_decode(gqa4, 128, tokens=2)
+    two_launches = Scheme.make(2, "channel", 256, "token", 128, 256, 8)  # Hopper: the window kernel masks
+    for arch, scheme, page_size, limit in ((HOPPER, gqa4, 128, 4), (HOPPER, two_launches, 256, 2),
+                                           (BLACKWELL, gqa4, 128, 4)):
+        for tokens in range(1, limit + 1):
+            arch.check_query_tokens(scheme, page_size, tokens)
+        with pytest.raises(ValueError, match=rf"q: {limit + 1} query tokens .* takes 1..{limit} .*16 (rows|columns)"):
+            arch.check_query_tokens(scheme, page_size, limit + 1)
+    with pytest.raises(ValueError, match="q: 5 query tokens"):
+        BLACKWELL.compile_cache_decode(gqa4, 128, tokens=5)
 
 
-@pytest.mark.parametrize("scheme,tokens", [(Scheme.make(2, "token", 128, "token", 128, 128, 4), 4),
-                                           (Scheme.make(4, "channel", 128, "token", 128, 128, 8), 2),
-                                           (Scheme.make(2, "token", 64, "channel", 64, 64, 1), 16)],
+@pytest.mark.parametrize("arch", [HOPPER, BLACKWELL], ids=lambda a: a.name)
+@pytest.mark.parametrize("scheme,page_size,tokens", [(Scheme.make(2, "token", 128, "token", 128, 128, 4), 128, 4),
+                                                     (Scheme.make(4, "channel", 128, "token", 128, 128, 8), 128, 2),
+                                                     (Scheme.make(2, "token", 64, "channel", 64, 64, 1), 128, 16),
+                                                     (Scheme.make(2, "channel", 256, "token", 128, 256, 8), 256, 2)],
                          ids=lambda x: getattr(x, "name", str(x)))
-def test_hopper_cache_decode_of_several_tokens_compiles(scheme, tokens):
-    """The kernel of ``tokens`` query tokens builds for sm_90a on the CPU (run: the GPU tests below)."""
+def test_cache_decode_of_several_tokens_compiles(arch, scheme, page_size, tokens):
+    """The cache decode of ``tokens`` query tokens, and the window kernel that masks them where the arch's decode is
+    two launches (Blackwell's; Hopper's head_dim 256 with channel-wise K groups of 256), build on the CPU (Hopper
+    runs them in the GPU tests below; Blackwell is compile-verified only)."""
     from foscar.inspect import artifacts
+    from foscar.kernels.sink_window import compile_sink_window
 
-    assert "HMMA" in artifacts(HOPPER.compile_cache_decode(scheme, 128, tokens)).sass
+    assert artifacts(arch.compile_cache_decode(scheme, page_size, tokens)).sass
+    if not arch._fuses_window(scheme, page_size):
+        window = compile_sink_window(scheme.head_dim, scheme.gqa_ratio, arch.name, tokens=tokens)
+        assert "HMMA" in artifacts(window).sass
 
 
 # ----------------------------------------------------------------------------- on the H200
@@ -174,11 +179,12 @@ GPU_CASES = [  # (scheme, kv_heads, tokens)
     (Scheme.make(2, "token", 128, "token", 128, 128, 3), 2, 5),  # 15 columns: neither n8 block full
     (Scheme.make(4, "token", 128, "token", 128, 256, 2), 1, 4),
     (Scheme.make(2, "token", 128, "token", 128, 128, 4, torch.float16), 2, 3),
+    (Scheme.make(2, "channel", 256, "token", 128, 256, 8), 1, 2),  # two launches: the window kernel masks
 ]
 
 
 def gpu_cache(scheme, kv_heads, rotate=False):
-    return PagedKVCache(scheme, 1, kv_heads, num_pages=96, max_seqs=5, max_seq_len=8192, page_size=128, sink=64,
+    return PagedKVCache(scheme, 1, kv_heads, num_pages=96, max_seqs=5, max_seq_len=8192, page_size=None, sink=64,
                         window=256, rotate=rotate, device="cuda")
 
 

@@ -14,7 +14,8 @@ from ..jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
 from ..scheme import Scheme
 from .kernel import BlackwellConfig
 
-__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "DEFAULT_ARCH"]
+__all__ = ["compile_decode", "run_decode", "compile_cache_decode", "run_cache_decode", "max_query_tokens",
+           "DEFAULT_ARCH"]
 
 DEFAULT_ARCH = "sm_100a"
 
@@ -86,20 +87,30 @@ def run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_
 
 def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARCH, tokens: int = 1):
     """Compile (or fetch) the decode launch of ``foscar.cache.PagedKVCache`` (``foscar.blackwell.fused``:
-    the quantized splits' partials, read in place from the cache's tensors); one query token per sequence
-    (``tokens``: the window launch, ``foscar.kernels.sink_window``, has no causal mask)."""
+    the quantized splits' partials, read in place from the cache's tensors) for ``tokens`` query tokens per
+    sequence (several: the sequences' last tokens; the window launch, ``foscar.kernels.sink_window``, masks
+    them causally)."""
     _check_arch(arch)
-    if tokens != 1:
-        raise ValueError(f"q: {tokens} query tokens per sequence: the {arch} cache decode takes one")
-    key = ("blackwell_cache_decode", scheme, int(page_size), arch)
-    return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch))
+    limit, why = max_query_tokens(scheme)
+    if not 1 <= tokens <= limit:
+        raise ValueError(f"q: {tokens} query tokens per sequence: the {arch} cache decode takes 1..{limit} ({why})")
+    key = ("blackwell_cache_decode", scheme, int(page_size), arch) + ((int(tokens),) if tokens > 1 else ())
+    return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch, tokens))
 
 
-def _build_cache_decode(scheme, page_size, arch):
+def max_query_tokens(scheme: Scheme) -> tuple[int, str]:
+    """The most query tokens per sequence the cache decode takes, and why no more."""
+    from ..query_rows import MAX_QUERY_COLUMNS
+
+    return MAX_QUERY_COLUMNS // scheme.gqa_ratio, (f"the query tile holds {MAX_QUERY_COLUMNS} columns per KV head: "
+                                                   f"gqa_ratio={scheme.gqa_ratio} x tokens")
+
+
+def _build_cache_decode(scheme, page_size, arch, tokens):
     from ..kernels.sink_window import cache_decode_compile_args
     from .fused import BlackwellCacheDecodeKernel
 
-    cfg = BlackwellConfig(scheme, page_size, True)
+    cfg = BlackwellConfig(scheme, page_size, True, tokens)
     return compile_for(arch, BlackwellCacheDecodeKernel(cfg), *cache_decode_compile_args(cfg.q_dtype))
 
 
@@ -112,6 +123,8 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     Never run here (no Blackwell GPU): compile-verified only."""
     from ..kernels.sink_window import run_cache_attend
 
-    return run_cache_attend(lambda: compile_cache_decode(scheme, k_codes.shape[2] * 64, arch), half_type(q.dtype), q, k_codes,
+    tokens = q.shape[1] if q.dim() == 4 else 1
+    return run_cache_attend(lambda: compile_cache_decode(scheme, k_codes.shape[2] * 64, arch, tokens), half_type(q.dtype),
+                            q, k_codes,
                             k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows, seq_lengths, counters,
                             sink, window, sm_scale, scheme, num_splits, arch)

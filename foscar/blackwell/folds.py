@@ -73,8 +73,9 @@ class KHooks(BlackwellFold):
     def prep_step(self, kern, sm, ring, ring_words, step, so, scale_log2, t, lane, wq, nd):
         """Preparation warpgroup, per step before the operands (channel-wise K: Q' and C)."""
 
-    def prep_sums(self, sm, q_ptr, q_base, scale_log2, t):
-        """Preparation warpgroup, once after q is loaded (token-wise K: Qsum)."""
+    def prep_sums(self, sm, q_ptr, q_base, kv_heads, scale_log2, t):
+        """Preparation warpgroup, once after q is loaded (token-wise K: Qsum; ``q_base``: q of query column 0,
+        the others ``cfg.rows.offset`` rows from it)."""
 
     def softmax_wait(self, opnd, step):
         """Softmax warpgroup: wait for what prep computed for this step (channel-wise K: sKinfo)."""
@@ -99,15 +100,17 @@ class BlackwellKTokenWise(KHooks):
             sm.sQ[((N + r, d % 32), 0, d // 32, 0)] = qlo
 
     @cute.jit
-    def prep_sums(self, sm, q_ptr, q_base, scale_log2, t):
+    def prep_sums(self, sm, q_ptr, q_base, kv_heads, scale_log2, t):
         """Qsum[r][j] of the unrounded q (the offset correction), one (r, j) per thread."""
         cfg = self.cfg
         N, D, R, NJ, G = cfg.N, cfg.D, cfg.R, self.s_blocks, self.fold.group
+        offset = cfg.rows.offset  # (a method of a local object is not called inside a runtime `if`)
         if t < N * NJ:
             r, j = t // NJ, t % NJ
+            row = q_base + offset(cutlass.min(r, R - 1), kv_heads) * D
             acc = Float32(0.0)
             for c in cutlass.range(j * G, (j + 1) * G, 1, unroll=8):
-                acc = acc + scalar(q_ptr, q_base + cutlass.min(r, R - 1) * D + c)[0].to(Float32)
+                acc = acc + scalar(q_ptr, row + c)[0].to(Float32)
             sm.sQinfo[sm_.qsum_thread(t)] = fsel(r < R, acc * scale_log2, Float32(0.0))
 
     def scores(self, sm, prm, tmem_ptr, t2r, thr_t2r, acc_layout, ss, step, t, wq):

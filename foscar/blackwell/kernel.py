@@ -85,6 +85,7 @@ from cutlass.pipeline import NamedBarrier
 
 from ..barriers import BlackwellDecodeBarrier
 from ..device import LOG2E, NEG_INF, fsel, output_offsets
+from ..query_rows import QueryRows
 from ..jit import half_type
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import bulk_copy_g2s
@@ -112,9 +113,10 @@ class BlackwellConfig:
 
     Per tensor it reads the plan's fold case (``plan.k``, ``plan.v``: group, bits, construction,
     params geometry) and the operand recipe of its bits (``foscar.blackwell.operands``), so K and
-    V may differ in bits (FP8 K operands with FP4 V operands, or the reverse)."""
+    V may differ in bits (FP8 K operands with FP4 V operands, or the reverse). ``tokens``: query tokens per
+    sequence (``foscar.query_rows``: gqa x tokens query columns; the cache decode's window launch masks them)."""
 
-    def __init__(self, scheme: Scheme, page_size: int, split: bool):
+    def __init__(self, scheme: Scheme, page_size: int, split: bool, tokens: int = 1):
         check_page_size(scheme, page_size)
         if not 1 <= scheme.gqa_ratio <= 16:
             raise NotImplementedError("the Blackwell kernel supports gqa_ratio 1..16")
@@ -124,7 +126,8 @@ class BlackwellConfig:
         self.page_size = page_size
         self.split = bool(split)
         self.D = scheme.head_dim
-        self.R = scheme.gqa_ratio
+        self.rows = QueryRows(scheme.gqa_ratio, tokens)
+        self.R = self.rows.R  # query columns: gqa x tokens
         self.N = 8 if self.R <= 8 else 16  # query columns (padded)
         self.NM = 2 * self.N  # hi and lo halves
         # operand recipes and constructions, per tensor: the construction's 1/a (an exact power of
@@ -569,10 +572,10 @@ class BlackwellDecodeKernel:
         A operands from packed words."""
         cfg = self.cfg
         N, D, R = cfg.N, cfg.D, cfg.R
-        q_base = (b * kv_heads * R + h * R).to(Int64) * D
+        q_base = cfg.rows.row(b, h, 0, kv_heads) * D  # q of the KV head's query column 0
         # ---- q per row, its power-of-two scale; thread t owns channels d = (t + 128*i) % D
         for r in cutlass.range_constexpr(N):
-            rr = min(r, R - 1)
+            rr = cfg.rows.offset(min(r, R - 1), kv_heads)  # the column's row, from column 0's
             qv = cute.make_rmem_tensor((nd,), Float32)
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(nd):
@@ -589,7 +592,7 @@ class BlackwellDecodeKernel:
             if t == 0:
                 sm.sQinfo[sm_.s_unscale(r)] = scale_log2 / sc  # S unscale, log2(e)*sm_scale folded in
                 sm.sQinfo[sm_.q_scale(r)] = sc
-        self.kh.prep_sums(sm, q_ptr, q_base, scale_log2, t)
+        self.kh.prep_sums(sm, q_ptr, q_base, kv_heads, scale_log2, t)
         NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()
         self.prep_operands(sm, storage, sK_layout, sV_layout, ring, opnd, ring_words, seq, scale_log2, t, lane, wq, nd)
 
@@ -788,11 +791,11 @@ class BlackwellDecodeKernel:
         """Add the V hook's offset term of the channel, normalise by l, write o and the LSE."""
         cfg = self.cfg
         N, D, R = cfg.N, cfg.D, cfg.R
-        Hq = kv_heads * R
+        row_of = cfg.rows.row  # (a method of a local object is not called inside a runtime `if`)
         for r in cutlass.range_constexpr(N):
             if r < R:
                 inv_l, lse = normalize(sm.sFinal[sm_.final_l(r)], sm.sFinal[sm_.final_m(r)])
-                obase, lidx = output_offsets(cfg.split, (b * Hq + h * R + r).to(Int64), split, partials, D)
+                obase, lidx = output_offsets(cfg.split, row_of(b, h, r, kv_heads), split, partials, D)
                 if t == 0:
                     scalar(lse_ptr, lidx)[0] = lse
                 if t < cfg.DM:

@@ -120,24 +120,21 @@ def compile_cache_decode(scheme: Scheme, page_size: int, arch: str = DEFAULT_ARC
     """Compile (or fetch) the decode launch of ``foscar.cache.PagedKVCache`` (``foscar.hopper.fused``:
     packed pages, 16-bit sink + window slots and the split merge in one launch, reading the cache's
     tensors in place; where ``fuses_window`` says no, the quantized splits' partials only) for ``tokens``
-    query tokens per sequence (several: the window tiles carry the causal mask; one launch only)."""
+    query tokens per sequence (several: the window tiles, or the window kernel, carry the causal mask)."""
     consumers = default_consumers(scheme, tokens) if consumers is None else consumers
-    limit, why = max_query_tokens(scheme, page_size)
+    limit, why = max_query_tokens(scheme)
     if not 1 <= tokens <= limit:
         raise ValueError(f"q: {tokens} query tokens per sequence: the {arch} cache decode takes 1..{limit} ({why})")
     key = ("hopper_cache_decode", scheme, int(page_size), int(consumers), arch) + ((int(tokens),) if tokens > 1 else ())
     return cached_compile(key, lambda: _build_cache_decode(scheme, page_size, arch, consumers, tokens))
 
 
-def max_query_tokens(scheme: Scheme, page_size: int) -> tuple[int, str]:
+def max_query_tokens(scheme: Scheme) -> tuple[int, str]:
     """The most query tokens per sequence the cache decode takes, and why no more: ``gqa_ratio x tokens``
-    query columns fit one query tile (``foscar.query_rows``), and several tokens need the one-launch decode
-    (its window tiles carry the causal mask)."""
+    query columns fit one query tile (``foscar.query_rows``; the window tiles, or the window kernel where they
+    do not fit the ring, carry the causal mask)."""
     from ..query_rows import MAX_QUERY_COLUMNS
-    from .fused import fuses_window
 
-    if not fuses_window(scheme, page_size, default_consumers(scheme)):  # fewer consumers for more rows fit it too
-        return 1, "it decodes in two launches (its window tiles do not fit the ring), which take one query token"
     return MAX_QUERY_COLUMNS // scheme.gqa_ratio, (f"a query tile holds {MAX_QUERY_COLUMNS} rows per KV head: "
                                                    f"gqa_ratio={scheme.gqa_ratio} x tokens")
 
@@ -209,7 +206,7 @@ def run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win,
     one_launch = fuses_window(scheme, page_size, consumers)
     check_cache_launch(num_splits, counters, batch * kv_heads, budget)  # before anything compiles or launches
     if not one_launch:
-        check_sink_window(d, scheme.gqa_ratio, slots)
+        check_sink_window(d, scheme.gqa_ratio * tokens, slots)
     compiled = compile_cache_decode(scheme, page_size, arch, consumers, tokens)
     q_type = half_type(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)

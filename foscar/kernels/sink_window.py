@@ -39,7 +39,7 @@ from ..warp_mma import WarpMma
 from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
 from ..query_rows import QueryRows
-from ..window_tiles import ROW_PAD, WindowOperands, quantized_tokens, query_columns, slot_holds_token
+from ..window_tiles import ROW_PAD, WindowOperands, quantized_tokens, query_columns, slot_holds_token, slot_position
 from ..work_list import MAX_SPLITS
 
 __all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "shared_storage", "shared_bytes", "check_sink_window",
@@ -95,19 +95,22 @@ def check_sink_window(head_dim: int, gqa_ratio: int, slots: int, sink_window: st
 
 
 class SinkWindow:
-    """The kernel (see the module docstring). Compile time: head_dim, R query heads per KV head, the
-    16-bit dtype; slots, sink and splits are runtime values. :func:`check_sink_window` states its
-    limits before anything launches."""
+    """The kernel (see the module docstring). Compile time: head_dim, ``gqa`` query heads per KV head, the
+    query ``tokens`` per sequence (``foscar.query_rows``: R = gqa x tokens query columns; several: the
+    sequence's last tokens, causal over the slots), the 16-bit dtype; slots, sink and splits are runtime
+    values. :func:`check_sink_window` states its limits before anything launches."""
 
-    def __init__(self, head_dim: int, rows: int, dtype):
+    def __init__(self, head_dim: int, gqa: int, dtype, tokens: int = 1):
+        self.query = QueryRows(gqa, tokens)
+        rows = self.query.R
         check_sink_window(head_dim, rows, slots=1)
-        self.ops = WindowOperands(head_dim, QueryRows(rows), dtype)
+        self.ops = WindowOperands(head_dim, self.query, dtype)
         self.D, self.R = head_dim, rows
         self.PD = self.ops.PD
         self.N = query_columns(rows)
         self.NB = self.N // 8
         self.dtype = dtype
-        self.merger = SplitMerge(head_dim, QueryRows(rows), 32 * WARPS, WindowBarrier.MERGE, dtype)
+        self.merger = SplitMerge(head_dim, self.query, 32 * WARPS, WindowBarrier.MERGE, dtype)
         # the warps' outputs fit over the K and V rows (32 R D <= 512 (D + 8) bytes for R <= 16), which
         # are adjacent: K's rows are a whole number of 128-byte alignment units
         assert WARPS * rows * head_dim * 4 <= 2 * CHUNK * self.PD * 2, (head_dim, rows)
@@ -153,13 +156,18 @@ class SinkWindow:
         cute.arch.cp_async_commit_group()  # V rows, in flight during S
 
         mma = WarpMma(ops.tiled_mma(), lane, self.NB)
-        q_row0 = (b * kv_heads + h).to(Int64) * self.R  # first query row of the KV head
+        q_row0 = self.query.first(b, h, kv_heads)  # row of the KV head's query column 0
         q_t = ops.query_fragments(mma, q, q_row0, kv_heads)
         slot = j0 + 16 * warp + mma.g  # this lane's accumulator rows: slots slot and slot + 8
         valid = tuple(holds(j) for j in (slot, slot + 8))
+        visible = None  # one query token: it sees every token the slots hold
+        if cutlass.const_expr(self.query.tokens > 1):  # several: the causal mask, by the slots' token positions
+            positions = [slot_position(j, qlen, sink, ring) for j in (slot, slot + 8)]
+            sees = self.query.sees
+            visible = lambda nb, i: sees(8 * nb + 2 * mma.tq + i % 2, positions[i // 2], n)  # noqa: E731
         cute.arch.cp_async_wait_group(1)
         cute.arch.sync_threads()  # every thread's K pieces have landed
-        s = ops.scores(mma, k_rows, 16 * warp, q_t, scale_log2, valid)
+        s = ops.scores(mma, k_rows, 16 * warp, q_t, scale_log2, valid, visible)
         m = self.column_max(smem, mma, s, warp)
         p_t = self.probabilities(smem, mma, s, m, warp)
         cute.arch.cp_async_wait_group(0)
@@ -169,9 +177,9 @@ class SinkWindow:
         self.stash(smem, mma, o_t, warp)
         cute.arch.sync_threads()
         total = num_splits + chunks
-        self.store(smem, o_part, lse_part, q_row0, num_splits + chunk, total, tidx)
+        self.store(smem, o_part, lse_part, q_row0, kv_heads, num_splits + chunk, total, tidx)
         if self.merger.arrive(counters + (b * kv_heads + h), smem.last.data_ptr(), chunks, tidx):
-            partials = lambda: self.merger.row_major(o_part, lse_part, q_row0, total)  # noqa: E731
+            partials = lambda: self.merger.row_major(o_part, lse_part, q_row0, kv_heads, total)  # noqa: E731
             self.merger.merge(smem.merge.data_ptr(), partials, out, lse, q_row0, kv_heads, total, tidx)
 
     @cute.jit
@@ -250,10 +258,11 @@ class SinkWindow:
                         so[at] = value
 
     @cute.jit
-    def store(self, smem, o_part: cute.Pointer, lse_part: cute.Pointer, q_row0: Int64, split: Int32, total: Int32,
-              tidx: Int32):
+    def store(self, smem, o_part: cute.Pointer, lse_part: cute.Pointer, q_row0: Int64, kv_heads: Int32, split: Int32,
+              total: Int32, tidx: Int32):
         """Sum the warps' P V, normalize, write split ``split`` of the ``total`` partials."""
         D, R, N = self.D, self.R, self.N
+        offset = self.query.offset  # (a method of a local object is not called inside a runtime loop)
         so = self.warp_outputs(smem)
         sm = smem.m.get_tensor(cute.make_layout((R,)))
         csum = smem.col_sum.get_tensor(cute.make_layout((WARPS * N,)))
@@ -265,19 +274,20 @@ class SinkWindow:
                 l_sum = l_sum + csum[w * N + r]
                 o = o + so[w * R * D + el]
             inv_l, lse = normalize(l_sum, sm[r], fastmath=False)
-            prow = (q_row0 + r) * total + split  # partial row of query row q_row0 + r
+            prow = (q_row0 + offset(r, kv_heads)) * total + split  # partial row of query column r
             cute.make_tensor(o_part + (prow * D + el % D), cute.make_layout((1,)))[0] = o * inv_l
             if el % D == 0:
                 cute.make_tensor(lse_part + prow, cute.make_layout((1,)))[0] = lse
 
 
-def compile_sink_window(head_dim: int, gqa_ratio: int, arch: str = "sm_90a", dtype=cutlass.BFloat16):
+def compile_sink_window(head_dim: int, gqa_ratio: int, arch: str = "sm_90a", dtype=cutlass.BFloat16, tokens: int = 1):
     """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``."""
     from ..inspect import compile_for
     from ..jit import fake_ptr
 
     i32 = Int32(1)
-    return compile_for(arch, SinkWindow(head_dim, gqa_ratio, dtype), fake_ptr(dtype), fake_ptr(dtype), fake_ptr(dtype),
+    return compile_for(arch, SinkWindow(head_dim, gqa_ratio, dtype, tokens), fake_ptr(dtype), fake_ptr(dtype),
+                       fake_ptr(dtype),
                        fake_ptr(Int64), fake_ptr(Int64), fake_ptr(Float32), fake_ptr(Float32), fake_ptr(dtype),
                        fake_ptr(Float32), fake_ptr(Int32), i32, i32, i32, i32, i32, i32, i32, Float32(1.0),
                        cuda.CUstream(0))
@@ -286,18 +296,19 @@ def compile_sink_window(head_dim: int, gqa_ratio: int, arch: str = "sm_90a", dty
 def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters, num_splits: int,
                        sink: int, window: int, granule: int, sm_scale: float, arch: str):
     """Launch on a cache layer's tensors (``PagedKVCache.attend`` validates them) after the decode
-    launch wrote partials ``0 .. num_splits - 1``: ``q [B, Hq, D]``, ``k_win, v_win [max_seqs,
-    kv_heads, sink + ring, D]`` (q's dtype), ``seq_rows`` int64 [B], ``seq_lengths`` int64
-    [max_seqs], ``o_part [B, Hq, total, D]`` / ``lse_part [B, Hq, total]`` (fp32), ``counters``
-    int32 (>= B * kv_heads, zero; left zero). Writes ``out`` (q's dtype ``[B, Hq, D]``) and ``lse``
-    (fp32 ``[B, Hq]``)."""
+    launch wrote partials ``0 .. num_splits - 1``: ``q [B, Hq, D]`` (or ``[B, tokens, Hq, D]``: the
+    sequences' last tokens, causal), ``k_win, v_win [max_seqs, kv_heads, sink + ring, D]`` (q's dtype),
+    ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs], ``o_part`` / ``lse_part`` (fp32: q's rows,
+    ``total`` partials each, then ``D``), ``counters`` int32 (>= B * kv_heads, zero; left zero). Writes
+    ``out`` (q's dtype and shape) and ``lse`` (fp32, q's shape less head_dim)."""
     from ..jit import cached_compile, current_stream, gmem_ptr, half_type
 
-    batch, hq, d = q.shape
+    batch, tokens, hq, d = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
     dtype = half_type(q.dtype)
     gqa = hq // kv_heads
-    compiled = cached_compile(("sink_window", d, gqa, dtype, arch), lambda: compile_sink_window(d, gqa, arch, dtype))
+    key = ("sink_window", d, gqa, dtype, arch) + ((tokens,) if tokens > 1 else ())
+    compiled = cached_compile(key, lambda: compile_sink_window(d, gqa, arch, dtype, tokens))
     compiled(gmem_ptr(q, dtype), gmem_ptr(k_win, dtype), gmem_ptr(v_win, dtype), gmem_ptr(seq_rows, Int64),
              gmem_ptr(seq_lengths, Int64), gmem_ptr(o_part, Float32), gmem_ptr(lse_part, Float32), gmem_ptr(out, dtype),
              gmem_ptr(lse, Float32), gmem_ptr(counters, Int32), Int32(batch), Int32(kv_heads), Int32(num_splits),
@@ -313,10 +324,10 @@ def run_cache_attend(compile_decode, q_type, q, k_codes, k_params, v_codes, v_pa
     cache-decode kernel (``foscar.blackwell.fused``; called after the
     limits are checked, so bad input never reaches the compiler), which writes the quantized splits'
     partials; then this module's kernel writes the 16-bit slots' partials and merges them all.
-    ``q [B, Hq, D]``, packed pages, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win
-    [max_seqs, kv_heads, sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs],
-    ``counters`` int32 (>= B * kv_heads, zero; left zero). Returns ``(out, lse)``: q's dtype
-    ``[B, Hq, D]``, fp32 ``[B, Hq]``."""
+    ``q [B, Hq, D]`` (or ``[B, tokens, Hq, D]``), packed pages, ``page_table [max_seqs, max_pages]``, 16-bit
+    ``k_win, v_win [max_seqs, kv_heads, sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64
+    [max_seqs], ``counters`` int32 (>= B * kv_heads, zero; left zero). Returns ``(out, lse)``: q's dtype and
+    shape, fp32 ``lse`` of q's shape less head_dim."""
     import torch
     from cutlass import Float16
 
@@ -324,17 +335,17 @@ def run_cache_attend(compile_decode, q_type, q, k_codes, k_params, v_codes, v_pa
     from .quantize import granule_of
 
     device = q.device
-    batch, hq, d = q.shape
+    batch, tokens, hq, d = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
     # before the first launch
-    check_sink_window(d, hq // kv_heads, slots)
+    check_sink_window(d, hq // kv_heads * tokens, slots)
     check_cache_launch(num_splits, counters, batch * kv_heads)
     compiled = compile_decode()
     total = num_splits + window_ctas(slots)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    lse = torch.empty(batch, hq, dtype=torch.float32, device=device)
-    o_part = torch.empty(batch, hq, total, d, dtype=torch.float32, device=device)
-    lse_part = torch.empty(batch, hq, total, dtype=torch.float32, device=device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=device)
+    o_part = torch.empty(*q.shape[:-1], total, d, dtype=torch.float32, device=device)  # q's rows, then the partials
+    lse_part = torch.empty(*q.shape[:-1], total, dtype=torch.float32, device=device)
     compiled(
         gmem_ptr(q, q_type),
         gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
