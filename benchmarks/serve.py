@@ -434,6 +434,9 @@ class DecodeLoop:
             self.step()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        # a capture allocates from the graph's own pool and cannot free blocks cached elsewhere: release what the
+        # eager step cached first (benchmarks/tp.py's BF16 on transformers 5.17: tens of GiB of K/V copies)
+        torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.step()

@@ -34,6 +34,10 @@ and as many layers as fit in ``--weight-fraction`` of the memory (at most 80). E
 (transformers' ``StaticCache``, SDPA over its length) and FOSCAR ``int4`` / ``int2`` (serve.py's
 formats). Per format: the largest concurrency that fits on every rank, the grid below it, aggregate
 tokens/s (all sequences; each token computed by all ranks together) and the peak. Rank 0's clock.
+BF16's plan counts, per sequence, the K/V copies transformers' SDPA path makes in a step where it
+makes them (:func:`sdpa_copies_kv`; 5.17: K and V repeated to every query head, one layer at a time,
+as much again as the cache itself at 8 layers of 64 / 8 heads), and its steps' time includes them;
+the record's ``measured.step_temporaries`` is what the steps used beyond weights and cache.
 ``--eager``: no CUDA graphs (equality and throughput), where a capture fails under the process group.
 Results: ``benchmarks/results/tp-<task>-<model>-tp<world>-<device>-<date>.json`` and ``.md``.
 """
@@ -43,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import inspect
 import json
 import os
@@ -51,12 +56,14 @@ import shutil
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from benchmarks import serve
-from foscar.integrations.transformers import FoscarCache, cache_kwargs, greedy_generate, rank_heads, use_foscar
+from foscar.integrations.transformers import (FoscarCache, cache_kwargs, foscar_attention_forward, greedy_generate,
+                                              rank_heads, use_foscar)
 
 GIB = serve.GIB
 LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
@@ -342,18 +349,44 @@ def fitting_layers(geometry: dict, world: int, memory: int, fraction: float) -> 
 
 class TransformersStep:
     """serve.DecodeLoop's model interface over a transformers causal LM decoding on ``cache``: one
-    token per sequence at explicit positions, no attention mask (as GraphedDecode calls it)."""
+    token per sequence at explicit positions, no attention mask (as GraphedDecode calls it), no autograd:
+    the parameters require grad, and a cache's in-place write of the new K/V would hang each eager or
+    captured step's graph on the cache for good, with what SDPA saved (BF16 on transformers 5.17: every
+    layer's K/V copies but the last's; Llama-3-70B, 8 layers, 32K, N=1: 7 GiB a step)."""
 
     def __init__(self, model, cache, geo: serve.Geometry):
         self.model, self.geo, self.device = model, geo, model.device
         self.kwargs = {"attention_mask": None, "use_cache": True, **cache_kwargs(cache)}
         self.cache_position = "cache_position" in inspect.signature(model.forward).parameters
 
+    @torch.no_grad()
     def forward(self, tokens, positions, append_attend=None):
         kwargs = dict(self.kwargs, position_ids=positions[:, None])
         if self.cache_position:  # transformers that still take it would derive it from a host length
             kwargs["cache_position"] = positions[:1]
         return self.model(input_ids=tokens[:, None], **kwargs).logits[:, -1]
+
+
+@functools.cache
+def sdpa_copies_kv() -> bool:
+    """Whether the attention :func:`load` selects copies K and V to every query head in a BF16 decode
+    step over a ``StaticCache``: one query token under the cache's mask, which rules out SDPA's own GQA.
+    transformers 5.17 does (``repeat_kv``); 5.24 attends the query heads packed per KV head. Asked of
+    the function itself, on CPU tensors of 2 query heads per KV head."""
+
+    key_heads = []
+
+    class SpyOnSDPA(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, arg_types, args=(), kwargs=None):
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                key_heads.append((args[1] if len(args) > 1 else kwargs["key"]).shape[1])
+            return func(*args, **(kwargs or {}))
+
+    layer = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    query, kv, mask = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 4, 8), torch.ones(1, 1, 1, 4, dtype=torch.bool)
+    with SpyOnSDPA():
+        foscar_attention_forward(layer, query, kv, kv, mask)
+    return key_heads == [2]
 
 
 class StaticKV:
@@ -363,8 +396,13 @@ class StaticKV:
     append_attend = None  # serve.DecodeLoop's backend hook: here the attention runs inside the model
 
     @staticmethod
-    def footprint(geo, capacity):
-        return {"kv_pages": geo.layers * 2 * geo.kv_heads * capacity * geo.head_dim * 2}, {}
+    def footprint(geo, capacity, copies_kv: bool):
+        """(bytes per sequence, fixed bytes) by part: the cache, and where SDPA gets K and V copied to
+        every query head (:func:`sdpa_copies_kv`), those copies of one layer as step workspace."""
+        per_seq = {"kv_pages": geo.layers * 2 * geo.kv_heads * capacity * geo.head_dim * 2}
+        if copies_kv:
+            per_seq["workspace"] = 2 * geo.q_heads * capacity * geo.head_dim * 2
+        return per_seq, {}
 
     def __init__(self, model, geo, max_seqs, context, capacity, generator):
         import transformers
@@ -419,7 +457,8 @@ class FoscarTP:
 def plan(name, geo, capacity, args, device, weights, world):
     """(max N on every rank, the memory account, bytes per sequence) of format ``name``."""
     fmt = serve.FORMATS[name]
-    per_seq, fixed = StaticKV.footprint(geo, capacity) if name == "bf16" else FoscarTP.footprint(geo, fmt, capacity)
+    per_seq, fixed = (StaticKV.footprint(geo, capacity, sdpa_copies_kv()) if name == "bf16"
+                      else FoscarTP.footprint(geo, fmt, capacity))
     total, other = serve.device_memory(device, args.memory_gib, weights)
     max_batch, account, per = serve.plan_capacity(total, other, weights, int(args.reserve_gib * GIB), per_seq, fixed,
                                                   args.max_batch)
@@ -444,12 +483,17 @@ def run_format(name, model, geo, preset, args, device, weights, world, log) -> d
         backend = (StaticKV(model, geo, max_batch, preset.context, capacity, gen) if name == "bf16"
                    else FoscarTP(model, name, max_batch, preset.context, capacity, gen))
         rec["kv_bytes_per_rank"] = sum(backend.nbytes().values())
+        if device.type == "cuda":  # from here on: what the steps need beyond weights and cache (planned: workspace)
+            torch.cuda.reset_peak_memory_stats(device)
         for batch in serve.concurrency_grid(max_batch, preset.points):
             point = serve.measure_point(TransformersStep(model, backend.cache, geo), backend, batch, preset, gen,
                                         graph=not args.eager)
             rec["points"].append(point)
             log(f"{name} context {preset.context}: N {batch}: {point['ms_per_step']:.2f} ms/step, "
                 f"{point['aggregate_tokens_per_s']:.1f} tok/s {point.get('note', '')}")
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            rec["measured"] = {"peak_allocated": peak, "step_temporaries": peak - weights - rec["kv_bytes_per_rank"]}
     except Exception as exc:  # reported, never dropped (every rank fails alike: same shapes, same plan)
         rec.update(status="failed", note=f"{type(exc).__name__}: {str(exc)[:300]}")
         log(f"{name} context {preset.context}: {rec['note']}")
@@ -488,7 +532,8 @@ def throughput(args, rank, world, device, log) -> dict:
 def throughput_table(record) -> str:
     lines = ["| context | format | status | max N | peak N | ms/step | aggregate tok/s | per-seq tok/s | vs bf16 |",
              "|---|---|---|---|---|---|---|---|---|"]
-    base = {r["context"]: r["peak"] for r in record["formats"] if r["format"] == "bf16"}
+    # a failed BF16 (stopped part-way through its grid) has no peak to compare with
+    base = {r["context"]: r["peak"] for r in record["formats"] if r["format"] == "bf16" and r["status"] == "ok"}
     for r in record["formats"]:
         p, b = r["peak"], base.get(r["context"])
         if p is None:
@@ -523,8 +568,9 @@ def parse_args(argv):
     parser.add_argument("--points", type=int, default=3, help="throughput: concurrency levels per format")
     parser.add_argument("--max-batch", type=int, default=None)
     parser.add_argument("--memory-gib", type=float, default=None, help="memory budget per rank (default: the GPU's)")
-    # kept free for step temporaries: 4 GiB OOMed on the H200 at TP1, 8 layers, 32K (BF16 at its planned N 118: SDPA
-    # with the StaticCache mask materializes fp32 scores, ~1 GiB; FOSCAR INT4 / INT2 after their first points)
+    # kept free for step temporaries the plan does not count per sequence (SDPA's mask bias, logits, library
+    # workspaces). Raised from 4 GiB after out-of-memory errors on the H200 (TP1, 8 layers, 32K) whose causes were
+    # BF16's K/V copies (now planned: StaticKV.footprint) and autograd graphs the caches kept (now no_grad steps)
     parser.add_argument("--reserve-gib", type=float, default=16.0, help="kept free for step temporaries")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),

@@ -106,6 +106,44 @@ def test_arguments_and_layers_that_fit():
             tp.parse_args(bad)
 
 
+def test_bf16_plan_counts_the_kv_copies_of_a_step():
+    # the H200 run that ran out of memory (TP1, 8 layers of Llama-3-70B, 32768 + 55 tokens): its account's other and
+    # weights; the cache is 1 GiB a sequence and transformers 5.17's step copies K and V to all 64 query heads
+    geo = tp.serve.Geometry("llama70b-tp1", 8, 8192, 64, 8, 128, 28672, 128256)
+    capacity, other, weights, reserve = 32768 + 55, 652787712, 17893179392, 16 * tp.GIB
+    per_layer_copies = 2 * 64 * capacity * 128 * 2
+    assert 64 * per_layer_copies // 2 == 34417410048  # repeat_kv of K at N=64: the 32.05 GiB it failed to allocate
+    cache_only, _ = tp.StaticKV.footprint(geo, capacity, copies_kv=False)
+    with_copies, fixed = tp.StaticKV.footprint(geo, capacity, copies_kv=True)
+    assert cache_only == {"kv_pages": 8 * 2 * 8 * capacity * 128 * 2} and fixed == {}
+    assert with_copies == {**cache_only, "workspace": per_layer_copies}
+    total = int(139.8 * tp.GIB)
+    assert tp.serve.plan_capacity(total, other, weights, reserve, cache_only, fixed)[0] == 106  # the failed plan
+    n, account, per = tp.serve.plan_capacity(total, other, weights, reserve, with_copies, fixed)
+    assert n == 53 and per == 2 * per_layer_copies
+    assert account["workspace"] == reserve + n * per_layer_copies and 0 <= account["free"] < per
+
+
+def test_bf16_decode_step_copies_kv_as_planned_and_keeps_no_graph():
+    model = llama()  # 4 query / 2 KV heads
+    geo = tp.serve.Geometry("tiny", 2, 256, 4, 2, 64, 512, 512)
+    kv = tp.StaticKV(model, geo, 2, 30, 40, torch.Generator().manual_seed(0))
+    kv.prepare(2)
+    key_heads = []
+
+    class SpyOnSDPA(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, arg_types, args=(), kwargs=None):
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                key_heads.append(args[1].shape[1])
+            return func(*args, **(kwargs or {}))
+
+    with SpyOnSDPA():
+        tp.TransformersStep(model, kv.cache, geo).forward(torch.tensor([1, 2]), torch.tensor([30, 30]))
+    assert key_heads == [4 if tp.sdpa_copies_kv() else 2] * 2  # the probe tells what the model's step does
+    # a step records no autograd graph: the cache's in-place writes would otherwise keep every step's
+    assert not any(t.requires_grad for pair in kv.rows for t in pair)
+
+
 @pytest.mark.slow
 def test_tiny_throughput_in_one_process(tmp_path):
     record = tp.main(["throughput", "--model", "tiny", "--device", "cpu", "--memory-gib", "0.02", "--reserve-gib",
