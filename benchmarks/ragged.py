@@ -13,8 +13,6 @@ control (the standard sweep's 8 x 32K)."""
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import random
 import sys
@@ -23,6 +21,7 @@ import torch
 
 from .decode import (MODELS, FlashInferDecode, _versions, copies_for, foscar_window_layers, import_flashinfer,
                      time_layers)
+from .records import run_meta, write
 
 
 def mixes():
@@ -70,9 +69,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
         rows.append(row)
         print(row, flush=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "versions": _versions(),
-            "command": "python -m benchmarks.ragged " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = run_meta("benchmarks.ragged", argv, _versions())
     heads = " | ".join(f"{v[0]}+sw us (x)" for v in VARIANTS)
     lines = [f"| mix | batch | tokens | FlashInfer BF16 us | {heads} |",
              "|---|---|---|---|" + "---|" * len(VARIANTS)]
@@ -81,13 +78,7 @@ def main(argv=None):
         cells = " | ".join(f"{r[v[0] + '+sw']:.1f} ({base / r[v[0] + '+sw']:.2f}x)" for v in VARIANTS)
         lines.append(f"| {r['mix']} | {r['batch']} | {r['tokens']} | {base:.1f} | {cells} |")
     table = "\n".join(lines)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, args.tag)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(f"# Ragged decode batches ({meta['device']}, {meta['date']})\n\nCommand: `{meta['command']}`. "
-                f"Versions: {meta['versions']}, torch {meta['torch']}.\n\n{table}\n")
+    write(args.out, args.tag, "Ragged decode batches", meta, rows, table)
     print(table)
 
 

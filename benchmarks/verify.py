@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
-import platform
 import sys
 
 import torch
 
 from .decode import MODELS, _versions, foscar_window_layers, scheme_of, time_layers
+from .records import run_meta, write
 
 SHAPES = [("qwen3-8b", 8, 32768), ("qwen3-8b", 1, 131072), ("qwen3-8b", 64, 8192), ("tp4-70b", 1, 131072)]
 
@@ -76,20 +74,11 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("benchmarks.verify needs a CUDA GPU")
     rows = measure(methods, tokens_list, args.reps)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
-            "versions": _versions(), "command": "python -m benchmarks.verify " + " ".join(argv or sys.argv[1:]),
-            "timing": f"CUDA graph, median of {args.reps} replays; cache: sink 64 + window 256, page 128"}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, args.tag)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    meta = run_meta("benchmarks.verify", argv, _versions())
     text = table(rows)
-    with open(stem + ".md", "w") as f:
-        f.write(f"# Speculative verification ({meta['device']}, {meta['date']})\n\n{meta['command']}\n\n"
-                f"{meta['timing']}. Versions: {meta['versions']}\n\n{text}\n")
+    write(args.out, args.tag, "Speculative verification", meta, rows, text,
+          f"CUDA graph, median of {args.reps} replays; cache: sink 64 + window 256, page 128. ")
     print(text)
-
 
 if __name__ == "__main__":
     main()

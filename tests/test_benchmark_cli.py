@@ -8,7 +8,7 @@ import torch
 
 
 @pytest.mark.parametrize("name", ["decode", "generate", "ragged", "rows", "hopper_sweep", "pipeline_probe",
-                                  "mma_rate"])
+                                  "mma_rate", "verify"])
 def test_gpu_benchmarks_say_they_need_a_gpu_at_once(name, monkeypatch):
     module = importlib.import_module(f"benchmarks.{name}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
@@ -27,6 +27,16 @@ def test_accuracy_names_the_formats_before_loading_the_model(monkeypatch, capsys
     assert exit_info.value.code == 2
     assert "argument --formats: invalid choice: 'int3' (choose from" in capsys.readouterr().err
     assert [c.fmt for c in accuracy.grid(["k4v2"])] == ["k4v2"] * 4  # a known subset still selects
+
+
+@pytest.mark.parametrize("args,message", [(["--tokens", "2,4"], "--tokens must start with 1"),
+                                          (["--methods", "int2-kt128+sw"], "--methods: 'int2-kt128+sw' is not")])
+def test_verify_names_a_bad_choice_before_the_gpu_check(args, message, capsys):
+    from benchmarks import verify
+
+    with pytest.raises(SystemExit):
+        verify.main(args)
+    assert message in capsys.readouterr().err
 
 
 def test_flashinfer_missing_says_how_to_install_it(monkeypatch):
