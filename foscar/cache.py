@@ -79,6 +79,7 @@ __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
 
 MAX_INDEX = 2**31 - 1  # the kernels hold token positions and page indices in 32-bit ints
 CHUNK_SCORES = 1 << 24  # fp32 scores one block of attend_chunk's query tokens may hold (64 MiB)
+INDEX_CACHE = 4096  # device indexes of batches of seq_ids kept (those of captured graphs always)
 
 
 class _AttendPlan(NamedTuple):
@@ -249,7 +250,8 @@ class PagedKVCache:
         # the longest each sequence was since its last truncate (its ring slots hold the last `ring` tokens of that)
         self._written = torch.zeros((num_layers, max_seqs), dtype=torch.int64)
         self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
-        self._index_cache: dict[tuple, torch.Tensor] = {}
+        self._index_cache: dict[tuple, torch.Tensor] = {}  # device index of each batch of seq_ids (insertion order)
+        self._captured_ids: set[tuple] = set()  # batches a captured graph reads: their indexes stay
         self._plan: tuple[tuple, _AttendPlan] | None = None  # the last torch-path attend's (key, plan)
         # the attend launch's per-(sequence, KV head) completion counters (foscar.split_merge):
         # zero between launches, shared by the layers (their launches are ordered on the stream)
@@ -511,11 +513,23 @@ class PagedKVCache:
         if len(set(ids)) != len(ids):
             raise ValueError(f"seq_ids must not repeat a sequence, got {list(ids)}")
         index = self._index_cache.get(ids)
-        if index is None:
-            if _capturing(self.device):
+        if _capturing(self.device):
+            if index is None:
                 raise RuntimeError(f"seq_ids {list(ids)} were never used before capture: run the step once eagerly")
+            self._captured_ids.add(ids)  # a graph reads this index from now on: never evicted
+        elif index is None:
+            self._evict_indexes()
             index = self._index_cache[ids] = torch.tensor(ids, dtype=torch.int64).to(self.device)
         return ids, index
+
+    def _evict_indexes(self) -> None:
+        """Keep the device indexes of batches bounded (a serving loop meets a new batch almost every step): past
+        ``INDEX_CACHE`` entries, drop the oldest that no captured graph reads."""
+        if len(self._index_cache) < INDEX_CACHE:
+            return
+        for ids in list(self._index_cache)[:len(self._index_cache) - INDEX_CACHE // 2]:
+            if ids not in self._captured_ids:
+                del self._index_cache[ids]
 
     def _check_kind(self, name: str, t) -> None:
         """A tensor of the cache's dtype on its device."""

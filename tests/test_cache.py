@@ -414,3 +414,25 @@ def test_absurd_sizes_are_refused_before_allocating(monkeypatch):
     # 1000 sequences x 16777213 page-table columns x 4 bytes
     with pytest.raises(ValueError, match=r"\(the page table \(max_seqs x max_seq_len\) 62\.5 GiB, "):
         PagedKVCache(scheme, 1, 2, 4, 1000, 2**31 - 1, device="cpu")
+
+
+def test_batch_indexes_stay_bounded_but_captured_ones_stay(rng, monkeypatch):
+    """A serving loop meets a new batch of seq_ids almost every step: past INDEX_CACHE entries the oldest device
+    indexes go, except those a captured CUDA graph reads (marked when used inside a capture)."""
+    import foscar.cache
+
+    monkeypatch.setattr(foscar.cache, "INDEX_CACHE", 8)
+    cache = make_cache(SCHEMES[1], max_seqs=4)
+    ids = [cache.allocate() for _ in range(4)]
+    cache.append(0, ids, *kv(rng, SCHEMES[1], 4, 5))
+    q = torch.randn(1, 2 * SCHEMES[1].gqa_ratio, SCHEMES[1].head_dim, generator=rng).to(SCHEMES[1].q_dtype)
+    cache.attend(0, [ids[0]], q)
+    monkeypatch.setattr(foscar.cache, "_capturing", lambda device: True)
+    cache._rows([ids[0]])  # as inside a capture: pinned
+    monkeypatch.setattr(foscar.cache, "_capturing", lambda device: False)
+    batches = [(a, b) for a in ids for b in ids if a != b]
+    for batch in batches:
+        cache.attend(0, list(batch), q.expand(2, -1, -1).contiguous())
+        assert len(cache._index_cache) <= 8
+    assert (ids[0],) in cache._index_cache and batches[-1] in cache._index_cache
+    assert batches[0] not in cache._index_cache
