@@ -26,7 +26,8 @@ from cutlass import Float32, Int32
 from cutlass import Int64
 
 from foscar.device import at, cp_async_16, inline_ptx
-from foscar.hopper.kernel import PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, KvHead, Output, default_consumers
+from foscar.hopper.kernel import PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, default_consumers
+from foscar.query_rows import KvHead, Output
 from foscar.layouts.fragment import TILE_TOKENS
 from foscar.pipeline import PackedPages, Ring, TileSpan, bulk_copy_g2s, stage_and_phase
 

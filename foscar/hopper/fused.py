@@ -47,12 +47,13 @@ from ..jit import half_type
 from ..kernels.quantize import granule_of
 from ..layouts.fragment import THREADS, TILE_TOKENS
 from ..pipeline import PackedPages, Ring, TileSpan
+from ..query_rows import KvHead, Output
 from ..softmax import finite_reference
 from ..split_merge import SplitMerge
 from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token, slot_position
 from ..warp_mma import WarpMma
 from ..work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, PLAN_WORDS, WorkList
-from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, KvHead, Output, WarpState
+from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, WarpState
 
 __all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
 

@@ -73,11 +73,11 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.pipeline import NamedBarrier
 
 from ..barriers import HopperDecodeBarrier
-from ..device import LOG2E, NEG_INF, at, fsel, movmatrix_trans, output_offsets, reduce_over_rows, store
+from ..device import LOG2E, NEG_INF, at, fsel, movmatrix_trans, reduce_over_rows, store
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..pipeline import PackedPages, Ring, TileSpan, bulk_copy_g2s
-from ..query_rows import QueryRows
+from ..query_rows import KvHead, Output, QueryRows
 from ..scheme import Scheme
 from ..softmax import finite_reference, normalize
 from ..window_tiles import BLOCK
@@ -135,41 +135,6 @@ def _consumers_for_state(scheme: Scheme, rows: int) -> int:
     # with 2 than 1 (H200, 8 x 32K, gqa 16: INT2 kc128 61.2 -> 41.4 us, INT4 67.5 -> 44.1; benchmarks/NOTES.md
     # section 20). (The same state with 8 columns, head_dim 256, keeps 1: with 2 its window tiles do not fit the ring.)
     return 2 if state <= 96 or (nb == 2 and state <= 160) else 1
-
-
-@dataclass(frozen=True)
-class KvHead:
-    """The (sequence, KV head) a CTA attends: batch index ``b`` (its query and output rows, ``foscar.query_rows``),
-    KV head ``h`` of ``kv_heads``, and the sequence's page-table row ``row`` (``b`` here; the cache row in the
-    cache decode). (Frozen dataclasses, like ``foscar.pipeline``'s bundles: docs/design.md section 3.)"""
-
-    b: Int32
-    h: Int32
-    kv_heads: Int32
-    row: Int32
-
-
-@dataclass(frozen=True)
-class Output:
-    """Where a CTA's attention result goes: ``o`` and ``lse``, the final output (``o [B, Hq, D]`` q dtype,
-    ``lse [B, Hq]``) or, when ``partial``, fp32 partial ``index`` of ``count`` per query row (``[B, Hq, count,
-    D]``, ``[B, Hq, count]``); with ``item``, work item ``item``'s partial, held item-major (``[items, R, D]``,
-    ``[items, R]``: ``foscar.work_list``)."""
-
-    o: cute.Pointer
-    lse: cute.Pointer
-    partial: bool
-    index: Int32
-    count: Int32
-    item: Int32 | None = None
-
-    def offsets(self, rows: QueryRows, head: KvHead, col, head_dim: int):
-        """(first ``o`` element, ``lse`` element) of query column ``col`` of ``head``."""
-        if self.item is not None:
-            lidx = self.item.to(Int64) * rows.R + col
-            return lidx * head_dim, lidx
-        return output_offsets(self.partial, rows.row(head.b, head.h, col, head.kv_heads), self.index, self.count,
-                              head_dim)
 
 
 @dataclass(frozen=True)
