@@ -27,8 +27,9 @@ from cutlass import Int64
 
 from foscar.device import at, cp_async_16, inline_ptx
 from foscar.hopper.kernel import PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, default_consumers
+from foscar.query_rows import KvHead, Output
 from foscar.layouts.fragment import TILE_TOKENS
-from foscar.pipeline import bulk_copy_g2s, stage_and_phase
+from foscar.pipeline import PackedPages, Ring, TileSpan, bulk_copy_g2s, stage_and_phase
 
 from .decode import copies_for, read_ceiling_us, time_layers
 from .hopper_sweep import VARIANTS, cache_sets, planned_splits
@@ -69,16 +70,17 @@ class PipelineOnly(HopperDecodeKernel):
         self.unit_bytes = self.unit * (8 * cfg.K_TW + params)
 
     @cute.jit
-    def produce(self, ring, full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, b, h, kv_heads, max_pages,
-                t_begin, t_end, pw, lane):
+    def produce(self, ring: Ring, pages: PackedPages, head: KvHead, tiles: TileSpan, pw, lane):
         cfg = self.cfg
         P, U, SUB = PRODUCER_WARPS, self.unit, cfg.SUB
-        u_begin = t_begin // U
-        u_end = (t_end + U - 1) // U
-        page_first = t_begin // SUB
-        page_end = (t_end + SUB - 1) // SUB
+        u_begin = tiles.begin // U
+        u_end = (tiles.end + U - 1) // U
+        page_first = tiles.begin // SUB
+        page_end = (tiles.end + SUB - 1) // SUB
+        full, empty = ring.full, ring.empty
         for chunk in cutlass.range(page_first, page_end, 32, unroll=1):
-            my_page = at(pt_ptr, b.to(Int64) * max_pages + cutlass.min(chunk + lane, page_end - 1))  # page table
+            table_row = head.row.to(Int64) * pages.max_pages
+            my_page = at(pages.page_table, table_row + cutlass.min(chunk + lane, page_end - 1))  # page table
             u_lo = cutlass.max(u_begin, chunk * SUB // U)
             u_hi = cutlass.min(u_end, (chunk + 32) * SUB // U)
             first = u_lo + (pw + P - (u_lo - u_begin) % P) % P
@@ -86,65 +88,67 @@ class PipelineOnly(HopperDecodeKernel):
                 tile = unit * U
                 page = cute.arch.shuffle_sync(my_page, offset=tile // SUB - chunk)
                 if cutlass.const_expr(self.copies == "mixed"):
-                    self.produce_mixed(ring, full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, page, h, kv_heads, tile,
-                                       unit - u_begin, lane)
+                    self.produce_mixed(ring, pages, page.to(Int64) * head.kv_heads + head.h, tile, unit - u_begin,
+                                       lane)
                 elif lane == 0:
                     s, phase = stage_and_phase(unit - u_begin, self.stages)
                     cute.arch.mbarrier_wait(empty + s, phase ^ 1)
                     cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.unit_bytes)
-                    head = page.to(Int64) * kv_heads + h
+                    page_head = page.to(Int64) * head.kv_heads + head.h
                     slot0 = (tile % SUB) * TILE_TOKENS
-                    dst = ring + cute.assume(s * self.unit_words, divby=4)
-                    codes = (head * SUB + tile % SUB) * cfg.K_TW
-                    bulk_copy_g2s(dst, kc_ptr + codes, 4 * cfg.K_TW * U, full + s)
-                    bulk_copy_g2s(dst + U * cfg.K_TW, vc_ptr + codes, 4 * cfg.K_TW * U, full + s)
+                    dst = ring.words + cute.assume(s * self.unit_words, divby=4)
+                    codes = (page_head * SUB + tile % SUB) * cfg.K_TW
+                    bulk_copy_g2s(dst, pages.k_codes + codes, 4 * cfg.K_TW * U, full + s)
+                    bulk_copy_g2s(dst + U * cfg.K_TW, pages.v_codes + codes, 4 * cfg.K_TW * U, full + s)
                     if cutlass.const_expr(self.copies != "codes"):
                         kp = dst + 2 * U * cfg.K_TW
-                        bulk_copy_g2s(kp, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW * U, full + s)
-                        bulk_copy_g2s(kp + U * cfg.KPW, vp_ptr + 2 * self.params_row(head, slot0, "v"),
+                        bulk_copy_g2s(kp, pages.k_params + 2 * self.params_row(page_head, slot0, "k"),
+                                      4 * cfg.KPW * U, full + s)
+                        bulk_copy_g2s(kp + U * cfg.KPW, pages.v_params + 2 * self.params_row(page_head, slot0, "v"),
                                       4 * cfg.VPW * U, full + s)
 
     @cute.jit
-    def produce_mixed(self, ring, full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, page, h, kv_heads, tile, local, lane):
-        """One tile: every lane waits for the stage, copies its 16-byte pieces of V codes and params
-        with cp.async and registers them on ``full`` (pending count +1 each, before lane 0's arrive,
-        so the phase cannot complete early); then lane 0 bulk-copies K codes and params."""
+    def produce_mixed(self, ring: Ring, pages: PackedPages, page_head, tile, local, lane):
+        """One tile of (page, KV head) ``page_head``: every lane waits for the stage, copies its 16-byte pieces
+        of V codes and params with cp.async and registers them on ``full`` (pending count +1 each, before
+        lane 0's arrive, so the phase cannot complete early); then lane 0 bulk-copies K codes and params."""
         cfg = self.cfg
+        full, empty = ring.full, ring.empty
         s, phase = stage_and_phase(local, self.stages)
         cute.arch.mbarrier_wait(empty + s, phase ^ 1)
-        head = page.to(Int64) * kv_heads + h
         slot0 = (tile % cfg.SUB) * TILE_TOKENS
-        dst = ring + cute.assume(s * self.unit_words, divby=4)
-        codes = (head * cfg.SUB + tile % cfg.SUB) * cfg.K_TW
+        dst = ring.words + cute.assume(s * self.unit_words, divby=4)
+        codes = (page_head * cfg.SUB + tile % cfg.SUB) * cfg.K_TW
         for x in cutlass.range_constexpr(cfg.K_TW // 4 // 32):  # 16-byte pieces of V codes per lane
             piece = 4 * (32 * x + lane)
-            cp_async_16(dst + cfg.K_TW + piece, vc_ptr + codes + piece)
-        vrow = 2 * self.params_row(head, slot0, "v")
+            cp_async_16(dst + cfg.K_TW + piece, pages.v_codes + codes + piece)
+        vrow = 2 * self.params_row(page_head, slot0, "v")
         for x in cutlass.range_constexpr((cfg.VPW // 4 + 31) // 32):
             piece = 4 * (32 * x + lane)
             if piece < cfg.VPW:
-                cp_async_16(dst + 2 * cfg.K_TW + cfg.KPW + piece, vp_ptr + vrow + 2 * piece)
+                cp_async_16(dst + 2 * cfg.K_TW + cfg.KPW + piece, pages.v_params + vrow + 2 * piece)
         cp_async_arrive(full + s)
         cute.arch.sync_warp()
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(full + s, 4 * (cfg.K_TW + cfg.KPW))
-            bulk_copy_g2s(dst, kc_ptr + codes, 4 * cfg.K_TW, full + s)
-            bulk_copy_g2s(dst + 2 * cfg.K_TW, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW, full + s)
+            bulk_copy_g2s(dst, pages.k_codes + codes, 4 * cfg.K_TW, full + s)
+            bulk_copy_g2s(dst + 2 * cfg.K_TW, pages.k_params + 2 * self.params_row(page_head, slot0, "k"), 4 * cfg.KPW,
+                          full + s)
 
     @cute.jit
-    def consume(self, tiled_mma, ring, full, empty, q_ptr, o_ptr, lse_ptr, length, b, h, split, kv_heads,
-                num_splits, t_begin, t_end, scale_log2, warp, lane):
+    def consume(self, mma, warp, ring: Ring, q_ptr, head: KvHead, tiles: TileSpan, out: Output, scale_log2):
         cfg = self.cfg
-        n_local = cutlass.max((t_end + self.unit - 1) // self.unit - t_begin // self.unit, 0)
+        words, full, empty, lse = ring.words, ring.full, ring.empty, out.lse
+        n_local = cutlass.max((tiles.end + self.unit - 1) // self.unit - tiles.begin // self.unit, 0)
         my_units = (cutlass.max(n_local - warp, 0) + cfg.NW - 1) // cfg.NW
         touched = Int32(0)
         for step in cutlass.range(0, my_units, 1, unroll=1):
             stage, phase = stage_and_phase(warp + cfg.NW * step, self.stages)
             cute.arch.mbarrier_wait(full + stage, phase)
-            touched = touched + cute.make_tensor(ring + stage * self.unit_words + lane, cute.make_layout((1,)))[0]
+            touched = touched + at(words, stage * self.unit_words + mma.lane)
             cute.arch.mbarrier_arrive(empty + stage)
         if touched == Int32(0x7FFFFFFF):  # keeps the reads; practically never true
-            cute.make_tensor(lse_ptr, cute.make_layout((1,)))[0] = Float32(1.0)
+            cute.make_tensor(lse, cute.make_layout((1,)))[0] = Float32(1.0)
 
 
 def compile_pipeline_only(scheme, page_size: int = 128, arch: str = "sm_90a", copies: str = "tile"):

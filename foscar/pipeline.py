@@ -26,6 +26,9 @@ previous use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cutlass_dsl import dsl_user_op
@@ -48,13 +51,82 @@ def stage_and_phase(i, stages: int):
     return i % stages, (i // stages) % 2
 
 
+# The bundles below are frozen dataclasses: the DSL treats them as read-only, so a kernel may call their
+# methods inside runtime loops and branches (other Python objects would have to be loop-carried values;
+# docs/design.md section 3).
+@dataclass(frozen=True)
+class Ring:
+    """A CTA's ring in shared memory: ``stages`` stages of ``stage_words`` int32 words from ``words``, stage
+    ``s`` guarded by the mbarriers ``full + s`` and ``empty + s`` (see the module docstring)."""
+
+    words: cute.Pointer
+    full: cute.Pointer
+    empty: cute.Pointer
+    stages: int
+    stage_words: int
+
+    def position(self, i):
+        """(stage, phase parity) of local tile ``i``."""
+        return stage_and_phase(i, self.stages)
+
+    def stage(self, s):
+        """The first word of stage ``s``."""
+        return self.words + cute.assume(s * self.stage_words, divby=4)
+
+    def wait_full(self, s, phase):
+        """Consumer: stage ``s`` is filled in ``phase``."""
+        cute.arch.mbarrier_wait(self.full + s, phase)
+
+    def wait_empty(self, s, phase):
+        """Producer: stage ``s``'s previous fill is read (passes at once on the first pass)."""
+        cute.arch.mbarrier_wait(self.empty + s, phase ^ 1)
+
+    def release(self, s):
+        """Consumer: done with stage ``s`` (one arrival per thread)."""
+        cute.arch.mbarrier_arrive(self.empty + s)
+
+
+@dataclass(frozen=True)
+class PackedPages:
+    """One layer's packed K and V pages, the producers' source: int32 codes ``[pages, kv_heads, tiles per
+    page, tile words]``, fp16 (scale, offset) params in the fold case's layout, and the page table (int32
+    ``[rows, max_pages]``) of each sequence's row."""
+
+    k_codes: cute.Pointer
+    k_params: cute.Pointer
+    v_codes: cute.Pointer
+    v_params: cute.Pointer
+    page_table: cute.Pointer
+    max_pages: Int32
+
+
+@dataclass(frozen=True)
+class TileSpan:
+    """A CTA's 64-token tiles ``begin .. end - 1`` of a sequence of ``length`` tokens (empty: begin >= end)."""
+
+    length: Int32
+    begin: Int32
+    end: Int32
+
+    @staticmethod
+    def of_split(length, split, num_splits, align: int) -> TileSpan:
+        """Split ``split``'s tiles (:func:`split_range`)."""
+        _n_tiles, begin, end = split_range(length, split, num_splits, align)
+        return TileSpan(length, begin, end)
+
+    def count(self):
+        return cutlass.max(self.end - self.begin, 0)
+
+    def valid_tokens(self, local_tile):
+        """Tokens of local tile ``local_tile`` before the sequence's end (>= 1 for the span's tiles)."""
+        return self.length - (self.begin + local_tile) * TILE_TOKENS
+
+
 def split_range(length, split, num_splits, align: int):
     """(n_tiles, t_begin, t_end) of split ``split``: the sequence's ``n_tiles`` 64-token tiles cut into
     ``num_splits`` ranges of whole runs of ``align`` tiles (a channel-wise K group, a Blackwell
     128-token step), so no run straddles two CTAs. The last splits may be empty (t_begin >= t_end).
     ``align`` is a power of two: rounding up is then one add and one AND."""
-    import cutlass
-
     if align & (align - 1):
         raise ValueError(f"align must be a power of two, got {align}")
     n_tiles = (length + TILE_TOKENS - 1) // TILE_TOKENS

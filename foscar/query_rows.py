@@ -13,10 +13,15 @@ window) see every packed page; only the window carries the causal mask (:meth:`Q
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
+import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-__all__ = ["QueryRows", "MAX_QUERY_COLUMNS"]
+from .device import output_offsets
+
+__all__ = ["QueryRows", "MAX_QUERY_COLUMNS", "KvHead", "Output"]
 
 MAX_QUERY_COLUMNS = 16  # gqa x tokens columns a query tile holds (two n8 MMA blocks)
 
@@ -55,3 +60,40 @@ class QueryRows:
         if cutlass.const_expr(self.tokens == 1):
             return position < n
         return position <= n - self.tokens + col // self.gqa
+
+
+# Frozen dataclasses, like ``foscar.pipeline``'s bundles: a kernel may call their methods inside runtime loops
+# and branches (docs/design.md section 3).
+@dataclass(frozen=True)
+class KvHead:
+    """The (sequence, KV head) a CTA attends: batch entry ``b`` (its rows of q and out), KV head ``h`` of
+    ``kv_heads``; ``row``: the sequence's page-table row where the kernel reads it so (Hopper: ``b`` in the
+    decode, the cache row in the cache decode)."""
+
+    b: Int32
+    h: Int32
+    kv_heads: Int32
+    row: Int32 | None = None
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where a CTA's attention result goes: ``o`` and ``lse``, the final output (``o [B, Hq, D]`` q dtype,
+    ``lse [B, Hq]``, by query row) or, when ``partial``, fp32 partial ``index`` of ``count`` per query row
+    (``[B, Hq, count, D]``, ``[B, Hq, count]``); with ``item``, work item ``item``'s partial, held item-major
+    (``[items, R, D]``, ``[items, R]``: ``foscar.work_list``)."""
+
+    o: cute.Pointer
+    lse: cute.Pointer
+    partial: bool
+    index: Int32
+    count: Int32
+    item: Int32 | None = None
+
+    def offsets(self, rows: QueryRows, head: KvHead, col, head_dim: int):
+        """(first ``o`` element, ``lse`` element) of query column ``col`` of ``head``."""
+        if self.item is not None:
+            lidx = self.item.to(Int64) * rows.R + col
+            return lidx * head_dim, lidx
+        return output_offsets(self.partial, rows.row(head.b, head.h, col, head.kv_heads), self.index, self.count,
+                              head_dim)

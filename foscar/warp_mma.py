@@ -20,10 +20,11 @@ __all__ = ["WarpMma"]
 
 
 class WarpMma:
-    """One consumer warp's MMA geometry: the tiled MMA, fragment shapes, and the lane's (g, tq)."""
+    """One consumer warp's MMA geometry: the tiled MMA, fragment shapes, the lane and its (g, tq)."""
 
     def __init__(self, tiled_mma: cute.TiledMma, lane, n_blocks: int):
         self.tiled_mma = tiled_mma
+        self.lane = lane
         self.g = lane // 4  # accumulator row (and B column) group
         self.tq = lane % 4  # position in the row group
         thr = tiled_mma.get_slice(lane)

@@ -215,7 +215,7 @@ class BlackwellKChannelWise(KHooks):
                 sm.sKinfo[sm_.k_offset_term(kinfo, tk, r)] = acc * scale_log2
 
     def softmax_wait(self, opnd, step):
-        pl.wait_full(opnd, self.cfg.OP_STAGES, step)  # sKinfo of operand stage so (prep)
+        opnd.wait_full(step)  # sKinfo of operand stage so (prep)
 
     def scores(self, sm, prm, tmem_ptr, t2r, thr_t2r, acc_layout, ss, step, t, wq):
         """S[r] = unscale_t * S[t(l), r] + C[t(l), r]: the NM columns of this warp's token group."""

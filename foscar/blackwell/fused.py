@@ -21,7 +21,9 @@ from cutlass import Float32, Int32
 
 from ..device import LOG2E
 from ..kernels.quantize import granule_of
-from .kernel import BlackwellConfig, BlackwellDecodeKernel
+from ..pipeline import PackedPages
+from ..query_rows import KvHead, Output
+from .kernel import BlackwellConfig, BlackwellDecodeKernel, MmaSetup
 from .sequence import CacheSequence
 
 __all__ = ["BlackwellCacheDecodeKernel"]
@@ -77,5 +79,6 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
         split, h, b = cute.arch.block_idx()
         seq = CacheSequence(pt_ptr, seq_rows, seq_lengths, max_pages, b, split, num_splits, total, sink, window,
                             self.granule)
-        self.run(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout, SharedStorage, q_ptr, kc_ptr,
-                 kp_ptr, vc_ptr, vp_ptr, o_part, lse_part, kv_heads, scale_log2, seq, split, h, b)
+        self.run(MmaSetup(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout), SharedStorage, q_ptr,
+                 PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages),
+                 Output(o_part, lse_part, True, split, seq.partials()), KvHead(b, h, kv_heads), scale_log2, seq)

@@ -74,6 +74,8 @@ page sizes 64/128/256. Shared-memory offsets: ``foscar.blackwell.storage``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -84,11 +86,11 @@ from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.pipeline import NamedBarrier
 
 from ..barriers import BlackwellDecodeBarrier
-from ..device import LOG2E, NEG_INF, fsel, output_offsets
-from ..query_rows import QueryRows
+from ..device import LOG2E, NEG_INF, fsel
+from ..query_rows import KvHead, Output, QueryRows
 from ..jit import half_type
 from ..layouts.fragment import TILE_TOKENS
-from ..pipeline import bulk_copy_g2s
+from ..pipeline import PackedPages, bulk_copy_g2s
 from ..softmax import finite_reference, normalize
 from ..quantize import check_page_size
 from ..scheme import Scheme
@@ -247,6 +249,20 @@ def _store_chunk(base, outer, swz, m, k, stage: int, lo, hi, stage_words=0):
     dst[1] = hi
 
 
+@dataclass(frozen=True)
+class MmaSetup:
+    """The tiled MMAs and the shared-memory layouts of their operands (``mmas_and_layouts``): QK, PV, the one
+    whose A fragments are the operand buffers' descriptors, and the K, V^T, Q'^T and P'^T layouts."""
+
+    qk: cute.TiledMma
+    pv: cute.TiledMma
+    desc: cute.TiledMma
+    sK: cute.ComposedLayout
+    sV: cute.ComposedLayout
+    sQ: cute.ComposedLayout
+    sP: cute.ComposedLayout
+
+
 class BlackwellDecodeKernel:
     """Fused paged INT2/INT4 decode attention for sm_100a (see the module docstring)."""
 
@@ -372,14 +388,15 @@ class BlackwellDecodeKernel:
     ):
         split, h, b = cute.arch.block_idx()
         seq = DecodeSequence(pt_ptr, len_ptr, max_pages, b, split, num_splits)
-        self.run(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout, SharedStorage, q_ptr, kc_ptr,
-                 kp_ptr, vc_ptr, vp_ptr, o_ptr, lse_ptr, kv_heads, scale_log2, seq, split, h, b)
+        self.run(MmaSetup(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout), SharedStorage, q_ptr,
+                 PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages),
+                 Output(o_ptr, lse_ptr, self.cfg.split, split, seq.partials()), KvHead(b, h, kv_heads), scale_log2, seq)
 
     @cute.jit
-    def run(self, mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout, SharedStorage, q_ptr, kc_ptr,
-            kp_ptr, vc_ptr, vp_ptr, o_ptr, lse_ptr, kv_heads, scale_log2, seq, split, h, b):
-        """The CTA of split ``split``, KV head ``h``, batch entry ``b`` (its sequence: ``seq``,
-        ``foscar.blackwell.sequence``): shared memory, barriers, TMEM, then the four roles."""
+    def run(self, mmas: MmaSetup, SharedStorage, q_ptr: cute.Pointer, pages: PackedPages, out: Output, head: KvHead,
+            scale_log2: Float32, seq):
+        """The CTA of ``head``, writing ``out`` (its sequence's split: ``seq``, ``foscar.blackwell.sequence``):
+        shared memory, barriers, TMEM, then the four roles."""
         cfg = self.cfg
         NM, D = cfg.NM, cfg.D
         tidx, _, _ = cute.arch.thread_idx()
@@ -395,30 +412,30 @@ class BlackwellDecodeKernel:
         sizes = cfg.smem_words()
         # the named tensors every role and fold hook reads (offsets: foscar.blackwell.storage)
         sm = sm_.Smem(
-            sK=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),  # (MMA, MMA_M, MMA_K, OP_STAGES)
-            sV=storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),  # (MMA, MMA_M, MMA_K, OP_STAGES*MT)
-            sQ=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),  # (MMA, MMA_N, MMA_K, 1 | OP_STAGES)
-            sP=storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner),  # (MMA, MMA_N, MMA_K, P_BUFS*P_STAGES)
+            sK=storage.sK.get_tensor(mmas.sK.outer, swizzle=mmas.sK.inner),  # (MMA, MMA_M, MMA_K, OP_STAGES)
+            sV=storage.sV.get_tensor(mmas.sV.outer, swizzle=mmas.sV.inner),  # (MMA, MMA_M, MMA_K, OP_STAGES*MT)
+            sQ=storage.sQ.get_tensor(mmas.sQ.outer, swizzle=mmas.sQ.inner),  # (MMA, MMA_N, MMA_K, 1 | OP_STAGES)
+            sP=storage.sP.get_tensor(mmas.sP.outer, swizzle=mmas.sP.inner),  # (MMA, MMA_N, MMA_K, P_BUFS*P_STAGES)
             **{name: getattr(storage, name).get_tensor(cute.make_layout(size)) for name, size in sizes.items()},
         )
 
         # ---------------------------------------------------------------- mbarrier channels
         # (full, empty) mbarrier pairs per stage (foscar.blackwell.pipeline), with arrival counts
-        ring = storage.mbar.data_ptr()  # producer (expect_tx) -> prep + softmax: (1, 256)
-        opnd = ring + 2 * cfg.RING  # prep -> MMA (commit after the step's PV): (128, 1)
-        s_ch = opnd + 2 * cfg.OP_STAGES  # MMA (commit) -> softmax, S in TMEM: (1, 128)
-        p_ch = s_ch + 2 * cfg.S_STAGES  # softmax -> MMA, P'^T in smem: (128, 1)
-        st_ch = p_ch + 2 * cfg.P_BUFS  # softmax -> output: alpha, P unscale, Psum: (128, 128)
-        o_ch = st_ch + 2 * cfg.P_BUFS  # MMA (commit) -> output, O partials in TMEM: (1, 128)
+        ring = pl.Channel(storage.mbar.data_ptr(), cfg.RING)  # producer (expect_tx) -> prep + softmax: (1, 256)
+        opnd = ring.next(cfg.OP_STAGES)  # prep -> MMA (commit after the step's PV): (128, 1)
+        s_ch = opnd.next(cfg.S_STAGES)  # MMA (commit) -> softmax, S in TMEM: (1, 128)
+        p_ch = s_ch.next(cfg.P_BUFS)  # softmax -> MMA, P'^T in smem: (128, 1)
+        st_ch = p_ch.next(cfg.P_BUFS)  # softmax -> output: alpha, P unscale, Psum: (128, 128)
+        o_ch = st_ch.next(cfg.O_STAGES)  # MMA (commit) -> output, O partials in TMEM: (1, 128)
 
         # ---------------------------------------------------------------- barriers + TMEM
         if tidx == 0:
-            pl.init(ring, cfg.RING, 1, 2 * WG)
-            pl.init(opnd, cfg.OP_STAGES, WG, 1)
-            pl.init(s_ch, cfg.S_STAGES, 1, WG)
-            pl.init(p_ch, cfg.P_BUFS, WG, 1)
-            pl.init(st_ch, cfg.P_BUFS, WG, WG)
-            pl.init(o_ch, cfg.O_STAGES, 1, WG)
+            ring.init(1, 2 * WG)
+            opnd.init(WG, 1)
+            s_ch.init(1, WG)
+            p_ch.init(WG, 1)
+            st_ch.init(WG, WG)
+            o_ch.init(1, WG)
             cute.arch.mbarrier_init_fence()
         tmem_holder = storage.tmem_addr.data_ptr()
         if warp == 0:
@@ -426,10 +443,11 @@ class BlackwellDecodeKernel:
         cute.arch.sync_threads()
 
         # ---------------------------------------------------------------- MMA partitions
-        s_layout = mma_qk.make_fragment_C(mma_qk.get_slice(0).partition_shape_C((STEP, cfg.NQK))).layout
-        acc_layout = mma_pv.make_fragment_C(mma_pv.get_slice(0).partition_shape_C((STEP, NM))).layout  # ((128, NM), 1, 1)
+        s_layout = mmas.qk.make_fragment_C(mmas.qk.get_slice(0).partition_shape_C((STEP, cfg.NQK))).layout
+        # ((128, NM), 1, 1)
+        acc_layout = mmas.pv.make_fragment_C(mmas.pv.get_slice(0).partition_shape_C((STEP, NM))).layout
         nd = max(1, D // WG)  # channels per thread (head_dim 64: threads t and t+64 share one)
-        ring_words = storage.ring.data_ptr()
+        ch = pl.Channels(ring, opnd, s_ch, p_ch, st_ch, o_ch, storage.ring.data_ptr())
 
         # ================================================================ roles
         # Nothing dynamic is computed before the dispatch: the TMEM address and the CTA's token range
@@ -437,28 +455,22 @@ class BlackwellDecodeKernel:
         # (ptxas spilled such values when one role ran at its setmaxnreg ceiling).
         if role == WG_PREP:
             cute.arch.setmaxregister_increase(REGS[WG_PREP])
-            self.prep(
-                sm, storage, sK_layout, sV_layout, ring, opnd, ring_words,
-                q_ptr, seq, b, h, kv_heads, scale_log2, t, lane, wq, nd,
-            )
+            self.prep(sm, storage, mmas, ch, q_ptr, seq, head, scale_log2, t, lane, wq, nd)
 
         if role == WG_MMA:
             cute.arch.setmaxregister_decrease(REGS[WG_MMA])
             if warp == 1:
-                self.produce(ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, seq, h, kv_heads, lane)
+                self.produce(ch, pages, seq, head, lane)
             if warp == 0:
-                self.issue_mma(mma_qk, mma_pv, desc_mma, sm, tmem_holder, s_layout, acc_layout,
-                               opnd, s_ch, p_ch, o_ch, seq)
+                self.issue_mma(mmas, sm, tmem_holder, s_layout, acc_layout, ch, seq)
 
         if role == WG_SOFTMAX:
             cute.arch.setmaxregister_increase(REGS[WG_SOFTMAX])
-            self.softmax(sm, ring, opnd, s_ch, p_ch, st_ch, ring_words, seq, t, lane, wq, tmem_holder, acc_layout, nd)
+            self.softmax(sm, ch, seq, t, lane, wq, tmem_holder, acc_layout, nd)
 
         if role == WG_OUTPUT:
             cute.arch.setmaxregister_increase(REGS[WG_OUTPUT])
-            self.output(
-                sm, st_ch, o_ch, tmem_holder, acc_layout, o_ptr, lse_ptr, seq, b, h, split, kv_heads, t, wq, nd,
-            )
+            self.output(sm, ch, tmem_holder, acc_layout, out, head, seq, t, wq, nd)
 
         cute.arch.sync_threads()
         if warp == 0:
@@ -466,33 +478,34 @@ class BlackwellDecodeKernel:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, seq, h, kv_heads, lane):
+    def produce(self, ch: pl.Channels, pages: PackedPages, seq, head: KvHead, lane: Int32):
         """Producer warp (warp 1): one lane issues the 1-D bulk copies of each 64-token tile (K codes,
         V codes, K params, V params: each contiguous in global memory) into the ring.
         Local tile i = 2*step + half uses ring stage i % RING; a tile past the CTA's range repeats
         the last tile of the sequence (finite codes, masked by the softmax)."""
         if lane == 0:
-            self.produce_tiles(ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, seq, h, kv_heads)
+            self.produce_tiles(ch, pages, seq, head)
 
     @cute.jit
-    def produce_tiles(self, ring, ring_words, kc_ptr, kp_ptr, vc_ptr, vp_ptr, seq, h, kv_heads):
+    def produce_tiles(self, ch: pl.Channels, pages: PackedPages, seq, head: KvHead):
         cfg = self.cfg
+        ring = ch.ring
         _length, n_tiles, t_begin, _t_end, n_steps = seq.geometry()
         for i in cutlass.range(0, 2 * n_steps, 1, unroll=1):
-            head, sub, slot0 = self.tile_head(seq, kv_heads, h, n_tiles, t_begin + i)
-            st = pl.stage(i, cfg.RING)
-            pl.wait_empty(ring, cfg.RING, i)
-            cute.arch.mbarrier_arrive_and_expect_tx(pl.full(ring, cfg.RING, st), cfg.STAGE_BYTES)
-            dst = ring_words + cute.assume(st * cfg.STAGE_WORDS, divby=4)
-            tile = head * cfg.SUB + sub
+            page_head, sub, slot0 = self.tile_head(seq, head.kv_heads, head.h, n_tiles, t_begin + i)
+            st = ring.stage(i)
+            ring.wait_empty(i)
+            cute.arch.mbarrier_arrive_and_expect_tx(ring.full(st), cfg.STAGE_BYTES)
+            dst = ch.ring_words + cute.assume(st * cfg.STAGE_WORDS, divby=4)
+            tile = page_head * cfg.SUB + sub
             k_codes = cute.assume(tile * cfg.K_TW, divby=4)
             v_codes = k_codes if cfg.V_TW == cfg.K_TW else cute.assume(tile * cfg.V_TW, divby=4)
-            bulk_copy_g2s(dst + cfg.K_CODES, kc_ptr + k_codes, 4 * cfg.K_TW, pl.full(ring, cfg.RING, st))
-            bulk_copy_g2s(dst + cfg.V_CODES, vc_ptr + v_codes, 4 * cfg.V_TW, pl.full(ring, cfg.RING, st))
-            bulk_copy_g2s(dst + cfg.K_PARAMS, kp_ptr + 2 * self.params_row(cfg.kfold, head, slot0), 4 * cfg.KPW,
-                          pl.full(ring, cfg.RING, st))
-            bulk_copy_g2s(dst + cfg.V_PARAMS, vp_ptr + 2 * self.params_row(cfg.vfold, head, slot0), 4 * cfg.VPW,
-                          pl.full(ring, cfg.RING, st))
+            bulk_copy_g2s(dst + cfg.K_CODES, pages.k_codes + k_codes, 4 * cfg.K_TW, ring.full(st))
+            bulk_copy_g2s(dst + cfg.V_CODES, pages.v_codes + v_codes, 4 * cfg.V_TW, ring.full(st))
+            bulk_copy_g2s(dst + cfg.K_PARAMS, pages.k_params + 2 * self.params_row(cfg.kfold, page_head, slot0),
+                          4 * cfg.KPW, ring.full(st))
+            bulk_copy_g2s(dst + cfg.V_PARAMS, pages.v_params + 2 * self.params_row(cfg.vfold, page_head, slot0),
+                          4 * cfg.VPW, ring.full(st))
 
     def tile_head(self, seq, kv_heads, h, n_tiles, tile):
         """``seq.tile_head`` (a call on the kernel: the DSL takes only the kernel's methods in loops)."""
@@ -505,13 +518,14 @@ class BlackwellDecodeKernel:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def issue_mma(self, mma_qk, mma_pv, desc_mma, sm, tmem_holder, s_layout, acc_layout,
-                  opnd, s_ch, p_ch, o_ch, seq):
+    def issue_mma(self, mmas: MmaSetup, sm, tmem_holder, s_layout, acc_layout, ch: pl.Channels, seq):
         """MMA warp (warp 0). Iteration i issues QK of step i, then PV of step i-1, so the next
         step's S is in TMEM while the softmax warpgroup works on the previous one. The smem
         descriptors are built here (after the role dispatch) and indexed by the dynamic stage, so
         ptxas derives them from a base per step instead of keeping every MMA's descriptor live."""
         cfg = self.cfg
+        mma_qk, mma_pv, desc_mma = mmas.qk, mmas.pv, mmas.desc  # (the MMAs' ACCUMULATE field is loop-carried)
+        opnd, s_ch, p_ch, o_ch = ch.opnd, ch.s, ch.p, ch.o
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
         n_steps = seq.geometry()[4]
         sK, sV, sQ, sP = sm.sK, sm.sV, sm.sQ, sm.sP
@@ -524,10 +538,10 @@ class BlackwellDecodeKernel:
         lag = 1 if cfg.OP_STAGES > 1 else 0
         for i in cutlass.range(0, n_steps + lag, 1, unroll=1):
             if i < n_steps:
-                so = pl.stage(i, cfg.OP_STAGES)
-                ss = pl.stage(i, cfg.S_STAGES)
-                pl.wait_full(opnd, cfg.OP_STAGES, i)  # A (K) and Q'^T in smem
-                pl.wait_empty(s_ch, cfg.S_STAGES, i)  # softmax has read S stage ss
+                so = opnd.stage(i)
+                ss = s_ch.stage(i)
+                opnd.wait_full(i)  # A (K) and Q'^T in smem
+                s_ch.wait_empty(i)  # softmax has read S stage ss
                 tcgen05_fence_after()
                 for j in cutlass.range_constexpr(cfg.NJK):
                     # S^T_j = K[:, block j] . Q'^T[block j, :]  (token-wise K: one accumulator per block j)
@@ -537,14 +551,14 @@ class BlackwellDecodeKernel:
                         cute.gemm(mma_qk, tS, tCrK[None, None, kb, so], tCrQ[None, None, kb, self.kh.q_stage(so)], tS)
                         mma_qk.set(tcgen05.Field.ACCUMULATE, True)
                 with cute.arch.elect_one():
-                    tcgen05.commit(pl.full(s_ch, cfg.S_STAGES, ss))
+                    tcgen05.commit(s_ch.full(ss))
             if i >= lag:
                 k = i - lag
-                so = pl.stage(k, cfg.OP_STAGES)
-                sp = pl.stage(k, cfg.P_BUFS)
-                sO = pl.stage(k, cfg.O_STAGES)
-                pl.wait_full(p_ch, cfg.P_BUFS, k)  # P'^T in smem
-                pl.wait_empty(o_ch, cfg.O_STAGES, k)  # output warpgroup has read O stage sO
+                so = opnd.stage(k)
+                sp = p_ch.stage(k)
+                sO = o_ch.stage(k)
+                p_ch.wait_full(k)  # P'^T in smem
+                o_ch.wait_empty(k)  # output warpgroup has read O stage sO
                 tcgen05_fence_after()
                 for mt in cutlass.range_constexpr(cfg.MT):
                     for jl in cutlass.range_constexpr(cfg.JPM):
@@ -558,24 +572,22 @@ class BlackwellDecodeKernel:
                                       tCrP[None, None, kb, sp * cfg.P_STAGES + self.vh.pv_stage(mt, jl)], tO)
                             mma_pv.set(tcgen05.Field.ACCUMULATE, True)
                 with cute.arch.elect_one():
-                    tcgen05.commit(pl.full(o_ch, cfg.O_STAGES, sO))
-                    tcgen05.commit(pl.empty(p_ch, cfg.P_BUFS, sp))
-                    tcgen05.commit(pl.empty(opnd, cfg.OP_STAGES, so))
+                    tcgen05.commit(o_ch.full(sO))
+                    tcgen05.commit(p_ch.empty(sp))
+                    tcgen05.commit(opnd.empty(so))
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def prep(
-        self, sm, storage, sK_layout, sV_layout, ring, opnd,
-        ring_words, q_ptr, seq, b, h, kv_heads, scale_log2, t, lane, wq, nd: cutlass.Constexpr,
-    ):
+    def prep(self, sm, storage, mmas: MmaSetup, ch: pl.Channels, q_ptr: cute.Pointer, seq, head: KvHead,
+             scale_log2: Float32, t, lane, wq, nd: cutlass.Constexpr):
         """Preparation warpgroup: Q'^T hi/lo and the K corrections (fold hooks), then per step the
         A operands from packed words."""
         cfg = self.cfg
         N, D, R = cfg.N, cfg.D, cfg.R
-        q_base = cfg.rows.row(b, h, 0, kv_heads) * D  # q of the KV head's query column 0
+        q_base = cfg.rows.row(head.b, head.h, 0, head.kv_heads) * D  # q of the KV head's query column 0
         # ---- q per row, its power-of-two scale; thread t owns channels d = (t + 128*i) % D
         for r in cutlass.range_constexpr(N):
-            rr = cfg.rows.offset(min(r, R - 1), kv_heads)  # the column's row, from column 0's
+            rr = cfg.rows.offset(min(r, R - 1), head.kv_heads)  # the column's row, from column 0's
             qv = cute.make_rmem_tensor((nd,), Float32)
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(nd):
@@ -592,30 +604,32 @@ class BlackwellDecodeKernel:
             if t == 0:
                 sm.sQinfo[sm_.s_unscale(r)] = scale_log2 / sc  # S unscale, log2(e)*sm_scale folded in
                 sm.sQinfo[sm_.q_scale(r)] = sc
-        self.kh.prep_sums(sm, q_ptr, q_base, kv_heads, scale_log2, t)
+        self.kh.prep_sums(sm, q_ptr, q_base, head.kv_heads, scale_log2, t)
         NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()
-        self.prep_operands(sm, storage, sK_layout, sV_layout, ring, opnd, ring_words, seq, scale_log2, t, lane, wq, nd)
+        self.prep_operands(sm, storage, mmas, ch, seq, scale_log2, t, lane, wq, nd)
 
     @cute.jit
-    def prep_operands(self, sm, storage, sK_layout, sV_layout, ring, opnd, ring_words, seq, scale_log2, t, lane, wq,
+    def prep_operands(self, sm, storage, mmas: MmaSetup, ch: pl.Channels, seq, scale_log2: Float32, t, lane, wq,
                       nd: cutlass.Constexpr):
         """Per step: the K hook's per-step work (channel-wise K: Q' and C), then the K and V^T A
         operands from the packed words of the ring, each tensor with its own recipe (bits)."""
         cfg = self.cfg
+        ring, opnd, ring_words = ch.ring, ch.opnd, ch.ring_words
+        sK_layout, sV_layout = mmas.sK, mmas.sV
         ku32 = cute.recast_ptr(storage.sK.data_ptr(), dtype=Int32)
         vu32 = cute.recast_ptr(storage.sV.data_ptr(), dtype=Int32)
         ksw, vsw = sK_layout.inner, sV_layout.inner
         n_steps = seq.geometry()[4]
         for step in cutlass.range(0, n_steps, 1, unroll=1):
-            so = pl.stage(step, cfg.OP_STAGES)
-            pl.wait_full(ring, cfg.RING, 2 * step)  # both tiles of the step in the ring
-            pl.wait_full(ring, cfg.RING, 2 * step + 1)
-            pl.wait_empty(opnd, cfg.OP_STAGES, step)  # the MMAs of step - OP_STAGES have read operand stage so
+            so = opnd.stage(step)
+            ring.wait_full(2 * step)  # both tiles of the step in the ring
+            ring.wait_full(2 * step + 1)
+            opnd.wait_empty(step)  # the MMAs of step - OP_STAGES have read operand stage so
             self.kh.prep_step(self, sm, ring, ring_words, step, so, scale_log2, t, lane, wq, nd)
             k_stage_words = cute.assume(so * (cute.crd2idx(((0, 0), 0, 0, 1), sK_layout.outer) // 4), divby=256)
             v_stage_words = cute.assume(so * (cfg.MT * cute.crd2idx(((0, 0), 0, 0, 1), sV_layout.outer) // 4), divby=256)
             for half in cutlass.range_constexpr(2):
-                tile_words = ring_words + cute.assume(pl.stage(2 * step + half, cfg.RING) * cfg.STAGE_WORDS, divby=4)
+                tile_words = ring_words + cute.assume(ring.stage(2 * step + half) * cfg.STAGE_WORDS, divby=4)
                 for is_v in cutlass.range_constexpr(2):
                     recipe = cfg.v_op if is_v else cfg.k_op
                     vec_per_thread = max(1, recipe.vectors // WG)  # 16-byte vectors per thread per tile
@@ -640,21 +654,21 @@ class BlackwellDecodeKernel:
                             else:  # K: row = token, K mode = channel
                                 _store_chunk(ku32, sK_layout.outer, ksw, row + TILE_TOKENS * half, col, 0, lo, hi,
                                              k_stage_words)
-            pl.release(ring, cfg.RING, 2 * step)
-            pl.release(ring, cfg.RING, 2 * step + 1)
+            ring.release(2 * step)
+            ring.release(2 * step + 1)
             cute.arch.fence_view_async_shared()  # generic smem writes -> visible to tcgen05 (async proxy)
-            pl.publish(opnd, cfg.OP_STAGES, step)
+            opnd.publish(step)
 
     # ------------------------------------------------------------------------------------------
     # softmax warpgroup (thread = token of the step), in stages
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def softmax(self, sm, ring, opnd, s_ch, p_ch, st_ch, ring_words, seq, t, lane, wq, tmem_holder, acc_layout,
-                nd: cutlass.Constexpr):
+    def softmax(self, sm, ch: pl.Channels, seq, t, lane, wq, tmem_holder, acc_layout, nd: cutlass.Constexpr):
         """Per step: S with the K fold applied (hook), the column max, the V params (hook), the online
         softmax update with P'^T hi/lo and the V terms (hook); then the final reductions."""
         cfg = self.cfg
         N = cfg.N
+        ring, s_ch, p_ch, st_ch, ring_words = ch.ring, ch.s, ch.p, ch.st, ch.ring_words
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
         t2r, thr_t2r = _t2r(tmem_ptr, acc_layout, t, cfg.NM)
         length, _n_tiles, t_begin, t_end, n_steps = seq.geometry()
@@ -667,33 +681,34 @@ class BlackwellDecodeKernel:
         self.vh.softmax_init(sm, t)
         u = t // TILE_TOKENS  # tile of the step holding this thread's token
         for step in cutlass.range(0, n_steps, 1, unroll=1):
-            ss = pl.stage(step, cfg.S_STAGES)
-            sp = pl.stage(step, cfg.P_BUFS)
+            ss = s_ch.stage(step)
+            sp = p_ch.stage(step)
             red = (step % 2) * RED
             tile = t_begin + 2 * step + u
             tok = tile * TILE_TOKENS + t % TILE_TOKENS
             ok = (tok < length) & (tile < t_end)
-            pl.wait_full(ring, cfg.RING, 2 * step)  # this step's params (token-wise K and V) are in the ring
-            pl.wait_full(ring, cfg.RING, 2 * step + 1)
-            prm = cute.recast_ptr(ring_words + cute.assume(pl.stage(2 * step + u, cfg.RING) * cfg.STAGE_WORDS, divby=4), dtype=Float16)
-            self.kh.softmax_wait(opnd, step)
-            pl.wait_full(s_ch, cfg.S_STAGES, step)  # S of this step in TMEM (tcgen05.commit)
+            ring.wait_full(2 * step)  # this step's params (token-wise K and V) are in the ring
+            ring.wait_full(2 * step + 1)
+            prm = cute.recast_ptr(ring_words + cute.assume(ring.stage(2 * step + u) * cfg.STAGE_WORDS, divby=4),
+                                  dtype=Float16)
+            self.kh.softmax_wait(ch.opnd, step)
+            s_ch.wait_full(step)  # S of this step in TMEM (tcgen05.commit)
             tcgen05_fence_after()
             sc = self.kh.scores(sm, prm, tmem_ptr, t2r, thr_t2r, acc_layout, ss, step, t, wq)
             tcgen05_fence_before()
-            pl.release(s_ch, cfg.S_STAGES, step)  # S stage free for the QK of step + S_STAGES
+            s_ch.release(step)  # S stage free for the QK of step + S_STAGES
             self.softmax_column_max(sm, sc, ok, red, lane, wq)
             v_params = self.vh.softmax_params(sm, prm, ring_words, step, ok, red, t, lane, wq, nd)
-            pl.release(ring, cfg.RING, 2 * step)  # last ring read of this step (params)
-            pl.release(ring, cfg.RING, 2 * step + 1)
+            ring.release(2 * step)  # last ring read of this step (params)
+            ring.release(2 * step + 1)
             NamedBarrier(BlackwellDecodeBarrier.SOFTMAX, WG).arrive_and_wait()
-            pl.wait_empty(p_ch, cfg.P_BUFS, step)  # the PV of step - P_BUFS has read P buffer sp
-            pl.wait_empty(st_ch, cfg.P_BUFS, step)  # the output warpgroup has read the statistics of buffer sp
+            p_ch.wait_empty(step)  # the PV of step - P_BUFS has read P buffer sp
+            st_ch.wait_empty(step)  # the output warpgroup has read the statistics of buffer sp
             self.vh.softmax_hand_over(sm, v_params, sp, t, nd)
             self.softmax_update(sm, sc, m_run, l_run, v_params, red, sp, t, lane, wq)
             cute.arch.fence_view_async_shared()  # P'^T (generic stores) -> visible to tcgen05.mma
-            pl.publish(p_ch, cfg.P_BUFS, step)
-            pl.publish(st_ch, cfg.P_BUFS, step)
+            p_ch.publish(step)
+            st_ch.publish(step)
         NamedBarrier(BlackwellDecodeBarrier.SOFTMAX, WG).arrive_and_wait()  # last step's sRed reads done
         self.softmax_final(sm, m_run, l_run, t, lane, wq)
 
@@ -756,14 +771,13 @@ class BlackwellDecodeKernel:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def output(
-        self, sm, st_ch, o_ch, tmem_holder, acc_layout, o_ptr, lse_ptr, seq, b, h, split, kv_heads, t, wq,
-        nd: cutlass.Constexpr,
-    ):
+    def output(self, sm, ch: pl.Channels, tmem_holder, acc_layout, out: Output, head: KvHead, seq, t, wq,
+               nd: cutlass.Constexpr):
         """Output warpgroup: thread t owns channels d = t + 128*mt (t < head_dim), all N query rows;
         the V hook applies its scales and offsets to the PV accumulators."""
         cfg = self.cfg
         N = cfg.N
+        st_ch, o_ch = ch.st, ch.o
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
         t2r, thr_t2r = _t2r(tmem_ptr, acc_layout, t, cfg.NM)
         n_steps = seq.geometry()[4]
@@ -772,30 +786,30 @@ class BlackwellDecodeKernel:
             accO[x] = Float32(0.0)
         dt = t % cfg.DM  # head_dim 64: rows 64..127 of the accumulators are unused
         for step in cutlass.range(0, n_steps, 1, unroll=1):
-            sO = pl.stage(step, cfg.O_STAGES)
-            sp = pl.stage(step, cfg.P_BUFS)
-            pl.wait_full(st_ch, cfg.P_BUFS, step)  # alpha, P unscale, Psum, channel-wise V params of this step (softmax)
-            pl.wait_full(o_ch, cfg.O_STAGES, step)  # PV of this step in TMEM (tcgen05.commit)
+            sO = o_ch.stage(step)
+            sp = st_ch.stage(step)
+            st_ch.wait_full(step)  # alpha, P unscale, Psum, channel-wise V params of this step (softmax)
+            o_ch.wait_full(step)  # PV of this step in TMEM (tcgen05.commit)
             tcgen05_fence_after()
             o_base = tmem_ptr + cfg.S_STAGES * cfg.S_COLS + sO * cfg.O_COLS
             for mt in cutlass.range_constexpr(cfg.MT):
                 self.vh.output_accumulate(sm, accO, o_base, mt, mt * cfg.DM + dt, sp, t2r, thr_t2r, acc_layout, wq)
             tcgen05_fence_before()
-            pl.release(o_ch, cfg.O_STAGES, step)  # O stage free for the PV of step + O_STAGES
-            pl.release(st_ch, cfg.P_BUFS, step)
+            o_ch.release(step)  # O stage free for the PV of step + O_STAGES
+            st_ch.release(step)
         NamedBarrier(BlackwellDecodeBarrier.FINAL, 2 * WG).arrive_and_wait()
-        self.epilogue(sm, accO, o_ptr, lse_ptr, b, h, split, kv_heads, seq.partials(), t)
+        self.epilogue(sm, accO, out, head, t)
 
     @cute.jit
-    def epilogue(self, sm, accO, o_ptr, lse_ptr, b, h, split, kv_heads, partials, t):
-        """Add the V hook's offset term of the channel, normalise by l, write o and the LSE."""
+    def epilogue(self, sm, accO, out: Output, head: KvHead, t):
+        """Add the V hook's offset term of the channel, normalise by l, write o and the LSE to ``out``."""
         cfg = self.cfg
         N, D, R = cfg.N, cfg.D, cfg.R
-        row_of = cfg.rows.row  # (a method of a local object is not called inside a runtime `if`)
+        o_ptr, lse_ptr = out.o, out.lse  # (``out`` named in an assignment in an `if`: a value the `if` writes)
         for r in cutlass.range_constexpr(N):
             if r < R:
                 inv_l, lse = normalize(sm.sFinal[sm_.final_l(r)], sm.sFinal[sm_.final_m(r)])
-                obase, lidx = output_offsets(cfg.split, row_of(b, h, r, kv_heads), split, partials, D)
+                obase, lidx = out.offsets(cfg.rows, head, r, D)
                 if t == 0:
                     scalar(lse_ptr, lidx)[0] = lse
                 if t < cfg.DM:

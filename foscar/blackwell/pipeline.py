@@ -20,6 +20,8 @@ The 1-D bulk copy itself (``cp.async.bulk`` + ``complete_tx``) is ``foscar.pipel
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
@@ -41,19 +43,6 @@ def tcgen05_fence_before():
     _asm("tcgen05.fence::before_thread_sync;")
 
 
-# A channel is (base, stages): full[s] = base + s, empty[s] = base + stages + s. Plain functions
-# of the barrier pointer (not an object): the DSL's loop lowering cannot carry Python objects.
-def mbar_words(stages: int) -> int:
-    return 2 * stages
-
-
-def init(base, stages: int, full_count: int, empty_count: int):
-    """Call from one thread (then mbarrier_init_fence + a CTA barrier)."""
-    for s in range(stages):
-        cute.arch.mbarrier_init(base + s, full_count)
-        cute.arch.mbarrier_init(base + stages + s, empty_count)
-
-
 def stage(i, stages: int):
     return i % stages if stages > 1 else 0
 
@@ -62,29 +51,60 @@ def phase(i, stages: int):
     return (i // stages) % 2
 
 
-def full(base, stages: int, s):
-    return base + s
+@dataclass(frozen=True)
+class Channel:
+    """``stages`` (full, empty) mbarrier pairs from ``base``: full[s] = base + s, empty[s] = base + stages + s.
+    (A frozen dataclass: the kernel may call its methods inside runtime loops and branches, docs/design.md
+    section 3.)"""
+
+    base: cute.Pointer
+    stages: int
+
+    def next(self, stages: int) -> Channel:
+        """The channel of ``stages`` pairs right after this one."""
+        return Channel(self.base + 2 * self.stages, stages)
+
+    def init(self, full_count: int, empty_count: int):
+        """Call from one thread (then mbarrier_init_fence + a CTA barrier)."""
+        for s in range(self.stages):
+            cute.arch.mbarrier_init(self.base + s, full_count)
+            cute.arch.mbarrier_init(self.base + self.stages + s, empty_count)
+
+    def stage(self, i):
+        return stage(i, self.stages)
+
+    def full(self, s):
+        return self.base + s
+
+    def empty(self, s):
+        return self.base + self.stages + s
+
+    def wait_full(self, i):
+        """Consumer: item i is in its stage."""
+        cute.arch.mbarrier_wait(self.base + stage(i, self.stages), phase(i, self.stages))
+
+    def release(self, i):
+        """Consumer: done with item i's stage (one arrival per thread)."""
+        cute.arch.mbarrier_arrive(self.base + self.stages + stage(i, self.stages))
+
+    def wait_empty(self, i):
+        """Producer: item i - stages has been released (passes at once on the first pass)."""
+        cute.arch.mbarrier_wait(self.base + self.stages + stage(i, self.stages), phase(i, self.stages) ^ 1)
+
+    def publish(self, i):
+        """Producer: item i is written (one arrival per thread)."""
+        cute.arch.mbarrier_arrive(self.base + stage(i, self.stages))
 
 
-def empty(base, stages: int, s):
-    return base + stages + s
+@dataclass(frozen=True)
+class Channels:
+    """The decode kernel's channels, one after another in shared memory (arrival counts (full, empty) in
+    ``BlackwellDecodeKernel.run``), and the ring's stages (int32 words) that ``ring`` guards."""
 
-
-def wait_full(base, stages: int, i):
-    """Consumer: item i is in its stage."""
-    cute.arch.mbarrier_wait(base + stage(i, stages), phase(i, stages))
-
-
-def release(base, stages: int, i):
-    """Consumer: done with item i's stage (one arrival per thread)."""
-    cute.arch.mbarrier_arrive(base + stages + stage(i, stages))
-
-
-def wait_empty(base, stages: int, i):
-    """Producer: item i - stages has been released (passes at once on the first pass)."""
-    cute.arch.mbarrier_wait(base + stages + stage(i, stages), phase(i, stages) ^ 1)
-
-
-def publish(base, stages: int, i):
-    """Producer: item i is written (one arrival per thread)."""
-    cute.arch.mbarrier_arrive(base + stage(i, stages))
+    ring: Channel  # producer (expect_tx) -> prep + softmax: the packed tiles
+    opnd: Channel  # prep -> MMA: the A operands (and Q'^T)
+    s: Channel  # MMA (commit) -> softmax: S in TMEM
+    p: Channel  # softmax -> MMA: P'^T in smem
+    st: Channel  # softmax -> output: alpha, P unscale, Psum
+    o: Channel  # MMA (commit) -> output: O partials in TMEM
+    ring_words: cute.Pointer

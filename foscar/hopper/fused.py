@@ -46,13 +46,14 @@ from ..device import LOG2E, at
 from ..jit import half_type
 from ..kernels.quantize import granule_of
 from ..layouts.fragment import THREADS, TILE_TOKENS
-from ..pipeline import split_range, stage_and_phase
+from ..pipeline import PackedPages, Ring, TileSpan
+from ..query_rows import KvHead, Output
 from ..softmax import finite_reference
 from ..split_merge import SplitMerge
 from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token, slot_position
 from ..warp_mma import WarpMma
 from ..work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, PLAN_WORDS, WorkList
-from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel
+from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, WarpState
 
 __all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
 
@@ -84,11 +85,7 @@ class CacheLayer:
     functions): the queries, the layer's packed pages and 16-bit slots, and where results go."""
 
     q: cute.Pointer  # [B, Hq, D] q dtype
-    k_codes: cute.Pointer
-    k_params: cute.Pointer
-    v_codes: cute.Pointer
-    v_params: cute.Pointer
-    page_table: cute.Pointer  # int32 [max_seqs, max_pages]
+    pages: PackedPages  # page table int32 [max_seqs, max_pages]
     k_win: cute.Pointer  # [max_seqs, kv_heads, sink + ring, D] q dtype
     v_win: cute.Pointer
     o_part: cute.Pointer  # fp32 partials (see HopperCacheDecodeKernel.__call__)
@@ -131,17 +128,19 @@ class CacheWindow:
     the packed tiles; their count is rounded up to whole runs of ``TPG`` (so the packed runs stay
     aligned to channel-wise K groups), the extra tiles' slots all past the cache row."""
 
-    def __init__(self, cfg: DecodeConfig, k_win, v_win, q_ptr, q_row0, kv_heads, first, n, qlen, sink, ring, split,
-                 num_splits):
+    def __init__(self, cfg: DecodeConfig, layer: CacheLayer, part: CachePart, slots: WindowSlots, kv_heads, qlen,
+                 q_row0, first):
+        """``qlen``: the sequence's packed tokens; ``q_row0``: the row of the KV head's query column 0; ``first``:
+        the element of the (sequence, KV head)'s slot 0 in ``layer.k_win`` / ``layer.v_win``."""
         self.cfg, self.ops = cfg, cfg.window
-        self.k_win, self.v_win, self.q_ptr, self.q_row0, self.kv_heads = k_win, v_win, q_ptr, q_row0, kv_heads
-        self.first = first  # element of the (sequence, KV head)'s slot 0 in k_win / v_win
-        self.n, self.qlen, self.sink, self.ring = n, qlen, sink, ring
-        self.slots = sink + ring
-        self.split, self.num_splits = split, num_splits
-        self.recent = cutlass.max(n - sink - qlen, Int32(0))
+        self.k_win, self.v_win, self.q_ptr = layer.k_win, layer.v_win, layer.q
+        self.q_row0, self.kv_heads, self.first = q_row0, kv_heads, first
+        self.n, self.qlen, self.sink, self.ring = part.n, qlen, slots.sink, slots.ring
+        self.slots = slots.sink + slots.ring
+        self.split, self.num_splits = part.part, part.n_parts
+        self.recent = cutlass.max(part.n - slots.sink - qlen, Int32(0))
         blocks = (self.slots + BLOCK - 1) // BLOCK
-        tiles = (cutlass.max(blocks - split, 0) + num_splits - 1) // num_splits
+        tiles = (cutlass.max(blocks - part.part, 0) + part.n_parts - 1) // part.n_parts
         self.tiles = (tiles + cfg.TPG - 1) // cfg.TPG * cfg.TPG
 
     def holds(self, j):
@@ -152,14 +151,14 @@ class CacheWindow:
         return BLOCK * (self.split + self.num_splits * i)
 
     @cute.jit
-    def produce(self, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer, pw: Int32, lane: Int32):
+    def produce(self, ring: Ring, pw: Int32, lane: Int32):
         """Producer warp ``pw`` (all lanes): the window tiles ``pw``, ``pw + 4``, ..."""
         cfg = self.cfg
         for i in cutlass.range(pw, self.tiles, PRODUCER_WARPS, unroll=1):
-            s, phase = stage_and_phase(i, cfg.STAGES)
-            cute.arch.mbarrier_wait(empty + s, phase ^ 1)  # every lane: its own copies wait for the stage
+            s, phase = ring.position(i)
+            ring.wait_empty(s, phase)  # every lane: its own copies wait for the stage
             j0 = self.slot0(i)
-            dst = ring + cute.assume(s * cfg.STAGE_WORDS, divby=4)
+            dst = ring.stage(s)
             # a tile past the row (rounding to TPG) reads from its last slot, copying 0 bytes of it
             src = cutlass.min(j0, self.slots - 1)
             first = self.first + src.to(Int64) * cfg.D
@@ -167,16 +166,15 @@ class CacheWindow:
             # a runtime loop: the producer's 40 registers do not hold an unrolled one's addresses
             self.ops.copy_rows(((dst + cfg.WIN_K, self.k_win), (dst + cfg.WIN_V, self.v_win)), first, rows_in, j0,
                                self.holds, lane, 32, BLOCK, unrolled=False)
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + s)  # this lane's arrival, once its copies land
+            cute.arch.cp_async_mbarrier_arrive_noinc(ring.full + s)  # this lane's arrival, once its copies land
 
     @cute.jit
-    def attend(self, kernel: HopperDecodeKernel, mma: WarpMma, ring: cute.Pointer, full: cute.Pointer,
-               empty: cute.Pointer, vst, m_run: cute.Tensor, l_run: cute.Tensor, accO, i: Int32, scale_log2: Float32,
-               lane: Int32):
+    def attend(self, kernel: HopperDecodeKernel, mma: WarpMma, ring: Ring, state: WarpState, i: Int32,
+               scale_log2: Float32):
         """Window tile ``i`` (local tile ``i``) into the warp's online softmax and O^T (the V case's state rescaled like
         after a packed tile; its corrections get nothing: these slots are exact)."""
         cfg, ops, vf = self.cfg, self.ops, kernel.v_hooks
-        wmma = WarpMma(ops.tiled_mma(), lane, cfg.NB)  # the window's 16-bit type, same fragment geometry
+        wmma = WarpMma(ops.tiled_mma(), mma.lane, cfg.NB)  # the window's 16-bit type, same fragment geometry
         q_t = ops.query_fragments(wmma, self.q_ptr, self.q_row0, self.kv_heads)
         j0 = self.slot0(i)
         valid = tuple(self.holds(j0 + wmma.g + 8 * hr) for hr in range(2))
@@ -184,27 +182,27 @@ class CacheWindow:
         if cutlass.const_expr(cfg.rows.tokens > 1):  # several: the causal mask, by the slots' token positions
             positions = [slot_position(j0 + wmma.g + 8 * hr, self.qlen, self.sink, self.ring) for hr in range(2)]
             visible = lambda nb, i: cfg.rows.sees(8 * nb + 2 * wmma.tq + i % 2, positions[i // 2], self.n)  # noqa: E731
-        stage, phase = stage_and_phase(i, cfg.STAGES)
-        cute.arch.mbarrier_wait(full + stage, phase)
-        sbuf = ring + cute.assume(stage * cfg.STAGE_WORDS, divby=4)
+        stage, phase = ring.position(i)
+        ring.wait_full(stage, phase)
+        sbuf = ring.stage(stage)
         sc = ops.scores(wmma, sbuf + cfg.WIN_K, 0, q_t, scale_log2, valid, visible)
-        alpha, moved = kernel.online_softmax(mma, sc, m_run, l_run, token_blocks=1, may_be_empty=True)
-        vf.rescale_corrections(mma, vst, alpha)
+        alpha, moved = kernel.online_softmax(mma, sc, state, token_blocks=1, may_be_empty=True)
+        vf.rescale_corrections(mma, state.v, alpha)
         rescale = vf.rescale_direct  # (a method of a local object is not called inside a runtime `if`)
         if moved:
-            rescale(mma, vst, accO, alpha)
+            rescale(mma, state.v, state.acc_o, alpha)
         p = cute.make_rmem_tensor((4 * cfg.NB,), Float32)
         for nb in cutlass.range_constexpr(cfg.NB):
             for x in cutlass.range_constexpr(4):
                 cs = x % 2 + 2 * nb
-                p[4 * nb + x] = cute.arch.exp2(sc[4 * nb + x] - finite_reference(m_run[cs]))
-                l_run[cs] = l_run[cs] + p[4 * nb + x]
+                p[4 * nb + x] = cute.arch.exp2(sc[4 * nb + x] - finite_reference(state.row_max[cs]))
+                state.row_sum[cs] = state.row_sum[cs] + p[4 * nb + x]
         p_t = ops.probability_fragments(wmma, p)
         for md in cutlass.range_constexpr(cfg.MB_V):
             a = ops.value_fragment(wmma, sbuf + cfg.WIN_V, 0, md)
             for nb in cutlass.range_constexpr(cfg.NB):
-                wmma.gemm(accO[md][nb], a, p_t[nb])
-        cute.arch.mbarrier_arrive(empty + stage)
+                wmma.gemm(state.acc_o[md][nb], a, p_t[nb])
+        ring.release(stage)
 
 
 class HopperCacheDecodeKernel(HopperDecodeKernel):
@@ -286,15 +284,16 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        self.init_ring_barriers(storage.full.data_ptr(), storage.empty.data_ptr(), tidx)
-        layer = CacheLayer(q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, k_win, v_win, o_part, lse_part, out, lse,
-                           counters)
+        stage_ring = self.ring_of(storage)  # (``ring``: the window's slots)
+        self.init_ring_barriers(stage_ring, tidx)
+        layer = CacheLayer(q_ptr, PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages), k_win, v_win, o_part,
+                           lse_part, out, lse, counters)
         slots = WindowSlots(sink, ring, window)
         if cutlass.const_expr(cfg.window is None):  # two launches: the grid is (split, KV head, sequence)
             split, h, b = cute.arch.block_idx()
             row = at(seq_rows, b)  # the sequence's row (Int64)
             part = CachePart(b, h, row, Int32(at(seq_lengths, row)), split, num_splits, split, parts)
-            self.attend_part(tiled_mma, storage, layer, part, slots, kv_heads, max_pages, scale_log2, tidx)
+            self.attend_part(tiled_mma, storage, stage_ring, layer, part, slots, kv_heads, scale_log2, tidx)
             # (budget: the work list's only)
         else:
             x, _, _ = cute.arch.block_idx()
@@ -306,9 +305,9 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             b, h, part, n_parts, item0, (n, row), valid = self.work.find(x, batch, kv_heads, budget, work_of,
                                                                          storage.plan.data_ptr(), tidx)
             if valid:
-                self.attend_part(tiled_mma, storage, layer,
+                self.attend_part(tiled_mma, storage, stage_ring, layer,
                                  CachePart(b, h, row.to(Int64), n, part, n_parts, item0 + part, n_parts, item0),
-                                 slots, kv_heads, max_pages, scale_log2, tidx)
+                                 slots, kv_heads, scale_log2, tidx)
             # (num_splits, parts: the two-launch grid's only)
 
     @cute.jit
@@ -321,53 +320,56 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         return tiles * self.tile_units + win_units, cutlass.max(tiles // self.tiles_per_part, 1), n, Int32(row)
 
     @cute.jit
-    def attend_part(self, tiled_mma: cute.TiledMma, storage, layer: CacheLayer, part: CachePart, slots: WindowSlots,
-                    kv_heads: Int32, max_pages: Int32, scale_log2: Float32, tidx: Int32):
+    def attend_part(self, tiled_mma: cute.TiledMma, storage, ring: Ring, layer: CacheLayer, part: CachePart,
+                    slots: WindowSlots, kv_heads: Int32, scale_log2: Float32, tidx: Int32):
         """``part`` (:class:`CachePart`) of ``layer``'s cache: its window tiles, then its packed tiles, into
         partial ``part.out_index`` of ``part.out_count`` per row (two launches: row-major ``[B, Hq,
         out_count, D]``), or with ``part.item0`` the output (one part) or work item ``out_index``'s partial,
         the last of its CTAs merging."""
         cfg = self.cfg
         role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumers
-        full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
-        b, h, row = part.b, part.h, part.row
+        head = KvHead(part.b, part.h, kv_heads, Int32(part.row))
         qlen = quantized_tokens(part.n, slots.sink, slots.window, self.granule)
-        _n_tiles, t_begin, t_end = split_range(qlen, part.part, part.n_parts, cfg.TPG)
-        q_row0 = cfg.rows.first(b, h, kv_heads)  # row of the KV head's query column 0
-        first = (row * kv_heads + h) * (slots.sink + slots.ring) * cfg.D  # element of the window's slot 0
+        tiles = TileSpan.of_split(qlen, part.part, part.n_parts, cfg.TPG)
+        q_row0 = cfg.rows.first(part.b, part.h, kv_heads)  # row of the KV head's query column 0
+        first = (part.row * kv_heads + part.h) * (slots.sink + slots.ring) * cfg.D  # element of the window's slot 0
         # (built in each branch: a Python object cannot be carried through a runtime `if`)
         window_of = lambda: None  # noqa: E731  (two launches: no window tiles)
         if cutlass.const_expr(cfg.window is not None):
-            window_of = lambda: CacheWindow(cfg, layer.k_win, layer.v_win, layer.q, q_row0, kv_heads,  # noqa: E731
-                                            first, part.n, qlen, slots.sink, slots.ring, part.part, part.n_parts)
+            window_of = lambda: CacheWindow(cfg, layer, part, slots, kv_heads, qlen, q_row0, first)  # noqa: E731
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             pw, lane = cute.arch.make_warp_uniform(tidx // 32), tidx % 32
             ring_first = None
             if cutlass.const_expr(cfg.window is not None):
-                window_of().produce(storage.ring.data_ptr(), full, empty, pw, lane)  # the window tiles first
+                window_of().produce(ring, pw, lane)  # the window tiles first
                 ring_first = window_of().tiles
-            self.produce(storage.ring.data_ptr(), full, empty, layer.k_codes, layer.k_params, layer.v_codes,
-                         layer.v_params, layer.page_table, Int32(row), h, kv_heads, max_pages, t_begin, t_end, pw, lane,
-                         ring_first=ring_first)
+            self.produce(ring, layer.pages, head, tiles, pw, lane, ring_first=ring_first)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             warp, lane = cute.arch.make_warp_uniform(tidx // 32 - 4), tidx % 32
-            merge = self.attend_tiles(tiled_mma, storage.ring.data_ptr(), full, empty, layer.q, qlen, b, h, kv_heads,
-                                      t_begin, t_end, scale_log2, warp, lane, window=window_of())
-            tc = warp * 32 + lane
-            if cutlass.const_expr(part.item0 is None):  # row-major partials; the window kernel merges
-                self.merge_and_store(merge, layer.o_part, layer.lse_part, b, h, part.out_index, kv_heads,
-                                     part.out_count, tc, split_output=True)
-            elif part.n_parts == 1:
-                self.merge_and_store(merge, layer.out, layer.lse, b, h, part.part, kv_heads, part.n_parts, tc,
-                                     split_output=False)
-            else:
-                self.merge_and_store(merge, layer.o_part, layer.lse_part, b, h, part.part, kv_heads, part.n_parts, tc,
-                                     split_output=True, item=part.out_index)
-                if self.merger.arrive(layer.counters + (b * kv_heads + h), storage.last.data_ptr(), part.n_parts, tc):
-                    partials = lambda: self.merger.item_major(layer.o_part, layer.lse_part, part.item0,  # noqa: E731
-                                                              part.n_parts)
-                    self.merger.merge(storage.merge_scratch.data_ptr(), partials, layer.out, layer.lse, q_row0,
-                                      kv_heads, part.n_parts, tc)
+            window = window_of()
+            merge = self.attend_tiles(WarpMma(tiled_mma, lane, cfg.NB), warp, ring, layer.q, head, tiles, scale_log2,
+                                      window=window)
+            self.store_part(storage, layer, part, head, q_row0, merge, warp * 32 + lane)
+
+    @cute.jit
+    def store_part(self, storage, layer: CacheLayer, part: CachePart, head: KvHead, q_row0: Int64, merge: cute.Tensor,
+                   tc: Int32):
+        """The consumer threads' end of ``part``: merge the warps' results into the part's partial or the output;
+        the last of several parts' CTAs then merges the partials."""
+        if cutlass.const_expr(part.item0 is None):  # row-major partials; the window kernel merges
+            self.merge_and_store(merge, Output(layer.o_part, layer.lse_part, True, part.out_index, part.out_count),
+                                 head, tc)
+        elif part.n_parts == 1:
+            self.merge_and_store(merge, Output(layer.out, layer.lse, False, part.part, part.n_parts), head, tc)
+        else:
+            self.merge_and_store(merge, Output(layer.o_part, layer.lse_part, True, part.part, part.n_parts,
+                                               part.out_index), head, tc)
+            if self.merger.arrive(layer.counters + (head.b * head.kv_heads + head.h), storage.last.data_ptr(),
+                                  part.n_parts, tc):
+                partials = lambda: self.merger.item_major(layer.o_part, layer.lse_part, part.item0,  # noqa: E731
+                                                          part.n_parts)
+                self.merger.merge(storage.merge_scratch.data_ptr(), partials, layer.out, layer.lse, q_row0,
+                                  head.kv_heads, part.n_parts, tc)

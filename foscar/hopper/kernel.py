@@ -62,6 +62,7 @@ split=False it writes o [B, Hq, D] (q's dtype) and lse fp32 [B, Hq].
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 
@@ -72,11 +73,11 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.pipeline import NamedBarrier
 
 from ..barriers import HopperDecodeBarrier
-from ..device import LOG2E, NEG_INF, at, fsel, movmatrix_trans, output_offsets, reduce_over_rows
+from ..device import LOG2E, NEG_INF, at, fsel, movmatrix_trans, reduce_over_rows, store
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
-from ..pipeline import bulk_copy_g2s, split_range, stage_and_phase
-from ..query_rows import QueryRows
+from ..pipeline import PackedPages, Ring, TileSpan, bulk_copy_g2s
+from ..query_rows import KvHead, Output, QueryRows
 from ..scheme import Scheme
 from ..softmax import finite_reference, normalize
 from ..window_tiles import BLOCK
@@ -134,6 +135,29 @@ def _consumers_for_state(scheme: Scheme, rows: int) -> int:
     # with 2 than 1 (H200, 8 x 32K, gqa 16: INT2 kc128 61.2 -> 41.4 us, INT4 67.5 -> 44.1; benchmarks/NOTES.md
     # section 20). (The same state with 8 columns, head_dim 256, keeps 1: with 2 its window tiles do not fit the ring.)
     return 2 if state <= 96 or (nb == 2 and state <= 160) else 1
+
+
+@dataclass(frozen=True)
+class QueryOperand:
+    """A consumer warp's loop-invariant query side: fp32 q at its Q^T fragment positions (``load_query``), the
+    K case's state built from them (``k_hooks.setup``: Q^T fragments, bias accumulators, Qsum) and the score
+    scale ``sm_scale * log2(e)``."""
+
+    values: cute.Tensor
+    k_state: object
+    scale_log2: Float32
+
+
+@dataclass(frozen=True)
+class WarpState:
+    """A consumer warp's running attention over its tiles, updated in place: the online softmax's max (log2
+    domain) and the thread's partial row sum per column slot, O^T per (m16 channel block, n8 block) and the V
+    case's own state."""
+
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+    acc_o: list
+    v: object
 
 
 class DecodeConfig:
@@ -306,35 +330,38 @@ class HopperDecodeKernel:
         role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumers
 
         smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        full = storage.full.data_ptr()  # (STAGES,) mbarriers: stage filled
-        empty = storage.empty.data_ptr()  # (STAGES,) mbarriers: stage read (by one warp)
-        self.init_ring_barriers(full, empty, tidx)
-
-        # ---------------------------------------------------------------- split range
-        length = cute.make_tensor(len_ptr + b, cute.make_layout((1,)))[0]  # lengths[b]
+        ring = self.ring_of(smem.allocate(SharedStorage))
+        self.init_ring_barriers(ring, tidx)
+        head = KvHead(b, h, kv_heads, b)
         # whole runs of TPG tiles per split, so that a split starts at a K group boundary
-        _n_tiles, t_begin, t_end = split_range(length, split, num_splits, cfg.TPG)
+        tiles = TileSpan.of_split(at(len_ptr, b), split, num_splits, cfg.TPG)
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(storage.ring.data_ptr(), full, empty, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, b, h,
-                         kv_heads, max_pages, t_begin, t_end, cute.arch.make_warp_uniform(tidx // 32), tidx % 32)
+            pages = PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages)
+            self.produce(ring, pages, head, tiles, cute.arch.make_warp_uniform(tidx // 32), tidx % 32)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             warp = cute.arch.make_warp_uniform(tidx // 32 - 4)
-            self.consume(tiled_mma, storage.ring.data_ptr(), full, empty, q_ptr, o_ptr, lse_ptr, length, b, h,
-                         split, kv_heads, num_splits, t_begin, t_end, scale_log2, warp, tidx % 32)
+            mma = WarpMma(tiled_mma, tidx % 32, cfg.NB)
+            self.consume(mma, warp, ring, q_ptr, head, tiles, Output(o_ptr, lse_ptr, cfg.split, split, num_splits),
+                         scale_log2)
+
+    def ring_of(self, storage) -> Ring:
+        """The stage ring in ``storage`` (:meth:`shared_storage`)."""
+        cfg = self.cfg
+        return Ring(storage.ring.data_ptr(), storage.full.data_ptr(), storage.empty.data_ptr(), cfg.STAGES,
+                    cfg.STAGE_WORDS)
 
     @cute.jit
-    def init_ring_barriers(self, full: cute.Pointer, empty: cute.Pointer, tidx: Int32):
+    def init_ring_barriers(self, ring: Ring, tidx: Int32):
         """The ring's mbarriers (``foscar.pipeline``): ``full`` counts the producer's arrivals
         (``FULL_ARRIVALS``), ``empty`` the 32 lanes of the warp that owns the stage; then the whole CTA
         syncs."""
         if tidx == 0:
             for s in cutlass.range_constexpr(self.cfg.STAGES):
-                cute.arch.mbarrier_init(full + s, self.cfg.FULL_ARRIVALS)
-                cute.arch.mbarrier_init(empty + s, 32)
+                cute.arch.mbarrier_init(ring.full + s, self.cfg.FULL_ARRIVALS)
+                cute.arch.mbarrier_init(ring.empty + s, 32)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -342,44 +369,51 @@ class HopperDecodeKernel:
     # producer: PRODUCER_WARPS warps, lane 0 of each issues the bulk copies of every P-th tile
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer, kc_ptr: cute.Pointer,
-                kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer, pt_ptr: cute.Pointer, b: Int32,
-                h: Int32, kv_heads: Int32, max_pages: Int32, t_begin: Int32, t_end: Int32, pw: Int32, lane: Int32,
+    def produce(self, ring: Ring, pages: PackedPages, head: KvHead, tiles: TileSpan, pw: Int32, lane: Int32,
                 ring_first=None):
-        """``ring_first``: the local tile (ring position) of the first packed tile, when other tiles
-        come first (``foscar.hopper.fused``); else 0."""
+        """Producer warp ``pw``'s tiles of ``tiles``, from ``head``'s pages into the ring. ``ring_first``:
+        the local tile (ring position) of the first packed tile, when other tiles come first
+        (``foscar.hopper.fused``); else 0."""
         cfg = self.cfg
         P = PRODUCER_WARPS
         SUB = cfg.SUB
-        page_first = t_begin // SUB
-        page_end = (t_end + SUB - 1) // SUB
+        page_first = tiles.begin // SUB
+        page_end = (tiles.end + SUB - 1) // SUB
         for chunk in cutlass.range(page_first, page_end, 32, unroll=1):
             # lane l holds the page of the chunk's l-th logical page (clamped into the range)
-            my_page = at(pt_ptr, b.to(Int64) * max_pages + cutlass.min(chunk + lane, page_end - 1))  # page table
-            tile_lo = cutlass.max(t_begin, chunk * SUB)
-            tile_hi = cutlass.min(t_end, (chunk + 32) * SUB)
+            table_row = head.row.to(Int64) * pages.max_pages
+            my_page = at(pages.page_table, table_row + cutlass.min(chunk + lane, page_end - 1))
+            tile_lo = cutlass.max(tiles.begin, chunk * SUB)
+            tile_hi = cutlass.min(tiles.end, (chunk + 32) * SUB)
             # producer warp pw issues local tiles pw, pw + P, ...: one thread's issue rate is the
             # pipeline's bound otherwise (benchmarks/NOTES.md section 6)
-            first = tile_lo + (pw + P - (tile_lo - t_begin) % P) % P
+            first = tile_lo + (pw + P - (tile_lo - tiles.begin) % P) % P
             for tile in cutlass.range(first, tile_hi, P, unroll=1):
                 page = cute.arch.shuffle_sync(my_page, offset=tile // SUB - chunk)
                 if lane == 0:
-                    local = tile - t_begin
+                    local = tile - tiles.begin
                     if cutlass.const_expr(ring_first is not None):
                         local = local + ring_first
-                    s, phase = stage_and_phase(local, cfg.STAGES)
-                    cute.arch.mbarrier_wait(empty + s, phase ^ 1)
-                    cute.arch.mbarrier_arrive_and_expect_tx(full + s, cfg.TILE_BYTES)
+                    s, phase = ring.position(local)
+                    ring.wait_empty(s, phase)
+                    cute.arch.mbarrier_arrive_and_expect_tx(ring.full + s, cfg.TILE_BYTES)
                     if cutlass.const_expr(cfg.FULL_ARRIVALS > 1):  # the arrivals a window tile's lanes make
-                        cute.arch.mbarrier_arrive(full + s, arrive_count=cfg.FULL_ARRIVALS - 1)
-                    head = page.to(Int64) * kv_heads + h  # (page, kv_head) index
-                    slot0 = (tile % SUB) * TILE_TOKENS  # first slot of the tile in its page
-                    dst = ring + cute.assume(s * cfg.STAGE_WORDS, divby=4)
-                    tile_index = head * SUB + tile % SUB
-                    bulk_copy_g2s(dst + cfg.K_CODES, kc_ptr + tile_index * cfg.K_TW, 4 * cfg.K_TW, full + s)
-                    bulk_copy_g2s(dst + cfg.V_CODES, vc_ptr + tile_index * cfg.V_TW, 4 * cfg.V_TW, full + s)
-                    bulk_copy_g2s(dst + cfg.K_PARAMS, kp_ptr + 2 * self.params_row(head, slot0, "k"), 4 * cfg.KPW, full + s)
-                    bulk_copy_g2s(dst + cfg.V_PARAMS, vp_ptr + 2 * self.params_row(head, slot0, "v"), 4 * cfg.VPW, full + s)
+                        cute.arch.mbarrier_arrive(ring.full + s, arrive_count=cfg.FULL_ARRIVALS - 1)
+                    self.copy_tile(ring, pages, page.to(Int64) * head.kv_heads + head.h, tile % SUB, s)
+
+    def copy_tile(self, ring: Ring, pages: PackedPages, page_head, sub, s):
+        """The four bulk copies of tile ``sub`` of (page, KV head) ``page_head`` into stage ``s``."""
+        cfg = self.cfg
+        slot0 = sub * TILE_TOKENS  # first slot of the tile in its page
+        dst = ring.stage(s)
+        full = ring.full + s
+        tile_index = page_head * cfg.SUB + sub
+        bulk_copy_g2s(dst + cfg.K_CODES, pages.k_codes + tile_index * cfg.K_TW, 4 * cfg.K_TW, full)
+        bulk_copy_g2s(dst + cfg.V_CODES, pages.v_codes + tile_index * cfg.V_TW, 4 * cfg.V_TW, full)
+        bulk_copy_g2s(dst + cfg.K_PARAMS, pages.k_params + 2 * self.params_row(page_head, slot0, "k"), 4 * cfg.KPW,
+                      full)
+        bulk_copy_g2s(dst + cfg.V_PARAMS, pages.v_params + 2 * self.params_row(page_head, slot0, "v"), 4 * cfg.VPW,
+                      full)
 
     def params_row(self, head, slot0, tensor: str):
         """Index of the first (scale, offset) pair of a tile's K or V params (the fold case's layout)."""
@@ -390,37 +424,23 @@ class HopperDecodeKernel:
     # consumer warp w: runs w, w+NW, ... of TPG consecutive tiles, each tile whole
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consume(self, tiled_mma: cute.TiledMma, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer,
-                q_ptr: cute.Pointer, o_ptr: cute.Pointer, lse_ptr: cute.Pointer, length: Int32, b: Int32, h: Int32,
-                split: Int32, kv_heads: Int32, num_splits: Int32, t_begin: Int32, t_end: Int32,
-                scale_log2: Float32, warp: Int32, lane: Int32):
-        merge = self.attend_tiles(tiled_mma, ring, full, empty, q_ptr, length, b, h, kv_heads, t_begin, t_end,
-                                  scale_log2, warp, lane)
-        self.merge_and_store(merge, o_ptr, lse_ptr, b, h, split, kv_heads, num_splits, warp * 32 + lane)
+    def consume(self, mma: WarpMma, warp: Int32, ring: Ring, q_ptr: cute.Pointer, head: KvHead, tiles: TileSpan,
+                out: Output, scale_log2: Float32):
+        merge = self.attend_tiles(mma, warp, ring, q_ptr, head, tiles, scale_log2)
+        self.merge_and_store(merge, out, head, warp * 32 + mma.lane)
 
     @cute.jit
-    def attend_tiles(self, tiled_mma: cute.TiledMma, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer,
-                     q_ptr: cute.Pointer, length: Int32, b: Int32, h: Int32, kv_heads: Int32, t_begin: Int32,
-                     t_end: Int32, scale_log2: Float32, warp: Int32, lane: Int32, window=None):
-        """The warp's tiles (``window``'s, if given, before the packed ones: ``foscar.hopper.fused``);
-        then every warp's (O, m, l) in the merge area over the ring, which this returns."""
+    def attend_tiles(self, mma: WarpMma, warp: Int32, ring: Ring, q_ptr: cute.Pointer, head: KvHead, tiles: TileSpan,
+                     scale_log2: Float32, window=None):
+        """Consumer warp ``warp``'s tiles of ``tiles`` (``window``'s, if given, before the packed ones:
+        ``foscar.hopper.fused``); then every warp's (O, m, l) in the merge area over the ring, which this
+        returns."""
         cfg = self.cfg
-        mma = WarpMma(tiled_mma, lane, cfg.NB)
-        kf, vf = self.k_hooks, self.v_hooks
-        qv = self.load_query(mma, q_ptr, b, h, kv_heads)
-        kst = kf.setup(mma, qv)
-        # running state: max (log2 domain) and per-thread partial row sum per column slot, O^T per
-        # (m16 channel block, n8 block), and the V case's own
-        m_run = cute.make_rmem_tensor((mma.NS,), Float32)
-        l_run = cute.make_rmem_tensor((mma.NS,), Float32)
-        for cs in cutlass.range_constexpr(mma.NS):
-            m_run[cs] = Float32(NEG_INF)
-            l_run[cs] = Float32(0.0)
-        vst = vf.setup(mma)
-        accO = [[mma.zero_accumulator() for _ in range(mma.NB)] for _ in range(cfg.MB_V)]
-        vf.setup_output(mma, vst)
+        qv = self.load_query(mma, q_ptr, head)
+        query = QueryOperand(qv, self.k_hooks.setup(mma, qv), scale_log2)
+        state = self.start_state(mma)
 
-        n_local = cutlass.max(t_end - t_begin, 0)
+        n_local = tiles.count()
         n_front = 0
         if cutlass.const_expr(window is not None):
             n_front = window.tiles  # local tiles 0 .. n_front - 1: the window's, before the packed ones
@@ -432,33 +452,49 @@ class HopperDecodeKernel:
             local_tile = cfg.TPG * (warp + cfg.NW * (step // cfg.TPG)) + step % cfg.TPG
             if cutlass.const_expr(window is None):
                 if local_tile < n_local:
-                    self.attend_tile(mma, ring, full, empty, kst, vst, qv, m_run, l_run, accO, length, t_begin,
-                                     local_tile, step, scale_log2, lane)
+                    self.attend_tile(mma, ring, query, state, tiles, local_tile, step)
             else:
                 if local_tile < n_front:
-                    attend_window(self, mma, ring, full, empty, vst, m_run, l_run, accO, local_tile, scale_log2, lane)
+                    attend_window(self, mma, ring, state, local_tile, scale_log2)
                 elif local_tile < n_tiles:
-                    self.attend_tile(mma, ring, full, empty, kst, vst, qv, m_run, l_run, accO, length, t_begin,
-                                     local_tile - n_front, step, scale_log2, lane, ring_tile=local_tile)
+                    self.attend_tile(mma, ring, query, state, tiles, local_tile - n_front, step, ring_tile=local_tile)
+        return self.share_result(mma, warp, ring, state)
 
-        # ---------------------------------------------------------------- this warp's (O, m, l)
+    def start_state(self, mma: WarpMma) -> WarpState:
+        """The running state before any tile: max -inf, sums 0, O^T 0, the V case's start."""
+        vf = self.v_hooks
+        m_run = cute.make_rmem_tensor((mma.NS,), Float32)
+        l_run = cute.make_rmem_tensor((mma.NS,), Float32)
+        for cs in range(mma.NS):
+            m_run[cs] = Float32(NEG_INF)
+            l_run[cs] = Float32(0.0)
+        vst = vf.setup(mma)
+        acc_o = [[mma.zero_accumulator() for _ in range(mma.NB)] for _ in range(self.cfg.MB_V)]
+        vf.setup_output(mma, vst)
+        return WarpState(m_run, l_run, acc_o, vst)
+
+    @cute.jit
+    def share_result(self, mma: WarpMma, warp: Int32, ring: Ring, state: WarpState):
+        """This warp's (O, m, l) into its part of the merge area over the ring, once every consumer warp is
+        past its last stage read; returns the merge area once every warp's is there."""
+        cfg = self.cfg
+        vf = self.v_hooks
         for cs in cutlass.range_constexpr(mma.NS):
-            l_run[cs] = reduce_over_rows(l_run[cs], operator.add)
-        vf.finish(mma, vst)
-        # every consumer warp is past its last stage read: the ring becomes the merge area
+            state.row_sum[cs] = reduce_over_rows(state.row_sum[cs], operator.add)
+        vf.finish(mma, state.v)
         NamedBarrier(HopperDecodeBarrier.CONSUMERS, cfg.NW * 32).arrive_and_wait()
-        merge = cute.make_tensor(cute.recast_ptr(ring, dtype=Float32), cute.make_layout(cfg.RING_WORDS))
+        merge = cute.make_tensor(cute.recast_ptr(ring.words, dtype=Float32), cute.make_layout(cfg.RING_WORDS))
         mine = warp * cfg.MERGE_WARP
         cols = [mma.column(cs) for cs in range(mma.NS)]
         for md in cutlass.range_constexpr(cfg.MB_V):
             for nb in cutlass.range_constexpr(mma.NB):
                 for i in cutlass.range_constexpr(4):
-                    val = vf.output(mma, vst, accO[md][nb][i], md, nb, i)
+                    val = vf.output(mma, state.v, state.acc_o[md][nb][i], md, nb, i)
                     merge[mine + cols[i % 2 + 2 * nb] * cfg.MERGE_ROW + 16 * md + mma.g + 8 * (i // 2)] = val
-        if lane // 4 == 0:  # g == 0: one lane per column slot
+        if mma.lane // 4 == 0:  # g == 0: one lane per column slot
             for cs in cutlass.range_constexpr(mma.NS):
-                merge[mine + cfg.N * cfg.MERGE_ROW + cols[cs]] = m_run[cs]
-                merge[mine + cfg.N * cfg.MERGE_ROW + cfg.N + cols[cs]] = l_run[cs]
+                merge[mine + cfg.N * cfg.MERGE_ROW + cols[cs]] = state.row_max[cs]
+                merge[mine + cfg.N * cfg.MERGE_ROW + cfg.N + cols[cs]] = state.row_sum[cs]
         NamedBarrier(HopperDecodeBarrier.CONSUMERS, cfg.NW * 32).arrive_and_wait()
         return merge
 
@@ -466,53 +502,53 @@ class HopperDecodeKernel:
     # consumer stages
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def attend_tile(self, mma: WarpMma, ring: cute.Pointer, full: cute.Pointer, empty: cute.Pointer, kst, vst, qv,
-                    m_run: cute.Tensor, l_run: cute.Tensor, accO, length: Int32, t_begin: Int32, local_tile: Int32,
-                    step: Int32, scale_log2: Float32, lane: Int32, ring_tile=None):
+    def attend_tile(self, mma: WarpMma, ring: Ring, query: QueryOperand, state: WarpState, tiles: TileSpan,
+                    local_tile: Int32, step: Int32, ring_tile=None):
         """One 64-token tile of this warp: stage -> registers, S^T, online softmax, P^T, O^T.
         ``ring_tile``: its ring position, when other tiles come first; else ``local_tile``."""
         cfg = self.cfg
         kf, vf = self.k_hooks, self.v_hooks
-        valid = length - (t_begin + local_tile) * TILE_TOKENS  # valid tokens in this tile (>= 1)
-        ring_stage, ring_phase = stage_and_phase(local_tile if ring_tile is None else ring_tile, cfg.STAGES)
-        cute.arch.mbarrier_wait(full + ring_stage, ring_phase)
-        sbuf = ring + cute.assume(ring_stage * cfg.STAGE_WORDS, divby=4)  # the tile's stage
+        valid = tiles.valid_tokens(local_tile)  # valid tokens in this tile (>= 1)
+        ring_stage, ring_phase = ring.position(local_tile if ring_tile is None else ring_tile)
+        ring.wait_full(ring_stage, ring_phase)
+        sbuf = ring.stage(ring_stage)
         # virtual warp u of the packed tile: K token block u, V channel blocks u, u+4, ...
-        kw = [cfg.k_operand.load_words(sbuf + cfg.K_CODES, 32 * u + lane) for u in range(4)]
-        vw = [cfg.v_operand.load_words(sbuf + cfg.V_CODES, 32 * u + lane) for u in range(4)]
+        kw = [cfg.k_operand.load_words(sbuf + cfg.K_CODES, 32 * u + mma.lane) for u in range(4)]
+        vw = [cfg.v_operand.load_words(sbuf + cfg.V_CODES, 32 * u + mma.lane) for u in range(4)]
         # the thread's accumulator rows are tokens 16*tb + g + 8*hr: index t = 2*tb + hr
         rows = [16 * (t // 2) + mma.g + 8 * (t % 2) for t in range(2 * TOKEN_BLOCKS)]
-        ktp = kf.load_params(mma, kst, cute.recast_ptr(sbuf + cfg.K_PARAMS, dtype=Float16), rows, step, qv, scale_log2)
+        ktp = kf.load_params(mma, query.k_state, cute.recast_ptr(sbuf + cfg.K_PARAMS, dtype=Float16), rows, step,
+                             query.values, query.scale_log2)
         vtp = vf.load_params(mma, cute.recast_ptr(sbuf + cfg.V_PARAMS, dtype=Float16), rows, valid)
-        cute.arch.mbarrier_arrive(empty + ring_stage)  # codes and params are in registers
+        ring.release(ring_stage)  # codes and params are in registers
 
-        sc = self.scores(mma, kst, ktp, kw, rows, valid)
-        alpha, rescale = self.online_softmax(mma, sc, m_run, l_run)
-        vf.rescale_corrections(mma, vst, alpha)
-        pB, acc_p = self.p_operands(mma, vst, vtp, sc, m_run, l_run)
+        sc = self.scores(mma, query.k_state, ktp, kw, rows, valid)
+        alpha, rescale = self.online_softmax(mma, sc, state)
+        vf.rescale_corrections(mma, state.v, alpha)
+        pB, acc_p = self.p_operands(mma, state, vtp, sc)
         if rescale:  # the running max moved for some column of the warp
-            self.rescale_output(mma, vst, accO, alpha)
-        vf.accumulate(mma, vst, vtp, acc_p, accO, pB, vw, alpha)
+            self.rescale_output(mma, state, alpha)
+        vf.accumulate(mma, state.v, vtp, acc_p, state.acc_o, pB, vw, alpha)
 
-    def rescale_output(self, mma: WarpMma, vst, accO, alpha):
+    def rescale_output(self, mma: WarpMma, state: WarpState, alpha):
         """O (and the V case's state summed like it) times alpha."""
-        self.v_hooks.rescale(mma, vst, accO, alpha)
+        self.v_hooks.rescale(mma, state.v, state.acc_o, alpha)
 
-    def load_query(self, mma: WarpMma, q_ptr: cute.Pointer, b, h, kv_heads):
+    def load_query(self, mma: WarpMma, q_ptr: cute.Pointer, head: KvHead):
         """fp32 q values of the thread's Q^T B-fragment positions (``q_index`` order); 0 for the
         padding columns past R (``foscar.query_rows``: the column's row of q)."""
         cfg = self.cfg
-        q_base = cfg.rows.row(b, h, 0, kv_heads) * cfg.D
+        q_base = cfg.rows.row(head.b, head.h, 0, head.kv_heads) * cfg.D
         qv = cute.make_rmem_tensor((mma.NB * cfg.KB_D * 4,), Float32)
         for nb in range(mma.NB):
-            head = 8 * nb + mma.g  # the query column
-            q_row = q_base + cfg.rows.offset(cutlass.min(head, cfg.R - 1), kv_heads) * cfg.D
+            col = 8 * nb + mma.g  # the query column
+            q_row = q_base + cfg.rows.offset(cutlass.min(col, cfg.R - 1), head.kv_heads) * cfg.D
             for kb in range(cfg.KB_D):
                 for hh in range(2):
                     for e in range(2):
                         d = 16 * kb + 8 * hh + 2 * mma.tq + e
                         x = cute.make_tensor(q_ptr + (q_row + d), cute.make_layout((1,)))[0].to(Float32)
-                        qv[q_index(cfg, nb, kb, hh, e)] = fsel(head < cfg.R, x, Float32(0.0))
+                        qv[q_index(cfg, nb, kb, hh, e)] = fsel(col < cfg.R, x, Float32(0.0))
         return qv
 
     def scores(self, mma: WarpMma, kst, ktp, kw, rows, valid):
@@ -528,11 +564,13 @@ class HopperDecodeKernel:
                     sc[(tb * mma.NB + nb) * 4 + i] = fsel(rows[2 * tb + i // 2] < valid, vals[i], Float32(NEG_INF))
         return sc
 
-    def online_softmax(self, mma: WarpMma, sc, m_run, l_run, token_blocks: int = TOKEN_BLOCKS, may_be_empty=False):
+    def online_softmax(self, mma: WarpMma, sc, state: WarpState, token_blocks: int = TOKEN_BLOCKS,
+                       may_be_empty=False):
         """Fold the scores of ``token_blocks`` m16 blocks into the running max and sum of this warp's
         tokens; returns (alpha per column slot, whether any column's max moved in the warp: O needs
         rescaling). ``may_be_empty``: the blocks may hold no token (every score -inf), so the max
         may stay -inf."""
+        m_run, l_run = state.row_max, state.row_sum
         alpha = cute.make_rmem_tensor((mma.NS,), Float32)
         for cs in range(mma.NS):
             nb, e = cs // 2, cs % 2
@@ -549,36 +587,31 @@ class HopperDecodeKernel:
             moved = moved | (alpha[cs] != Float32(1.0))
         return alpha, cute.arch.vote_any_sync(moved)
 
-    def p_operands(self, mma: WarpMma, vst, vtp, sc, m_run, l_run):
+    def p_operands(self, mma: WarpMma, state: WarpState, vtp, sc):
         """P = exp2(S - m) into the P^T B fragments ``pB[tb][nb][ps]`` (rows = tokens become k by
         ``movmatrix``), one copy per P set of the V case (scaled or not), adding P to the row sums."""
         vf = self.v_hooks
         pB = [[[mma.fragment_B() for _ in range(vf.psets)] for _ in range(mma.NB)] for _ in range(TOKEN_BLOCKS)]
-        acc_p = vf.begin_p(mma, vst)
+        acc_p = vf.begin_p(mma, state.v)
         for tb in range(TOKEN_BLOCKS):
             for nb in range(mma.NB):
-                p = [cute.arch.exp2(sc[(tb * mma.NB + nb) * 4 + i] - m_run[i % 2 + 2 * nb]) for i in range(4)]
+                p = [cute.arch.exp2(sc[(tb * mma.NB + nb) * 4 + i] - state.row_max[i % 2 + 2 * nb]) for i in range(4)]
                 for i in range(4):
-                    l_run[i % 2 + 2 * nb] = l_run[i % 2 + 2 * nb] + p[i]
+                    state.row_sum[i % 2 + 2 * nb] = state.row_sum[i % 2 + 2 * nb] + p[i]
                 for ps in range(vf.psets):
                     p_regs = cute.recast_tensor(pB[tb][nb][ps], Int32)
                     for hr in range(2):
-                        p_regs[hr] = movmatrix_trans(vf.pack_p(mma, vst, vtp, acc_p, p, tb, nb, hr, ps))
+                        p_regs[hr] = movmatrix_trans(vf.pack_p(mma, state.v, vtp, acc_p, p, tb, nb, hr, ps))
         vf.end_p(mma, acc_p)
         return pB, acc_p
 
     @cute.jit
-    def merge_and_store(self, merge: cute.Tensor, o_ptr: cute.Pointer, lse_ptr: cute.Pointer, b: Int32, h: Int32,
-                        split: Int32, kv_heads: Int32, num_splits: Int32, tc: Int32, split_output=None, item=None):
+    def merge_and_store(self, merge: cute.Tensor, out: Output, head: KvHead, tc: Int32):
         """Merge the NW warps' (O, m, l) from shared memory, one output element per consumer thread
-        and pass (coalesced along the channel), and write O (normalized) and lse: fp32 partials
-        when ``split_output`` (default: the config's ``split``), else the final output. ``item``:
-        the partial is work item ``item``'s, held item-major (``o [items, R, D]``, ``foscar.work_list``)."""
+        and pass (coalesced along the channel), and write O (normalized) and lse to ``out``."""
         cfg = self.cfg
-        partial = cfg.split if split_output is None else split_output
         N, D, R, NW = cfg.N, cfg.D, cfg.R, cfg.NW
         ml = N * cfg.MERGE_ROW  # offset of m (then l) in a warp's area
-        row_of = cfg.rows.row  # (a method of a local object is not called inside a runtime `if`)
         for x in cutlass.range_constexpr((R * D + NW * 32 - 1) // (NW * 32)):
             el = tc + NW * 32 * x
             if el < R * D:
@@ -595,13 +628,9 @@ class HopperDecodeKernel:
                     lt = lt + merge[w * cfg.MERGE_WARP + ml + N + col] * wt
                     ot = ot + merge[w * cfg.MERGE_WARP + col * cfg.MERGE_ROW + d] * wt
                 inv_l, lse = normalize(lt, m_all, fastmath=False)
-                if cutlass.const_expr(item is not None):
-                    lidx = item.to(Int64) * R + col
-                    obase = lidx * D
-                else:
-                    obase, lidx = output_offsets(partial, row_of(b, h, col, kv_heads), split, num_splits, D)
-                if d == 0:
-                    cute.make_tensor(lse_ptr + lidx, cute.make_layout((1,)))[0] = lse
+                obase, lidx = out.offsets(cfg.rows, head, col, D)
+                if d == 0:  # (``store``: an assignment naming ``out`` would make it a value the `if` writes)
+                    store(out.lse, lidx, lse)
                 val = ot * inv_l
-                out = cute.make_tensor(o_ptr + (obase + d), cute.make_layout((1,)))
-                out[0] = val if cutlass.const_expr(partial) else val.to(cfg.q_dtype)
+                o = cute.make_tensor(out.o + (obase + d), cute.make_layout((1,)))
+                o[0] = val if cutlass.const_expr(out.partial) else val.to(cfg.q_dtype)
