@@ -1,0 +1,154 @@
+"""A chunk of new tokens over a long cached prefix (chunked prefill, a prefix-cache hit, a new turn), in one
+process: what FOSCAR does today against the two baselines of issue 25 item 2.
+
+    python -m benchmarks.extend [--prefix 100000] [--chunks 16,128,1024,8192] [--method int2-kc128]
+
+Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, one sequence, causal within the chunk):
+
+* ``flashinfer-bf16``: FlashInfer's prefill (``single_prefill_with_kv_cache``, HND) over a BF16 prefix + the chunk,
+  contiguous: what a BF16 cache costs.
+* ``dequant+flashinfer``: OSCAR's approach with the project's own kernels: the packed pages dequantized to BF16
+  (``foscar.kernels.dequantize``), the 16-bit sink + window slots and the chunk gathered next to them, then the same
+  FlashInfer prefill. Extra memory: the whole prefix in BF16.
+* ``foscar-attend-chunk``: ``PagedKVCache.attend_chunk`` as it runs on the GPU today (torch: the pages dequantized
+  per call, fp32 scores in blocks of query tokens).
+
+Timing: eager calls between CUDA events, median of ``--reps`` after a warm-up (``attend_chunk`` plans on the host and
+cannot be captured in a CUDA graph; the FlashInfer rows are timed the same way for a like comparison). ``extra MiB``:
+the peak allocation of a call above what was allocated before it (issue 25: memory proportional to the chunk, not the
+prefix). Correctness of each path is the tests' business (``tests/test_cache_chunk.py``, ``tests/test_dequantize.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+from .decode import MODELS, _versions, import_flashinfer, scheme_of
+from .records import run_meta, write
+
+SINK, WINDOW = 64, 256
+
+
+def timed(fn, reps: int):
+    """(median microseconds of ``fn()``, its peak extra allocation in MiB)."""
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def foscar_prefix(scheme, kv_heads, prefix, generator):
+    """A one-layer PagedKVCache holding one sequence of ``prefix`` random tokens, and its id."""
+    from foscar.cache import PagedKVCache
+
+    cache = PagedKVCache(scheme, 1, kv_heads, num_pages=-(-prefix // 128) + 2, max_seqs=1, max_seq_len=prefix + 8192,
+                         sink=SINK, window=WINDOW)
+    seq = cache.allocate()
+    for start in range(0, prefix, 8192):
+        n = min(8192, prefix - start)
+        k = torch.randn(1, kv_heads, n, scheme.head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+        cache.append(0, [seq], k, torch.randn_like(k))
+    return cache, seq
+
+
+def dequantized_prefix(cache, seq):
+    """OSCAR's step: the sequence's K and V in BF16 ``[kv_heads, n, D]`` (dequantized pages, then its 16-bit slots)."""
+    from foscar.kernels.dequantize import dequantize_pages
+
+    n = cache.seq_len(seq)
+    qn = cache.quantized_tokens(n)
+    table = cache.page_table[seq:seq + 1, :max(1, -(-qn // cache.page_size))].contiguous()
+    lengths = torch.tensor([n], device="cuda")
+    slots = cache._valid_slots(lengths, torch.tensor([qn], device="cuda"))[0].nonzero()[:, 0]
+    out = []
+    for role, codes, params, bf16 in (("k", cache.k_codes, cache.k_params, cache.k_bf16),
+                                      ("v", cache.v_codes, cache.v_params, cache.v_bf16)):
+        pages = dequantize_pages(codes[0], params[0], table, cache.scheme, role)[0, :, :qn]
+        out.append(torch.cat([pages, bf16[0, seq][:, slots]], dim=1))
+    return out
+
+
+def measure(method: str, prefix: int, chunks, reps: int):
+    flashinfer = import_flashinfer()
+    q_heads, kv_heads, d = MODELS["qwen3-8b"]
+    scheme = scheme_of(method)
+    gen = torch.Generator("cuda").manual_seed(0)
+    cache, seq = foscar_prefix(scheme, kv_heads, prefix, gen)
+    k_bf16 = torch.randn(kv_heads, prefix + max(chunks), d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_bf16 = torch.randn_like(k_bf16)
+    rows = []
+    for chunk in chunks:
+        q = torch.randn(chunk, q_heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k_new = torch.randn(kv_heads, chunk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v_new = torch.randn_like(k_new)
+        k_all, v_all = k_bf16[:, :prefix + chunk], v_bf16[:, :prefix + chunk]
+
+        def bf16():
+            return flashinfer.single_prefill_with_kv_cache(q, k_all, v_all, causal=True, kv_layout="HND")
+
+        def oscar():
+            k_pre, v_pre = dequantized_prefix(cache, seq)
+            k, v = torch.cat([k_pre, k_new], dim=1), torch.cat([v_pre, v_new], dim=1)
+            return flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True, kv_layout="HND")
+
+        def foscar():
+            return cache.attend_chunk(0, [seq], q[None], k_new[None], v_new[None])
+
+        for name, fn in (("flashinfer-bf16", bf16), ("dequant+flashinfer", oscar), ("foscar-attend-chunk", foscar)):
+            us, extra = timed(fn, reps)
+            rows.append({"prefix": prefix, "chunk": chunk, "method": name, "us": us, "extra_mib": extra})
+            print(f"prefix {prefix} chunk {chunk} {name}: {us:.0f} us, +{extra:.0f} MiB", flush=True)
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| prefix | chunk | method | us | vs flashinfer-bf16 | extra MiB |", "|---|---|---|---|---|---|"]
+    base = {(r["prefix"], r["chunk"]): r["us"] for r in rows if r["method"] == "flashinfer-bf16"}
+    for r in rows:
+        lines.append(f"| {r['prefix']} | {r['chunk']} | {r['method']} | {r['us']:.0f} | "
+                     f"{r['us'] / base[r['prefix'], r['chunk']]:.2f}x | {r['extra_mib']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix", type=int, default=100_000, help="cached tokens before the chunk")
+    parser.add_argument("--chunks", default="16,128,1024,8192", help="new tokens, comma-separated")
+    parser.add_argument("--method", default="int2-kc128", help="the FOSCAR format, <format>-k<t|c><group>")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--tag", default="extend")
+    args = parser.parse_args(argv)
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    if not chunks or min(chunks) < 1 or max(chunks) > 8192:
+        parser.error(f"--chunks must be 1..8192 tokens each, got {args.chunks!r}")
+    if args.prefix < SINK + WINDOW + 256:
+        parser.error(f"--prefix must leave packed pages (at least {SINK + WINDOW + 256} tokens), got {args.prefix}")
+    if scheme_of(args.method) is None or args.method.endswith("+sw"):
+        parser.error(f"--method: {args.method!r} is not <format>-k<t|c><group>")
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.extend needs a CUDA GPU")
+    rows = measure(args.method, args.prefix, chunks, args.reps)
+    meta = run_meta("benchmarks.extend", argv, _versions(), method=args.method)
+    text = table(rows)
+    write(args.out, args.tag, f"A chunk over a cached prefix ({args.method})", meta, rows, text,
+          f"Eager calls, CUDA events, median of {args.reps}; sink {SINK} + window {WINDOW}. ")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
