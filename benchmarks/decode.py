@@ -340,7 +340,7 @@ def scheme_of(method: str):
 
 def loop_stats(methods):
     """SASS main-loop figures (foscar.inspect) of each FOSCAR variant, at the standard geometry."""
-    from foscar.hopper.decode import compile_decode
+    from foscar.hopper.decode import KERNELS
     from foscar.inspect import artifacts, decode_loop_stats
 
     out = {}
@@ -349,7 +349,7 @@ def loop_stats(methods):
         if scheme is None or method in out:
             continue
         try:
-            art = artifacts(compile_decode(scheme, 128, partial_output=True, arch="sm_90a"))
+            art = artifacts(KERNELS.compile_decode(scheme, 128, partial_output=True))
             out[method] = decode_loop_stats(art.loop_mix(full_opcodes=True), scheme.head_dim)
         except Exception as exc:  # e.g. no nvdisasm: say so
             out[method] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -50,14 +50,14 @@ def planned_splits(batch, kv_heads, max_tokens):
 
 def layers(scheme, batch, context, splits, consumers, kv_heads=8, page_size=128):
     """Decode closures over :func:`cache_sets`; (fns, bytes per call, splits)."""
-    from foscar.hopper.decode import run_decode
+    from foscar.hopper.decode import KERNELS
 
     q, sets, nbytes = cache_sets(scheme, batch, context, kv_heads, page_size)
     if splits is None:
         splits = planned_splits(batch, kv_heads, sets[0].max_tokens)
     fns = [
-        (lambda c=c: run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
-                                scheme.head_dim**-0.5, scheme, splits, consumers=consumers))
+        (lambda c=c: KERNELS.run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
+                                        scheme.head_dim**-0.5, scheme, splits, consumers=consumers))
         for c in sets
     ]
     return fns, nbytes, splits
@@ -91,13 +91,13 @@ def main(argv=None):
 
 def check(scheme, consumers) -> bool:
     """The kernel with ``consumers`` warpgroups against the float64 reference (ragged, 3 splits)."""
-    from foscar.hopper.decode import run_decode
+    from foscar.hopper.decode import KERNELS
     from foscar.testing import check_output, random_problem
 
     q, cache = random_problem(scheme, [1, 700, 4097, 129], kv_heads=3, page_size=128)
     c = cache
-    out, lse = run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
-                          scheme.head_dim**-0.5, scheme, 3, consumers=consumers)
+    out, lse = KERNELS.run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
+                                  scheme.head_dim**-0.5, scheme, 3, consumers=consumers)
     acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
     if not acc.ok:
         print(f"{scheme.name} consumers={consumers}: {acc}")

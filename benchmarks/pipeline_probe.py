@@ -152,7 +152,7 @@ class PipelineOnly(HopperDecodeKernel):
 
 
 def compile_pipeline_only(scheme, page_size: int = 128, arch: str = "sm_90a", copies: str = "tile"):
-    """Compile (no GPU needed) the probe kernel with partial outputs, as ``foscar.hopper.decode``."""
+    """Compile (no GPU needed) the probe kernel with partial outputs, as ``foscar.launch`` does the decode kernel."""
     from foscar.inspect import compile_for
     from foscar.jit import fake_ptr
 
@@ -165,7 +165,7 @@ def compile_pipeline_only(scheme, page_size: int = 128, arch: str = "sm_90a", co
 
 def probe_layers(scheme, batch, context, copies=("tile",)):
     """Decode closures, {copies: probe closures}, bytes per call and splits, over the same cache clones."""
-    from foscar.hopper.decode import run_decode
+    from foscar.hopper.decode import KERNELS
     from foscar.jit import current_stream, gmem_ptr, half_type
 
     q, sets, nbytes = cache_sets(scheme, batch, context)
@@ -182,8 +182,8 @@ def probe_layers(scheme, batch, context, copies=("tile",)):
                  Int32(c.k_codes.shape[1]), Int32(c.page_table.shape[1]), Int32(splits), Float32(1.0),
                  current_stream(q.device))
 
-    fns = [(lambda c=c: run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
-                                   scheme.head_dim**-0.5, scheme, splits)) for c in sets]
+    fns = [(lambda c=c: KERNELS.run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table,
+                                           c.lengths, scheme.head_dim**-0.5, scheme, splits)) for c in sets]
     probes = {}
     for kind in copies:
         compiled = compile_pipeline_only(scheme, copies=kind)

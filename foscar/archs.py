@@ -1,8 +1,9 @@
 """The arch registry: per GPU arch, what FOSCAR builds for it and what it cannot build.
 
 One :class:`Arch` per target ("sm_90a": Hopper, "sm_100a": Blackwell) names its packed-tile bit
-order (``foscar.layouts.PACKERS``), its operand construction per bit width, and its decode kernel
-(compiled and launched through the arch's module, imported only when used). As in the CUTLASS
+order (``foscar.layouts.PACKERS``), its operand construction per bit width, and its decode kernels
+(the ``KERNELS`` of the arch's module, imported only when used: a ``foscar.launch.KernelSet``, which
+compiles and launches them on the host path both arches share). As in the CUTLASS
 examples, :meth:`Arch.can_implement` states the kernel's limits *before* anything compiles: a
 variant the kernel cannot build raises a ValueError naming the field to change. ``foscar.decode``
 and ``foscar.cache`` dispatch through :data:`ARCHS`; nothing else branches on an arch name.
@@ -30,7 +31,7 @@ class Arch:
 
     name: str  # the compile target, "sm_90a"
     layout: str  # bit order inside a packed 64-token tile (foscar.layouts.PACKERS)
-    kernel_module: str  # module with compile_decode / run_decode of this arch's decode kernel
+    kernel_module: str  # module whose KERNELS (a foscar.launch.KernelSet) are this arch's decode kernels
     max_gqa_ratio: int  # query heads per KV head the kernel takes (its query tile's columns)
     page_sizes: tuple[int, ...]
     min_group: int  # smallest group (either axis) the kernel reads
@@ -41,13 +42,8 @@ class Arch:
         into Tensor Core operands."""
         return construction_for(self.name, fmt)
 
-    def _kernel(self):
-        return importlib.import_module(self.kernel_module)
-
-    def _build_config(self, scheme: Scheme, page_size: int):
-        """The kernel's static config: building it runs the checks that need its geometry
-        (shared memory, tensor memory, ring stages)."""
-        raise NotImplementedError
+    def _kernels(self):
+        return importlib.import_module(self.kernel_module).KERNELS
 
     def can_implement(self, scheme: Scheme, page_size: int) -> None:
         """Return if the decode kernel builds ``scheme`` at ``page_size``; else raise a ValueError
@@ -81,7 +77,8 @@ class Arch:
     def _fuses_window(self, scheme: Scheme, page_size: int) -> bool:
         """Whether the cache decode attends the 16-bit sink + window slots in its own launch (no limit
         of its own on their count) rather than with ``foscar.kernels.sink_window``."""
-        return False
+        kernels = self._kernels()
+        return kernels.fuses_window(scheme, page_size, *kernels.options(scheme, 1))
 
     def check_cache(self, scheme: Scheme, page_size: int, slots: int, what: str = "sink + window + granule"):
         """Raise a ValueError naming the field if :class:`~foscar.cache.PagedKVCache`'s GPU decode
@@ -95,9 +92,9 @@ class Arch:
 
     def compile_decode(self, scheme: Scheme, page_size: int, partial_output: bool = False, **options):
         """The compiled decode kernel (cached per process; works without a GPU). ``options`` go to
-        the arch's own ``compile_decode`` (Hopper: ``consumers``)."""
+        the arch's ``KernelSet.options`` (Hopper: ``consumers``)."""
         self.can_implement(scheme, page_size)
-        return self._kernel().compile_decode(scheme, page_size, partial_output, arch=self.name, **options)
+        return self._kernels().compile_decode(scheme, page_size, partial_output, **options)
 
     def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1):
         """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (Hopper: packed pages,
@@ -107,12 +104,12 @@ class Arch:
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         self.check_query_tokens(scheme, page_size, tokens)
-        return self._kernel().compile_cache_decode(scheme, page_size, arch=self.name, tokens=tokens)
+        return self._kernels().compile_cache_decode(scheme, page_size, tokens)
 
     def max_query_tokens(self, scheme: Scheme) -> tuple[int, str]:
         """The most query tokens per sequence the cache decode takes (speculative verification:
         ``PagedKVCache.attend`` of a 4-D q), and why no more; compiles nothing."""
-        return self._kernel().max_query_tokens(scheme)
+        return self._kernels().max_query_tokens(scheme)
 
     def check_query_tokens(self, scheme: Scheme, page_size: int, tokens: int) -> None:
         """Raise a ValueError naming ``q`` if the cache decode cannot take ``tokens`` query tokens per
@@ -126,8 +123,8 @@ class Arch:
     def run_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme,
                    num_splits: int = 1, out=None, lse=None):
         """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out, lse)``."""
-        return self._kernel().run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
-                                         num_splits, out, lse, arch=self.name)
+        return self._kernels().run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale,
+                                          scheme, num_splits, out, lse)
 
     def run_cache_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows,
                          seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
@@ -139,47 +136,29 @@ class Arch:
         Blackwell: ``num_splits`` splits, then ``foscar.kernels.sink_window``); returns ``(out, lse)``."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
-        return self._kernel().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,
-                                               seq_rows, seq_lengths, counters, sink, window, sm_scale, scheme,
-                                               num_splits, budget, arch=self.name)
+        return self._kernels().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,
+                                                seq_rows, seq_lengths, counters, sink, window, sm_scale, scheme,
+                                                num_splits, budget)
 
 
 @functools.lru_cache(maxsize=1024)
 def _config_builds(arch: Arch, scheme: Scheme, page_size: int) -> bool:
-    """Build ``arch``'s kernel config once per (scheme, page size): ``can_implement`` runs on every
-    decode call, and the config costs ~25 us of Python (a refusal raises and is not cached)."""
-    arch._build_config(scheme, page_size)
+    """Build ``arch``'s split-output decode config once per (scheme, page size): building it runs the
+    checks that need its geometry (shared memory, tensor memory, ring stages); ``can_implement`` runs on
+    every decode call, and the config costs ~25 us of Python (a refusal raises and is not cached)."""
+    kernels = arch._kernels()
+    kernels.config(scheme, page_size, True, *kernels.options(scheme, 1))
     return True
-
-
-class _Hopper(Arch):
-    def _build_config(self, scheme, page_size):
-        from .hopper.kernel import DecodeConfig, default_consumers
-
-        return DecodeConfig(scheme, page_size, True, default_consumers(scheme))
-
-    def _fuses_window(self, scheme, page_size):
-        from .hopper.fused import fuses_window
-        from .hopper.kernel import default_consumers
-
-        return fuses_window(scheme, page_size, default_consumers(scheme))
-
-
-class _Blackwell(Arch):
-    def _build_config(self, scheme, page_size):
-        from .blackwell.kernel import BlackwellConfig
-
-        return BlackwellConfig(scheme, page_size, True)
 
 
 # Limits read from foscar/hopper/kernel.py (DecodeConfig: query columns padded to at most two n8
 # blocks; a group spans whole k16/m16 MMA blocks) and foscar/blackwell/kernel.py (BlackwellConfig: at
 # most 16 query columns, each split into hi/lo halves; sKinfo holds the unscales and corrections of
 # at most 4 channel-wise K groups per 128-token step, so groups of >= 32 tokens).
-HOPPER = _Hopper("sm_90a", "hopper", "foscar.hopper.decode", max_gqa_ratio=16, page_sizes=(64, 128, 256),
-                 min_group=16, cache_decode=True)
-BLACKWELL = _Blackwell("sm_100a", "blackwell", "foscar.blackwell.decode", max_gqa_ratio=16,
-                       page_sizes=(64, 128, 256), min_group=32, cache_decode=True)
+HOPPER = Arch("sm_90a", "hopper", "foscar.hopper.decode", max_gqa_ratio=16, page_sizes=(64, 128, 256),
+              min_group=16, cache_decode=True)
+BLACKWELL = Arch("sm_100a", "blackwell", "foscar.blackwell.decode", max_gqa_ratio=16,
+                  page_sizes=(64, 128, 256), min_group=32, cache_decode=True)
 ARCHS: dict[str, Arch] = {arch.name: arch for arch in (HOPPER, BLACKWELL)}
 if tuple(ARCHS) != TARGETS:  # the compile layer names the same targets (foscar.targets)
     raise ImportError(f"foscar.archs registers {tuple(ARCHS)}, foscar.targets names {TARGETS}")

@@ -203,11 +203,11 @@ CONSTRUCTION_MASKS = {2: "0x33333333", 4: "0xf0f0f0f"}  # LOP3 immediates of the
 # The exact PTX counts below (MMAs, bulk copies, fences, ...) follow from the kernel's structure as
 # nvidia-cutlass-dsl 4.8.1 (pinned in pyproject.toml) emits it; a DSL upgrade may change them.
 def _check_compiled(scheme, ps, partial):
-    from foscar.blackwell.decode import compile_decode
+    from foscar.blackwell.decode import KERNELS
     from foscar.blackwell.kernel import BlackwellConfig
     from foscar.inspect import artifacts
 
-    compiled = compile_decode(scheme, ps, partial)
+    compiled = KERNELS.compile_decode(scheme, ps, partial)
     ptx = compiled.__ptx__
     ptx = open(ptx).read() if "\n" not in ptx else ptx
     assert ".target sm_100a" in ptx
@@ -288,11 +288,11 @@ def test_whole_coverage_matrix_compiles_for_sm100a():
 def _prep_loop(k_bits, v_bits):
     """Instructions of the preparation warpgroup's loop (the one loop holding the construction masks
     of both tensors) of the Blackwell decode kernel, head_dim 128, 128-token steps."""
-    from foscar.blackwell.decode import compile_decode
+    from foscar.blackwell.decode import KERNELS
     from foscar.inspect import artifacts, loop_regions, parse_instructions
 
     scheme = Scheme.make(head_dim=128, gqa_ratio=4, k_bits=k_bits, v_bits=v_bits)
-    art = artifacts(compile_decode(scheme, 64, False))
+    art = artifacts(KERNELS.compile_decode(scheme, 64, False))
     sass = art.sass_by_kernel[art.kernel()]
     ins, _ = parse_instructions(sass)
     masks = {CONSTRUCTION_MASKS[k_bits], CONSTRUCTION_MASKS[v_bits]}

@@ -70,11 +70,11 @@ def poison_attend_buffers(cache, batch, q, rotate: bool):
     (after emptying the allocator's cache): the caching allocator hands freed blocks of a size to the
     next requests of that size, so an element the kernels fail to write most likely reads NaN and
     fails the comparison. (Best effort: ``attend`` allocates its buffers itself.)"""
-    from foscar.hopper.decode import cache_partials
+    from foscar.hopper.decode import KERNELS
 
     hq, d = q.shape[1], q.shape[2]
-    part = cache_partials(cache.scheme, cache.page_size, batch, cache.kv_heads, cache.num_splits(batch),
-                          cache.cta_budget, cache.sink + cache.ring)
+    part = KERNELS.cache_partials(cache.scheme, cache.page_size, batch, cache.kv_heads, cache.num_splits(batch),
+                                  cache.cta_budget, cache.sink + cache.ring)
     shapes = [((batch, hq, d), q.dtype)] * (2 if rotate else 1)  # the rotated q takes one such block first
     shapes += [((batch, hq), torch.float32), (part, torch.float32), (part[:-1], torch.float32)]
     torch.cuda.synchronize()

@@ -40,12 +40,12 @@ def _ids(v):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[_ids(v) for v in VARIANTS])
 def test_compiles_with_warp_mma(variant):
-    from foscar.hopper.decode import compile_decode
+    from foscar.hopper.decode import KERNELS
     from foscar.hopper.kernel import DecodeConfig, default_consumers
 
     bits, ka, kg, va, vg, d, r, ps, partial = variant
     scheme = _scheme(bits, ka, kg, va, vg, d, r)
-    compiled = compile_decode(scheme, ps, partial, arch="sm_90a")
+    compiled = KERNELS.compile_decode(scheme, ps, partial)
     ptx = compiled.__ptx__
     assert ".target sm_90a" in ptx
     cfg = DecodeConfig(scheme, ps, partial, default_consumers(scheme))
@@ -90,13 +90,13 @@ LOOP_BOUNDS = [
 @pytest.mark.sass
 @pytest.mark.parametrize("variant, bound", LOOP_BOUNDS, ids=[_ids(v) for v, _ in LOOP_BOUNDS])
 def test_main_loop_shift_logic_per_element(variant, bound):
-    from foscar.hopper.decode import compile_decode
+    from foscar.hopper.decode import KERNELS
     from foscar.hopper.kernel import DecodeConfig, default_consumers
     from foscar.inspect import artifacts
 
     bits, ka, kg, va, vg, d, r, ps, partial = variant
     scheme = Scheme.make(bits, k=ka, k_group=kg, v=va, v_group=vg, head_dim=d, gqa_ratio=r)
-    loop = artifacts(compile_decode(scheme, ps, partial, arch="sm_90a")).loop_mix(full_opcodes=True)
+    loop = artifacts(KERNELS.compile_decode(scheme, ps, partial)).loop_mix(full_opcodes=True)
     data, k_bias, v_bias = mma_counts(DecodeConfig(scheme, ps, partial, default_consumers(scheme)))
     # the consumer's main loop: a channel-wise K scales Q^T (and its bias MMAs) inside it
     in_loop = data + v_bias + (0 if scheme.k.axis.value == "token" else k_bias)
@@ -107,10 +107,10 @@ def test_main_loop_shift_logic_per_element(variant, bound):
 
 
 def test_compile_cache_hits():
-    from foscar.hopper.decode import compile_decode
+    from foscar.hopper.decode import KERNELS
 
     scheme = Scheme.make(2, head_dim=128, gqa_ratio=4)
-    assert compile_decode(scheme, 64) is compile_decode(scheme, 64)
+    assert KERNELS.compile_decode(scheme, 64) is KERNELS.compile_decode(scheme, 64)
 
 
 def test_every_ring_stage_belongs_to_one_consumer_warp():

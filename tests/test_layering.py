@@ -5,7 +5,8 @@ inside a function, goes down the layers, and there is no import circle.
       <- compile (jit, compile cache, inspect)
       <- shared device components (device, pipeline, softmax, split_merge, work_list, window_tiles, warp_mma,
          barriers)
-      <- kernels: arch kernels (hopper/, blackwell/) over helper kernels (kernels/)
+      <- kernels: arch kernels (hopper/, blackwell/) over the host launch path (launch) and the helper kernels
+         it runs (kernels/)
       <- arch registry (archs)
       <- public API, cache and integrations
 """
@@ -19,7 +20,7 @@ CORE = {"formats", "folds", "scheme", "operands", "quantize", "reference", "targ
 COMPILE = {"jit", "compile_cache", "inspect"}
 DEVICE = {"device", "pipeline", "softmax", "split_merge", "work_list", "window_tiles", "warp_mma", "barriers",
           "query_rows"}
-KERNELS = {"kernels": 3, "hopper": 4, "blackwell": 4}  # helper kernels below the arch kernels
+KERNELS = {"kernels": 3, "launch": 3, "hopper": 4, "blackwell": 4}  # host path, helper kernels below the arch kernels
 
 
 def layer(module: str) -> int:

@@ -40,11 +40,9 @@ from ..softmax import finite_reference, normalize
 from ..split_merge import SplitMerge
 from ..query_rows import QueryRows
 from ..window_tiles import ROW_PAD, WindowOperands, quantized_tokens, query_columns, slot_holds_token, slot_position
-from ..work_list import MAX_SPLITS
 
 __all__ = ["CHUNK", "MAX_CHUNKS", "SinkWindow", "window_ctas", "shared_storage", "shared_bytes", "check_sink_window",
-           "compile_sink_window", "sink_window_attend", "run_cache_attend", "check_cache_launch",
-           "cache_decode_compile_args"]
+           "compile_sink_window", "sink_window_attend"]
 
 CHUNK = 128  # slots per CTA: 16 per warp
 MAX_CHUNKS = 32  # sink + window slots up to 4096
@@ -314,88 +312,3 @@ def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part,
              gmem_ptr(lse, Float32), gmem_ptr(counters, Int32), Int32(batch), Int32(kv_heads), Int32(num_splits),
              Int32(sink), Int32(slots - sink), Int32(window), Int32(granule), Float32(float(sm_scale)),
              current_stream(q.device))
-
-
-def run_cache_attend(compile_decode, q_type, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,
-                     seq_rows, seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme, num_splits: int,
-                     arch: str):
-    """``PagedKVCache.attend``'s two launches (Blackwell's; Hopper's one launch, or two where its window
-    tiles do not fit, is ``foscar.hopper.decode.run_cache_decode``): ``compile_decode()`` gives the arch's
-    cache-decode kernel (``foscar.blackwell.fused``; called after the
-    limits are checked, so bad input never reaches the compiler), which writes the quantized splits'
-    partials; then this module's kernel writes the 16-bit slots' partials and merges them all.
-    ``q [B, Hq, D]`` (or ``[B, tokens, Hq, D]``), packed pages, ``page_table [max_seqs, max_pages]``, 16-bit
-    ``k_win, v_win [max_seqs, kv_heads, sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64
-    [max_seqs], ``counters`` int32 (>= B * kv_heads, zero; left zero). Returns ``(out, lse)``: q's dtype and
-    shape, fp32 ``lse`` of q's shape less head_dim."""
-    import torch
-    from cutlass import Float16
-
-    from ..jit import current_stream, gmem_ptr
-    from .quantize import granule_of
-
-    device = q.device
-    batch, tokens, hq, d = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
-    kv_heads, slots = k_win.shape[1], k_win.shape[2]
-    # before the first launch
-    check_sink_window(d, hq // kv_heads * tokens, slots)
-    check_cache_launch(num_splits, counters, batch * kv_heads)
-    compiled = compile_decode()
-    total = num_splits + window_ctas(slots)
-    out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=device)
-    o_part = torch.empty(*q.shape[:-1], total, d, dtype=torch.float32, device=device)  # q's rows, then the partials
-    lse_part = torch.empty(*q.shape[:-1], total, dtype=torch.float32, device=device)
-    compiled(
-        gmem_ptr(q, q_type),
-        gmem_ptr(k_codes, Int32), gmem_ptr(k_params, Float16), gmem_ptr(v_codes, Int32), gmem_ptr(v_params, Float16),
-        gmem_ptr(page_table, Int32),
-        gmem_ptr(seq_rows, Int64), gmem_ptr(seq_lengths, Int64),
-        gmem_ptr(o_part, Float32), gmem_ptr(lse_part, Float32),
-        Int32(batch), Int32(kv_heads), Int32(page_table.shape[1]), Int32(num_splits), Int32(total), Int32(sink),
-        Int32(window), Float32(float(sm_scale)),
-        current_stream(device),
-    )
-    sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters, num_splits, sink,
-                       window, granule_of(scheme), sm_scale, arch)
-    return out, lse
-
-
-def check_cache_launch(num_splits: int, counters, heads: int, budget: int = 1):
-    """A cache attend's launch values (raises a ValueError naming the argument): ``num_splits``, the
-    CTA ``budget`` of a work list (``foscar.work_list``) and the completion ``counters`` (int32, one
-    per (sequence, KV head): ``heads`` of them)."""
-    import torch
-
-
-    if heads < 1:
-        raise ValueError(f"batch must hold at least one sequence (batch * kv_heads = {heads})")
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    if type(budget) is not int or not 1 <= budget <= 1 << 16:
-        raise ValueError(f"budget must be an int in [1, 65536] (CTAs of a wave: PagedKVCache.cta_budget), "
-                         f"got {budget!r}")
-    if counters.dtype != torch.int32 or counters.numel() < heads:
-        raise ValueError(f"counters: need int32 with >= batch * kv_heads = {heads} elements, got "
-                         f"{counters.dtype} with {counters.numel()}")
-
-
-def cache_decode_compile_args(q_type):
-    """Stand-ins (no GPU needed) for the arguments :func:`run_cache_attend` passes to an arch's
-    cache-decode kernel, in its order: what ``compile_cache_decode`` compiles with."""
-    import cuda.bindings.driver as cuda
-    from cutlass import Float16
-
-    from ..jit import fake_ptr
-
-    i32 = Int32(1)
-    return (
-        fake_ptr(q_type),  # q
-        fake_ptr(Int32), fake_ptr(Float16), fake_ptr(Int32), fake_ptr(Float16),  # k codes, params, v codes, params
-        fake_ptr(Int32),  # page table
-        fake_ptr(Int64), fake_ptr(Int64),  # sequence rows, sequence lengths
-        fake_ptr(Float32), fake_ptr(Float32),  # partials o, lse
-        i32, i32, i32, i32, i32, i32, i32,  # batch, kv_heads, max_pages, num_splits, total, sink, window
-        Float32(1.0),  # sm_scale
-        cuda.CUstream(0),
-    )

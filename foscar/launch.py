@@ -1,0 +1,216 @@
+"""The host side of the decode launches, one path for every arch: compile (cached; no GPU needed) and run
+on torch CUDA tensors.
+
+An arch's decode kernels are a :class:`KernelSet` subclass in its ``decode`` module
+(``foscar.hopper.decode``, ``foscar.blackwell.decode``) that says only what differs: its kernel classes
+and their configs, its compile options (Hopper: ``consumers``), the argument order of its cache-decode
+launch, and whether that launch attends the 16-bit sink + window itself. This module builds the argument
+lists (stand-ins to compile against and pointers to launch with, both from :data:`POINTERS` and
+:data:`SCALARS`), keys the compile cache, allocates the outputs and partials, and runs the helper launches
+around the arch's: the split combine (``foscar.kernels.combine``) and the sink + window kernel
+(``foscar.kernels.sink_window``).
+
+The compiled kernels take raw pointers, a few runtime int32 extents (batch, kv_heads, max_pages,
+num_splits, ...) and the fp32 sm_scale, so one compilation serves every batch size, sequence length, page
+count and split count. Compile keys: ``(f"{name}_decode", scheme, page_size, partial_output, *options,
+arch)`` and ``(f"{name}_cache_decode", scheme, page_size, *options, arch)``, then ``tokens`` where > 1.
+
+``partial_output`` selects the decode's output: False writes ``o`` (q's dtype, ``[B, Hq, D]``) and ``lse``
+(fp32 ``[B, Hq]``, natural log); True writes normalized fp32 partials ``o [B, Hq, S, D]`` and ``lse [B, Hq,
+S]`` for the combine kernel (an empty split has ``lse = -inf`` and ``o = 0``).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import torch
+from cutlass import Float16, Float32, Int32, Int64
+
+from .inspect import compile_for
+from .jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
+from .kernels.combine import combine_splits
+from .kernels.quantize import granule_of
+from .kernels.sink_window import check_sink_window, sink_window_attend, window_ctas
+from .query_rows import MAX_QUERY_COLUMNS
+from .scheme import Scheme
+from .work_list import MAX_SPLITS, grid_ctas
+
+__all__ = ["KernelSet", "POINTERS", "SCALARS", "decode_args"]
+
+# The launches' arguments by name. A pointer's element type (None: q's 16-bit type):
+POINTERS = {"q": None, "k_codes": Int32, "k_params": Float16, "v_codes": Int32, "v_params": Float16,
+            "page_table": Int32, "lengths": Int32, "seq_rows": Int64, "seq_lengths": Int64, "k_win": None,
+            "v_win": None, "o_part": Float32, "lse_part": Float32, "out": None, "lse": Float32, "counters": Int32}
+# A scalar's type (``parts``: partials per query row, the window kernel's after the splits'):
+SCALARS = {"batch": Int32, "kv_heads": Int32, "max_pages": Int32, "budget": Int32, "num_splits": Int32,
+           "parts": Int32, "sink": Int32, "ring": Int32, "window": Int32, "sm_scale": Float32}
+
+
+def decode_args(partial_output: bool) -> tuple[str, ...]:
+    """The decode kernel's arguments (both arches'), in order; the stream follows."""
+    outputs = ("o_part", "lse_part") if partial_output else ("out", "lse")
+    return ("q", "k_codes", "k_params", "v_codes", "v_params", "page_table", "lengths", *outputs, "batch",
+            "kv_heads", "max_pages", "num_splits", "sm_scale")
+
+
+def _stand_ins(names, q_type) -> tuple:
+    """What a kernel taking ``names`` compiles against (no GPU, no tensor)."""
+    return (*(fake_ptr(POINTERS[n] or q_type) if n in POINTERS else SCALARS[n](1) for n in names),
+            cuda.CUstream(0))
+
+
+def _launch_args(names, q_type, values: dict, device) -> tuple:
+    """``values`` (tensors and numbers by name) as the arguments of a kernel taking ``names``."""
+    return (*(gmem_ptr(values[n], POINTERS[n] or q_type) if n in POINTERS else SCALARS[n](values[n])
+              for n in names), current_stream(device))
+
+
+class KernelSet:
+    """An arch's decode kernels (see the module docstring). A subclass sets the class attributes and the
+    configs; ``options`` are its keyword compile options, resolved to a tuple that is part of the compile
+    key and goes to the configs after their fixed arguments."""
+
+    name: str  # the compile keys' prefix: "hopper"
+    arch: str  # the compile target its kernels are written for
+    decode_kernel: type  # built from config()
+    cache_kernel: type  # built from cache_config()
+    cache_args: tuple[str, ...]  # the cache-decode kernel's arguments (POINTERS, SCALARS), in order
+
+    def options(self, scheme: Scheme, tokens: int) -> tuple:
+        """The compile options for ``tokens`` query tokens per sequence, from the keyword options a caller
+        gives (none here; a TypeError names an unknown one)."""
+        return ()
+
+    def config(self, scheme: Scheme, page_size: int, partial_output: bool, *options):
+        """The decode kernel's config; building it runs the checks that need its geometry."""
+        raise NotImplementedError
+
+    def cache_config(self, scheme: Scheme, page_size: int, tokens: int, *options):
+        raise NotImplementedError
+
+    def fuses_window(self, scheme: Scheme, page_size: int, *options) -> bool:
+        """Whether the cache decode attends the sink + window slots in its own launch (its work list's CTAs
+        write per-item partials) rather than leaving them to ``foscar.kernels.sink_window``'s launch."""
+        return False
+
+    def _compile(self, kernel, names):
+        return compile_for(self.arch, kernel, *_stand_ins(names, kernel.cfg.q_dtype))
+
+    def compile_decode(self, scheme: Scheme, page_size: int, partial_output: bool = False, **options):
+        """The compiled decode kernel of ``scheme`` (cached; works without a GPU; keeps its PTX and cubin,
+        ``foscar.inspect``)."""
+        opts = self.options(scheme, 1, **options)
+        key = (f"{self.name}_decode", scheme, int(page_size), bool(partial_output), *opts, self.arch)
+        return cached_compile(key, lambda: self._compile(self.decode_kernel(self.config(
+            scheme, page_size, partial_output, *opts)), decode_args(partial_output)))
+
+    def run_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme,
+                   num_splits: int = 1, out=None, lse=None, **options):
+        """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out,
+        lse)``, written in place when given (q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``: a caller can poison
+        them, or keep them static for CUDA graphs). With ``num_splits > 1`` the kernel writes fp32 partials
+        that ``foscar.kernels.combine`` merges into them."""
+        batch, hq, d = q.shape
+        partial = num_splits > 1
+        compiled = self.compile_decode(scheme, k_codes.shape[2] * 64, partial, **options)
+        out = torch.empty_like(q) if out is None else out
+        lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device) if lse is None else lse
+        o_part = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device) if partial else None
+        lse_part = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device) if partial else None
+        values = dict(q=q, k_codes=k_codes, k_params=k_params, v_codes=v_codes, v_params=v_params,
+                      page_table=page_table, lengths=lengths, out=out, lse=lse, o_part=o_part, lse_part=lse_part,
+                      batch=batch, kv_heads=k_codes.shape[1], max_pages=page_table.shape[1], num_splits=num_splits,
+                      sm_scale=float(sm_scale))
+        compiled(*_launch_args(decode_args(partial), half_type(q.dtype), values, q.device))
+        if partial:
+            combine_splits(o_part, lse_part, out, lse)
+        return out, lse
+
+    def max_query_tokens(self, scheme: Scheme) -> tuple[int, str]:
+        """The most query tokens per sequence the cache decode takes, and why no more: ``gqa_ratio x
+        tokens`` query columns fit one query tile (``foscar.query_rows``; the window tiles, or the window
+        kernel, carry the causal mask)."""
+        return MAX_QUERY_COLUMNS // scheme.gqa_ratio, (f"a query tile holds {MAX_QUERY_COLUMNS} columns per KV "
+                                                       f"head: gqa_ratio={scheme.gqa_ratio} x tokens")
+
+    def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1, **options):
+        """The compiled decode launch of ``foscar.cache.PagedKVCache`` for ``tokens`` query tokens per
+        sequence (cached; works without a GPU): it reads the cache's tensors in place."""
+        return self._cache_decode(scheme, page_size, tokens, self.options(scheme, tokens, **options))
+
+    def _cache_decode(self, scheme, page_size, tokens, opts):
+        limit, why = self.max_query_tokens(scheme)
+        if not 1 <= tokens <= limit:
+            raise ValueError(f"q: {tokens} query tokens per sequence: the {self.arch} cache decode takes "
+                             f"1..{limit} ({why})")
+        key = (f"{self.name}_cache_decode", scheme, int(page_size), *opts, self.arch)
+        key += (int(tokens),) if tokens > 1 else ()
+        return cached_compile(key, lambda: self._compile(self.cache_kernel(self.cache_config(
+            scheme, page_size, tokens, *opts)), self.cache_args))
+
+    def cache_partials(self, scheme: Scheme, page_size: int, batch: int, kv_heads: int, num_splits: int,
+                       budget: int, slots: int, tokens: int = 1, **options) -> tuple[int, ...]:
+        """The shape of the fp32 ``o`` partials :meth:`run_cache_decode` allocates (``lse``'s: all but the
+        last dim): one launch, one ``[R, D]`` per work item (``foscar.work_list``: at most ``budget + batch *
+        kv_heads``; R = gqa x tokens); two, ``[batch, Hq, parts, D]``, the window kernel's partials after
+        the splits'."""
+        return self._partials(scheme, page_size, batch, kv_heads, num_splits, budget, slots, tokens,
+                              self.options(scheme, tokens, **options))
+
+    def _partials(self, scheme, page_size, batch, kv_heads, num_splits, budget, slots, tokens, opts):
+        r, d = scheme.gqa_ratio * tokens, scheme.head_dim
+        if self.fuses_window(scheme, page_size, *opts):
+            return (grid_ctas(budget, batch, kv_heads), r, d)
+        return (batch, kv_heads * r, num_splits + window_ctas(slots), d)
+
+    def run_cache_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows,
+                         seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
+                         num_splits: int, budget: int, **options):
+        """Decode on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``, or
+        ``q [B, tokens, Hq, D]`` for several query tokens per sequence (the sequence's last tokens: causal),
+        packed pages in the arch's word order, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win
+        [max_seqs, kv_heads, sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs],
+        ``counters`` int32 (>= B * kv_heads, zero; left zero). One launch whose work list fills ``budget``
+        CTAs where :meth:`fuses_window`, else ``num_splits`` splits per sequence then the window kernel.
+        Returns ``(out, lse)``: q's dtype and shape, fp32 ``lse`` of q's shape less head_dim."""
+        batch, tokens, d = q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-1]
+        kv_heads, slots = k_win.shape[1], k_win.shape[2]
+        page_size = k_codes.shape[2] * 64
+        opts = self.options(scheme, tokens, **options)
+        one_launch = self.fuses_window(scheme, page_size, *opts)
+        _check_cache_launch(num_splits, counters, batch * kv_heads, budget)  # before anything compiles or launches
+        if not one_launch:
+            check_sink_window(d, scheme.gqa_ratio * tokens, slots)
+        compiled = self._cache_decode(scheme, page_size, tokens, opts)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        shape = self._partials(scheme, page_size, batch, kv_heads, num_splits, budget, slots, tokens, opts)
+        o_part = torch.empty(shape, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(shape[:-1], dtype=torch.float32, device=q.device)
+        values = dict(q=q, k_codes=k_codes, k_params=k_params, v_codes=v_codes, v_params=v_params,
+                      page_table=page_table, seq_rows=seq_rows, seq_lengths=seq_lengths, k_win=k_win, v_win=v_win,
+                      o_part=o_part, lse_part=lse_part, out=out, lse=lse, counters=counters, batch=batch,
+                      kv_heads=kv_heads, max_pages=page_table.shape[1], budget=budget, num_splits=num_splits,
+                      parts=0 if one_launch else shape[2], sink=sink, ring=slots - sink, window=window,
+                      sm_scale=float(sm_scale))
+        compiled(*_launch_args(self.cache_args, half_type(q.dtype), values, q.device))
+        if not one_launch:
+            sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters,
+                               num_splits, sink, window, granule_of(scheme), sm_scale, self.arch)
+        return out, lse
+
+
+def _check_cache_launch(num_splits: int, counters, heads: int, budget: int):
+    """A cache decode's launch values (raises a ValueError naming the argument): ``num_splits``, the
+    CTA ``budget`` of a work list (``foscar.work_list``) and the completion ``counters`` (int32, one
+    per (sequence, KV head): ``heads`` of them)."""
+    if heads < 1:
+        raise ValueError(f"batch must hold at least one sequence (batch * kv_heads = {heads})")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if type(budget) is not int or not 1 <= budget <= 1 << 16:
+        raise ValueError(f"budget must be an int in [1, 65536] (CTAs of a wave: PagedKVCache.cta_budget), "
+                         f"got {budget!r}")
+    if counters.dtype != torch.int32 or counters.numel() < heads:
+        raise ValueError(f"counters: need int32 with >= batch * kv_heads = {heads} elements, got "
+                         f"{counters.dtype} with {counters.numel()}")

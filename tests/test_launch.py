@@ -1,0 +1,66 @@
+"""The host path both arches share (foscar.launch): each arch's kernel set names its kernels' arguments in
+their order, and a cache decode's launch values are refused before anything compiles."""
+
+import inspect
+
+import pytest
+import torch
+
+import foscar.launch
+from foscar import Scheme
+from foscar.archs import ARCHS, BLACKWELL, HOPPER
+from foscar.launch import decode_args
+
+# the kernels' parameter names that differ from the host's argument names
+HOST_NAMES = {"q_ptr": "q", "kc_ptr": "k_codes", "kp_ptr": "k_params", "vc_ptr": "v_codes", "vp_ptr": "v_params",
+              "pt_ptr": "page_table", "len_ptr": "lengths", "o_ptr": "o_part", "lse_ptr": "lse_part", "total": "parts"}
+
+
+def _parameters(kernel) -> tuple[str, ...]:
+    names = list(inspect.signature(kernel.__call__).parameters)
+    assert names[0] == "self" and names[-1] == "stream", names
+    return tuple(HOST_NAMES.get(n, n) for n in names[1:-1])
+
+
+@pytest.mark.parametrize("arch", ARCHS.values(), ids=lambda a: a.name)
+def test_argument_lists_follow_the_kernels_signatures(arch):
+    """The names the host passes by are the kernels' parameters in order: a swap of two arguments of one
+    type would compile to the same code and read the wrong tensor."""
+    kernels = arch._kernels()
+    assert kernels.arch == arch.name
+    assert _parameters(kernels.decode_kernel) == decode_args(True)
+    assert _parameters(kernels.cache_kernel) == kernels.cache_args
+    assert set(kernels.cache_args) <= set(foscar.launch.POINTERS) | set(foscar.launch.SCALARS)
+
+
+@pytest.mark.parametrize("arch, scheme, page_size, one_launch", [
+    (HOPPER, Scheme.make(2, gqa_ratio=4), 128, True),
+    (HOPPER, Scheme.make(2, "channel", 256, "token", 128, 256, 8), 256, False),  # the window kernel's launch too
+    (BLACKWELL, Scheme.make(2, gqa_ratio=4), 128, False),
+], ids=["hopper-one-launch", "hopper-two-launches", "blackwell"])
+def test_cache_launch_values_are_checked_before_compiling(monkeypatch, arch, scheme, page_size, one_launch):
+    """Bad splits, counters, CTA budget, an empty batch or (where the window kernel runs) too many window
+    slots raise a ValueError naming them before the decode kernel compiles."""
+    def compile_(*args, **kwargs):
+        raise AssertionError("compiled before the checks")
+
+    monkeypatch.setattr(foscar.launch, "cached_compile", compile_)
+    kernels = arch._kernels()
+    assert kernels.fuses_window(scheme, page_size, *kernels.options(scheme, 1)) == one_launch
+    d, kv_heads = scheme.head_dim, 2
+    q = torch.zeros(2, kv_heads * scheme.gqa_ratio, d, dtype=torch.bfloat16)
+    k_codes = torch.zeros(1, kv_heads, page_size // 64, 8, dtype=torch.int32)  # [pages, kv_heads, tiles, words]
+    window = torch.zeros(4, kv_heads, 448, d, dtype=torch.bfloat16)
+    counters = torch.zeros(8, dtype=torch.int32)
+    cases = [(dict(num_splits=0), "num_splits must be in"), (dict(num_splits=65), "num_splits must be in"),
+             (dict(counters=counters[:3]), r"counters: need int32 with >= batch \* kv_heads = 4"),
+             (dict(counters=counters.float()), "counters: need int32"),
+             (dict(budget=0), "budget must be an int in"), (dict(budget=2.0), "budget must be an int in"),
+             (dict(q=q[:0]), "batch must hold at least one sequence")]
+    if not one_launch:
+        cases.append((dict(k_win=torch.zeros(4, kv_heads, 4224, d)), r"the sink \+ window kernel takes at most 4096"))
+    for change, message in cases:
+        args = dict(q=q, k_win=window, counters=counters, num_splits=4, budget=132) | change
+        with pytest.raises(ValueError, match=message):
+            kernels.run_cache_decode(args["q"], k_codes, None, None, None, None, args["k_win"], args["k_win"], None,
+                                     None, args["counters"], 64, 256, 1.0, scheme, args["num_splits"], args["budget"])
