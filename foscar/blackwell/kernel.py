@@ -81,7 +81,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Float8E4M3FN, Float16, Float32, Int32, Int64, Uint32
+from cutlass import Float8E4M3FN, Float16, Float32, Int32, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.pipeline import NamedBarrier
 
