@@ -4,23 +4,23 @@ One :class:`Arch` per target ("sm_90a": Hopper, "sm_100a": Blackwell) names its 
 order (``foscar.layouts.PACKERS``), its operand construction per bit width, and its decode kernels
 (the ``KERNELS`` of the arch's module, imported only when used: a ``foscar.launch.KernelSet``, which
 compiles and launches them on the host path both arches share). As in the CUTLASS
-examples, :meth:`Arch.can_implement` states the kernel's limits *before* anything compiles: a
-variant the kernel cannot build raises a ValueError naming the field to change. ``foscar.decode``
-and ``foscar.cache`` dispatch through :data:`ARCHS`; nothing else branches on an arch name.
+examples, :meth:`Arch.can_implement` states the kernel's limits *before* anything compiles (the kernel
+set's ``can_implement``): a variant the kernel cannot build raises a ValueError naming the field to
+change. ``foscar.decode`` and ``foscar.cache`` dispatch through :data:`ARCHS`; nothing else branches on
+an arch name.
 
 ``Scheme`` itself accepts more than any kernel builds (e.g. ``gqa_ratio`` up to 64, which the
-float64 references handle); the kernels' limits live here only.
+float64 references handle); the kernels' limits live with their kernel sets
+(``foscar/hopper/decode.py``, ``foscar/blackwell/decode.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass
 
-from .formats import Unsupported
 from .targets import TARGETS
-from .scheme import Axis, Construction, Scheme, construction_for
+from .scheme import Construction, Scheme, construction_for
 
 __all__ = ["Arch", "ARCHS", "HOPPER", "BLACKWELL", "get_arch", "arch_of_device", "packed_layouts"]
 
@@ -32,9 +32,6 @@ class Arch:
     name: str  # the compile target, "sm_90a"
     layout: str  # bit order inside a packed 64-token tile (foscar.layouts.PACKERS)
     kernel_module: str  # module whose KERNELS (a foscar.launch.KernelSet) are this arch's decode kernels
-    max_gqa_ratio: int  # query heads per KV head the kernel takes (its query tile's columns)
-    page_sizes: tuple[int, ...]
-    min_group: int  # smallest group (either axis) the kernel reads
     cache_decode: bool  # has PagedKVCache's decode (packed pages + 16-bit sink + window, splits merged in-launch)
 
     def construction(self, fmt) -> Construction:
@@ -47,32 +44,11 @@ class Arch:
 
     def can_implement(self, scheme: Scheme, page_size: int) -> None:
         """Return if the decode kernel builds ``scheme`` at ``page_size``; else raise a ValueError
-        naming the field (TypeError for a non-Scheme). Compiles nothing."""
+        naming the field (TypeError for a non-Scheme). Compiles nothing: the arch's kernel set states
+        its limits (``KernelSet.can_implement``, ``foscar.launch``)."""
         if not isinstance(scheme, Scheme):
             raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
-        if type(page_size) is not int or page_size not in self.page_sizes:
-            raise ValueError(f"page_size must be one of {list(self.page_sizes)} for the {self.name} kernel, "
-                             f"got {page_size!r}")
-        if not 1 <= scheme.gqa_ratio <= self.max_gqa_ratio:
-            raise ValueError(f"Scheme.gqa_ratio={scheme.gqa_ratio}: the {self.name} kernel takes 1..{self.max_gqa_ratio} "
-                             "query heads per KV head")
-        for name, quant in (("k", scheme.k), ("v", scheme.v)):
-            try:
-                quant.format.construction(self.name)
-            except Unsupported as err:
-                raise Unsupported(f"Scheme.{name}.format: {err}") from None
-            if quant.group < self.min_group:
-                raise ValueError(f"Scheme.{name}.group={quant.group}: the {self.name} kernel needs groups of at least "
-                                 f"{self.min_group}")
-            if quant.axis is Axis.CHANNEL and page_size % quant.group:
-                raise ValueError(f"Scheme.{name}.group={quant.group} (channel-wise) must divide page_size={page_size}")
-        try:
-            _config_builds(self, scheme, page_size)
-        except (NotImplementedError, ValueError) as err:
-            raise ValueError(
-                f"{scheme.name} at page_size={page_size}: the {self.name} kernel cannot build it ({err}); change "
-                "Scheme.k / Scheme.v (bits, group), Scheme.head_dim, Scheme.gqa_ratio or page_size"
-            ) from err
+        self._kernels().can_implement(scheme, page_size)
 
     def _fuses_window(self, scheme: Scheme, page_size: int) -> bool:
         """Whether the cache decode attends the 16-bit sink + window slots in its own launch (no limit
@@ -141,24 +117,8 @@ class Arch:
                                                 num_splits, budget)
 
 
-@functools.lru_cache(maxsize=1024)
-def _config_builds(arch: Arch, scheme: Scheme, page_size: int) -> bool:
-    """Build ``arch``'s split-output decode config once per (scheme, page size): building it runs the
-    checks that need its geometry (shared memory, tensor memory, ring stages); ``can_implement`` runs on
-    every decode call, and the config costs ~25 us of Python (a refusal raises and is not cached)."""
-    kernels = arch._kernels()
-    kernels.config(scheme, page_size, True, *kernels.options(scheme, 1))
-    return True
-
-
-# Limits read from foscar/hopper/kernel.py (DecodeConfig: query columns padded to at most two n8
-# blocks; a group spans whole k16/m16 MMA blocks) and foscar/blackwell/kernel.py (BlackwellConfig: at
-# most 16 query columns, each split into hi/lo halves; sKinfo holds the unscales and corrections of
-# at most 4 channel-wise K groups per 128-token step, so groups of >= 32 tokens).
-HOPPER = Arch("sm_90a", "hopper", "foscar.hopper.decode", max_gqa_ratio=16, page_sizes=(64, 128, 256),
-              min_group=16, cache_decode=True)
-BLACKWELL = Arch("sm_100a", "blackwell", "foscar.blackwell.decode", max_gqa_ratio=16,
-                  page_sizes=(64, 128, 256), min_group=32, cache_decode=True)
+HOPPER = Arch("sm_90a", "hopper", "foscar.hopper.decode", cache_decode=True)
+BLACKWELL = Arch("sm_100a", "blackwell", "foscar.blackwell.decode", cache_decode=True)
 ARCHS: dict[str, Arch] = {arch.name: arch for arch in (HOPPER, BLACKWELL)}
 if tuple(ARCHS) != TARGETS:  # the compile layer names the same targets (foscar.targets)
     raise ImportError(f"foscar.archs registers {tuple(ARCHS)}, foscar.targets names {TARGETS}")

@@ -22,6 +22,8 @@ S]`` for the combine kernel (an empty split has ``lse = -inf`` and ``o = 0``).
 
 from __future__ import annotations
 
+import functools
+
 import cuda.bindings.driver as cuda
 import torch
 from cutlass import Float16, Float32, Int32, Int64
@@ -31,8 +33,9 @@ from .jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
 from .kernels.combine import combine_splits
 from .kernels.quantize import granule_of
 from .kernels.sink_window import check_sink_window, sink_window_attend, window_ctas
+from .formats import Unsupported
 from .query_rows import MAX_QUERY_COLUMNS
-from .scheme import Scheme
+from .scheme import Axis, Scheme
 from .work_list import MAX_SPLITS, grid_ctas
 
 __all__ = ["KernelSet", "POINTERS", "SCALARS", "decode_args"]
@@ -68,13 +71,54 @@ def _launch_args(names, q_type, values: dict, device) -> tuple:
 class KernelSet:
     """An arch's decode kernels (see the module docstring). A subclass sets the class attributes and the
     configs; ``options`` are its keyword compile options, resolved to a tuple that is part of the compile
-    key and goes to the configs after their fixed arguments."""
+    key and goes to the configs after their fixed arguments. :meth:`can_implement` states the kernels' limits
+    before anything compiles, as the CUTLASS examples' kernel classes do."""
 
     name: str  # the compile keys' prefix: "hopper"
     arch: str  # the compile target its kernels are written for
     decode_kernel: type  # built from config()
     cache_kernel: type  # built from cache_config()
     cache_args: tuple[str, ...]  # the cache-decode kernel's arguments (POINTERS, SCALARS), in order
+    max_gqa_ratio: int  # query heads per KV head the kernels take (their query tile's columns)
+    page_sizes: tuple[int, ...]
+    min_group: int  # smallest group (either axis) the kernels read
+
+    def can_implement(self, scheme: Scheme, page_size: int) -> None:
+        """Return if the decode kernels build ``scheme`` at ``page_size``; else raise a ValueError naming the
+        field (TypeError for a non-Scheme; ``foscar.formats.Unsupported`` for a format the arch's MMA cannot
+        take). Compiles nothing; the config (the checks that need its geometry) is built once per variant."""
+        if not isinstance(scheme, Scheme):
+            raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
+        if type(page_size) is not int or page_size not in self.page_sizes:
+            raise ValueError(f"page_size must be one of {list(self.page_sizes)} for the {self.arch} kernel, "
+                             f"got {page_size!r}")
+        if not 1 <= scheme.gqa_ratio <= self.max_gqa_ratio:
+            raise ValueError(f"Scheme.gqa_ratio={scheme.gqa_ratio}: the {self.arch} kernel takes "
+                             f"1..{self.max_gqa_ratio} query heads per KV head")
+        for name, quant in (("k", scheme.k), ("v", scheme.v)):
+            try:
+                quant.format.construction(self.arch)
+            except Unsupported as err:
+                raise Unsupported(f"Scheme.{name}.format: {err}") from None
+            if quant.group < self.min_group:
+                raise ValueError(f"Scheme.{name}.group={quant.group}: the {self.arch} kernel needs groups of at "
+                                 f"least {self.min_group}")
+            if quant.axis is Axis.CHANNEL and page_size % quant.group:
+                raise ValueError(f"Scheme.{name}.group={quant.group} (channel-wise) must divide page_size={page_size}")
+        try:
+            self._config_builds(scheme, page_size)
+        except (NotImplementedError, ValueError) as err:
+            raise ValueError(
+                f"{scheme.name} at page_size={page_size}: the {self.arch} kernel cannot build it ({err}); change "
+                "Scheme.k / Scheme.v (bits, group), Scheme.head_dim, Scheme.gqa_ratio or page_size"
+            ) from err
+
+    @functools.lru_cache(maxsize=1024)
+    def _config_builds(self, scheme: Scheme, page_size: int) -> bool:
+        """Build the split-output decode config once per (scheme, page size): ``can_implement`` runs on every
+        decode call, and a config costs ~25 us of Python (a refusal raises and is not cached)."""
+        self.config(scheme, page_size, True, *self.options(scheme, 1))
+        return True
 
     def options(self, scheme: Scheme, tokens: int) -> tuple:
         """The compile options for ``tokens`` query tokens per sequence, from the keyword options a caller
