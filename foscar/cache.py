@@ -741,11 +741,8 @@ class PagedKVCache:
                 self.sink, self.window, sm_scale, scheme, self.num_splits(q.shape[0]), self.cta_budget)
             return (out, lse) if return_lse else out
         plan = self._attend_plan(layer, ids, index)
-        if q.dim() == 3:
-            out, lse = self._softmax_attend(layer, q, plan, sm_scale)
-        else:
-            out, lse = self._softmax_attend_tokens(layer, q, plan, index, tokens, sm_scale)
-        out = out.to(q.dtype)
+        out, lse = self._softmax_attend(layer, q.view(q.shape[0], tokens, *q.shape[-2:]), plan, index, sm_scale)
+        out, lse = out.view(q.shape).to(q.dtype), lse.view(q.shape[:-1])
         return (out, lse) if return_lse else out
 
     def max_query_tokens(self) -> int:
@@ -919,34 +916,25 @@ class PagedKVCache:
             quantized = quantized.transpose(0, 1)
         return quantized, self._slots_fp32[role][layer][plan.rows]
 
-    def _softmax_attend(self, layer, q, plan, sm_scale):
-        """fp32 attention of ``q [B, Hq, D]`` over what ``plan`` reads, one softmax over the quantized part and
-        the slots; a sequence that holds no token gets ``out = 0``, ``lse = -inf``."""
-        batch, hq, d = q.shape
-        (k_q, k_s), (v_q, v_s) = self._read(layer, "k", plan), self._read(layer, "v", plan)
-        qg = (q.float() * sm_scale).reshape(batch, self.kv_heads, hq // self.kv_heads, d)
-        scores = torch.cat([torch.matmul(qg, k_q.mT), torch.matmul(qg, k_s.mT)], dim=-1).add_(plan.bias)
-        lse = torch.logsumexp(scores, dim=-1)
-        p = scores.sub_((torch.where(torch.isfinite(lse), lse, 0.0) if plan.maybe_empty else lse)[..., None]).exp_()
-        out = torch.matmul(p[..., :plan.width], v_q).add_(torch.matmul(p[..., plan.width:], v_s))
-        return out.reshape(batch, hq, d), lse.reshape(batch, hq)
-
-    def _softmax_attend_tokens(self, layer, q, plan, index, tokens, sm_scale):
-        """:meth:`_softmax_attend` of ``q [B, tokens, Hq, D]``, the sequences' last ``tokens`` tokens, each
-        masked from the slots that hold later tokens (those are in the 16-bit window: ``tokens <= window``)."""
-        batch, _, hq, d = q.shape
+    def _softmax_attend(self, layer, q, plan, index, sm_scale):
+        """fp32 attention of ``q [B, tokens, Hq, D]``, the sequences' last ``tokens`` tokens, over what ``plan``
+        reads: one softmax over the quantized part and the slots, each query token masked from the slots that
+        hold later tokens (those are in the 16-bit window: ``tokens <= window``); a sequence that holds no token
+        gets ``out = 0``, ``lse = -inf``."""
+        batch, tokens, hq, d = q.shape
         group = hq // self.kv_heads
         (k_q, k_s), (v_q, v_s) = self._read(layer, "k", plan), self._read(layer, "v", plan)
         qg = (q.float() * sm_scale).view(batch, tokens, self.kv_heads, group, d).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(batch, self.kv_heads, group * tokens, d)  # rows (query head of the group, token)
         scores = torch.cat([torch.matmul(qg, k_q.mT), torch.matmul(qg, k_s.mT)], dim=-1).add_(plan.bias)
-        n = self.lengths[layer, index]
-        later = self._slot_positions(n, self._quantized_tokens_dev(n))[:, None, :] > (
-            n[:, None] - tokens + torch.arange(tokens, device=self.device)[None, :])[:, :, None]  # [B, tokens, slots]
-        slots = scores[..., plan.width:].view(batch, self.kv_heads, group, tokens, -1)
-        slots.masked_fill_(later[:, None, None], -torch.inf)
-        lse = torch.logsumexp(scores, dim=-1)  # finite: each query token attends at least itself
-        p = scores.sub_(lse[..., None]).exp_()
+        if tokens > 1:
+            n = self.lengths[layer, index]
+            later = self._slot_positions(n, self._quantized_tokens_dev(n))[:, None, :] > (
+                n[:, None] - tokens + torch.arange(tokens, device=self.device)[None, :])[:, :, None]  # [B, tokens, slots]
+            slots = scores[..., plan.width:].view(batch, self.kv_heads, group, tokens, -1)
+            slots.masked_fill_(later[:, None, None], -torch.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+        p = scores.sub_((torch.where(torch.isfinite(lse), lse, 0.0) if plan.maybe_empty else lse)[..., None]).exp_()
         out = torch.matmul(p[..., :plan.width], v_q).add_(torch.matmul(p[..., plan.width:], v_s))
         out = out.view(batch, self.kv_heads, group, tokens, d).permute(0, 3, 1, 2, 4).reshape(q.shape)
         return out, lse.view(batch, self.kv_heads, group, tokens).permute(0, 3, 1, 2).reshape(q.shape[:-1])

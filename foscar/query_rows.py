@@ -56,9 +56,7 @@ class QueryRows:
 
     def sees(self, col, position, n: Int32):
         """Whether column ``col`` attends the token at ``position`` of its ``n``-token sequence, whose last
-        ``tokens`` tokens are the query tokens (causal; always true with one token: every cached token)."""
-        if cutlass.const_expr(self.tokens == 1):
-            return position < n
+        ``tokens`` tokens are the query tokens (causal)."""
         return position <= n - self.tokens + col // self.gqa
 
 

@@ -216,42 +216,28 @@ def check_assisted(model, prompt, options, quantized, steps=40):
     return part
 
 
+# SmolLM2-135M on the CPU, and the same on the H200 (a model of its own)
+SMOLLM = ["smollm", pytest.param("smollm_cuda", marks=pytest.mark.gpu, id="smollm-h200")]
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_second_generate_on_smollm(smollm, fmt):
-    tokenizer, model, prompt = smollm
+@pytest.mark.parametrize("model_fixture", SMOLLM)
+def test_second_generate_on_smollm(model_fixture, fmt, request):
+    tokenizer, model, prompt = request.getfixturevalue(model_fixture)
     check_second_turn(tokenizer, model, prompt, BF16 if fmt == "bf16" else INT4, quantized=fmt == "int4")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_chunked_prefill_on_smollm(smollm, fmt):
-    _, model, prompt = smollm
+@pytest.mark.parametrize("model_fixture", SMOLLM)
+def test_chunked_prefill_on_smollm(model_fixture, fmt, request):
+    _, model, prompt = request.getfixturevalue(model_fixture)
     check_chunked_prefill(model, prompt, BF16 if fmt == "bf16" else INT4, quantized=fmt == "int4")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_assisted_generation_on_smollm(smollm, fmt):
-    _, model, prompt = smollm
-    check_assisted(model, prompt, BF16 if fmt == "bf16" else INT4, quantized=fmt == "int4")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_second_generate_on_smollm_h200(smollm_cuda, fmt):
-    tokenizer, model, prompt = smollm_cuda
-    check_second_turn(tokenizer, model, prompt, BF16 if fmt == "bf16" else INT4, quantized=fmt == "int4")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_chunked_prefill_on_smollm_h200(smollm_cuda, fmt):
-    _, model, prompt = smollm_cuda
-    check_chunked_prefill(model, prompt, BF16 if fmt == "bf16" else INT4, quantized=fmt == "int4")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_assisted_generation_on_smollm_h200(smollm_cuda, fmt):
-    _, model, prompt = smollm_cuda
+@pytest.mark.parametrize("model_fixture", SMOLLM)
+def test_assisted_generation_on_smollm(model_fixture, fmt, request):
+    _, model, prompt = request.getfixturevalue(model_fixture)
     check_assisted(model, prompt, BF16 if fmt == "bf16" else INT4, quantized=fmt == "int4")
 
 
