@@ -5,11 +5,15 @@ process: what FOSCAR does today against the two baselines of issue 25 item 2.
 
 Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, one sequence, causal within the chunk):
 
-* ``flashinfer-bf16``: FlashInfer's prefill (``single_prefill_with_kv_cache``, HND) over a BF16 prefix + the chunk,
-  contiguous: what a BF16 cache costs.
+* ``flashinfer-bf16``: FlashInfer's batch prefill over a BF16 paged cache holding the prefix + the chunk
+  (``BatchPrefillWithPagedKVCacheWrapper``, HND pages of 64, planned once): what a BF16 cache costs an engine.
 * ``dequant+flashinfer``: OSCAR's approach with the project's own kernels: the packed pages dequantized to BF16
-  (``foscar.kernels.dequantize``), the 16-bit sink + window slots and the chunk gathered next to them, then the same
-  FlashInfer prefill. Extra memory: the whole prefix in BF16.
+  (``foscar.kernels.dequantize``), the 16-bit sink + window slots and the chunk gathered next to them, then
+  FlashInfer's ragged batch prefill (``BatchPrefillWithRaggedKVCacheWrapper``, NHD: the gather writes that layout,
+  one copy as a concatenation would be) over them. Extra memory: the whole prefix in BF16.
+
+(``single_prefill_with_kv_cache`` of the pinned FlashInfer dies with SIGFPE on a 100K-token K/V on the H200,
+2026-12-02; the batch wrappers are what engines call for chunked prefill anyway.)
 * ``foscar-attend-chunk``: ``PagedKVCache.attend_chunk`` as it runs on the GPU today (torch: the pages dequantized
   per call, fp32 scores in blocks of query tokens).
 
@@ -22,6 +26,7 @@ prefix). Correctness of each path is the tests' business (``tests/test_cache_chu
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -32,6 +37,7 @@ from .decode import MODELS, _versions, import_flashinfer, scheme_of
 from .records import run_meta, write
 
 SINK, WINDOW = 64, 256
+PAGE = 64  # tokens per page of the BF16 baseline's cache, as benchmarks.decode's FlashInfer rows
 
 
 def timed(fn, reps: int):
@@ -82,28 +88,58 @@ def dequantized_prefix(cache, seq):
     return out
 
 
+def flashinfer_paged(flashinfer, workspace, k, v, chunk, q_heads):
+    """``run(q)``: FlashInfer's causal batch prefill of ``chunk`` query tokens over BF16 ``k, v [kv_heads, n, D]``
+    (the last ``chunk`` of them are the chunk's own) copied into HND pages of ``PAGE``, planned here."""
+    kv_heads, n, d = k.shape
+    pages = -(-n // PAGE)
+    cache = torch.zeros(pages, 2, kv_heads, PAGE, d, device="cuda", dtype=torch.bfloat16)
+    for role, x in enumerate((k, v)):
+        padded = torch.nn.functional.pad(x, (0, 0, 0, pages * PAGE - n))
+        cache[:, role] = padded.view(kv_heads, pages, PAGE, d).transpose(0, 1)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+    i32 = dict(device="cuda", dtype=torch.int32)
+    wrapper.plan(torch.tensor([0, chunk], **i32), torch.tensor([0, pages], **i32), torch.arange(pages, **i32),
+                 torch.tensor([n - PAGE * (pages - 1)], **i32), q_heads, kv_heads, d, PAGE, causal=True,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    return lambda q: wrapper.run(q, cache)
+
+
+def flashinfer_ragged(flashinfer, workspace, n, chunk, q_heads, kv_heads, d):
+    """``run(q, k, v)``: FlashInfer's causal ragged batch prefill of ``chunk`` query tokens over NHD
+    ``k, v [n, kv_heads, D]``, planned here."""
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+    i32 = dict(device="cuda", dtype=torch.int32)
+    wrapper.plan(torch.tensor([0, chunk], **i32), torch.tensor([0, n], **i32), q_heads, kv_heads, d, causal=True,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    return wrapper.run
+
+
 def measure(method: str, prefix: int, chunks, reps: int):
     flashinfer = import_flashinfer()
     q_heads, kv_heads, d = MODELS["qwen3-8b"]
     scheme = scheme_of(method)
     gen = torch.Generator("cuda").manual_seed(0)
     cache, seq = foscar_prefix(scheme, kv_heads, prefix, gen)
-    k_bf16 = torch.randn(kv_heads, prefix + max(chunks), d, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v_bf16 = torch.randn_like(k_bf16)
+    workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
     rows = []
     for chunk in chunks:
         q = torch.randn(chunk, q_heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k_new = torch.randn(kv_heads, chunk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        v_new = torch.randn_like(k_new)
-        k_all, v_all = k_bf16[:, :prefix + chunk], v_bf16[:, :prefix + chunk]
-
-        def bf16():
-            return flashinfer.single_prefill_with_kv_cache(q, k_all, v_all, causal=True, kv_layout="HND")
+        k_all = torch.randn(kv_heads, prefix + chunk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v_all = torch.randn_like(k_all)
+        k_new, v_new = k_all[:, prefix:].contiguous(), v_all[:, prefix:].contiguous()
+        bf16 = functools.partial(flashinfer_paged(flashinfer, workspace, k_all, v_all, chunk, q_heads), q)
+        del k_all, v_all
+        ragged = flashinfer_ragged(flashinfer, workspace, prefix + chunk, chunk, q_heads, kv_heads, d)
 
         def oscar():
-            k_pre, v_pre = dequantized_prefix(cache, seq)
-            k, v = torch.cat([k_pre, k_new], dim=1), torch.cat([v_pre, v_new], dim=1)
-            return flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True, kv_layout="HND")
+            gathered = []
+            for pre, new in zip(dequantized_prefix(cache, seq), (k_new, v_new)):
+                nhd = torch.empty(pre.shape[1] + chunk, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+                nhd[:pre.shape[1]].copy_(pre.transpose(0, 1))
+                nhd[pre.shape[1]:].copy_(new.transpose(0, 1))
+                gathered.append(nhd)
+            return ragged(q, *gathered)
 
         def foscar():
             return cache.attend_chunk(0, [seq], q[None], k_new[None], v_new[None])

@@ -69,6 +69,8 @@ from typing import NamedTuple
 import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
+from .chunk_attention import BLOCK_BYTES, chunk_attention
+from .kernels.dequantize import dequantize_pages
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups
@@ -793,10 +795,13 @@ class PagedKVCache:
         tokens ``0 .. i`` (causal), those in 16 bits as given (rotated like appended keys when ``rotate``).
 
         Returns ``out [B, L, Hq, D]`` (q's dtype) and, if asked, ``lse [B, L, Hq]`` (fp32, as :meth:`attend`).
-        The cache is not changed. One fp32 softmax per block of query tokens over the dequantized pages, the
-        16-bit slots and the new tokens (a block's scores take at most ``CHUNK_SCORES`` elements), on any device:
-        the torch code of the CPU path, also on a GPU cache (no kernel takes a chunk before it is appended yet;
-        there the pages are dequantized per call). Host-planned: not capturable in a CUDA graph.
+        The cache is not changed. Host-planned: not capturable in a CUDA graph. Two computations:
+
+        * a kernel cache (GPU): per sequence, the packed pages are dequantized into q's dtype one block at a
+          time and attended by a fused attention with the 16-bit slots and, causally, the new tokens, merged
+          by their LSE (``foscar.chunk_attention``): extra memory is one block and the chunk, not the prefix;
+        * the torch path's cache: one fp32 softmax per block of query tokens over its fp32 copies of the pages,
+          the 16-bit slots and the new tokens (a block's scores take at most ``CHUNK_SCORES`` elements).
         """
         self._no_capture("attend_chunk")
         self._check_layer(layer)
@@ -817,14 +822,43 @@ class PagedKVCache:
         if max(held) + tokens > self.max_seq_len:
             raise ValueError(f"q: {tokens} new tokens after the {max(held)} cached of a sequence exceed "
                              f"max_seq_len={self.max_seq_len}")
+        q, k = self._rotate(q), self._rotate(k)
+        if self._dequantized is None:
+            parts = [chunk_attention(q[b], k[b], v[b], self._cached_blocks(layer, seq, n, q.dtype), sm_scale)
+                     for b, (seq, n) in enumerate(zip(ids, held))]
+            out, lse = (torch.stack(x) for x in zip(*parts))
+            return (out, lse) if return_lse else out
         plan = self._attend_plan(layer, ids, index)
         cached = self._read_cached(layer, plan, index)
-        q, k = self._rotate(q), self._rotate(k)
         rows = max(1, CHUNK_SCORES // (batch * heads * (plan.bias.shape[-1] + tokens)))
         parts = [self._chunk_softmax(q[:, start:start + rows], k[:, :, :start + rows], v[:, :, :start + rows], start,
                                      cached, plan, sm_scale) for start in range(0, tokens, rows)]
         out = torch.cat([o for o, _ in parts], dim=1).to(q.dtype)
         return (out, torch.cat([lse for _, lse in parts], dim=1)) if return_lse else out
+
+    def _cached_blocks(self, layer, seq, n, dtype):
+        """What sequence ``seq`` of ``n`` tokens holds, as blocks ``(k, v) [kv_heads, T, D]`` in ``dtype`` for
+        ``chunk_attention``: its packed pages dequantized ``BLOCK_BYTES`` at a time (the dequantize kernel on a
+        GPU cache in the Hopper bit order it reads, else the torch dequantizer), then its 16-bit slots."""
+        quantized, ps, d = self.quantized_tokens(n), self.page_size, self.scheme.head_dim
+        per_block = max(1, BLOCK_BYTES // (2 * self.kv_heads * ps * d * torch.finfo(dtype).bits // 8))
+        pages = -(-quantized // ps)
+        for first in range(0, pages, per_block):
+            # a copy: the kernel takes 16-byte aligned pointers, which a slice of a row need not be
+            table = self.page_table[seq:seq + 1, first:min(pages, first + per_block)].clone()
+            held = min(quantized - first * ps, table.shape[1] * ps)
+            if self.device.type == "cuda" and self.arch.layout == HOPPER.layout:
+                yield tuple(dequantize_pages(codes[layer], params[layer], table, self.scheme, role, dtype)[0, :, :held]
+                            for role, codes, params in (("k", self.k_codes, self.k_params),
+                                                        ("v", self.v_codes, self.v_params)))
+            else:
+                block = QuantizedKV(self.scheme, ps, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
+                                    self.v_params[layer], table, torch.tensor([held], device=self.device),
+                                    self.arch.layout)
+                yield tuple(x[0, :, :held].to(dtype) for x in block.dequantize())
+        n_dev = torch.tensor([n], device=self.device)
+        slots = self._valid_slots(n_dev, self._quantized_tokens_dev(n_dev))[0].nonzero()[:, 0]
+        yield self.k_bf16[layer, seq][:, slots], self.v_bf16[layer, seq][:, slots]
 
     def _read_cached(self, layer, plan, index):
         """fp32 ``((k pages, k slots), (v pages, v slots))`` of what ``plan`` reads: the torch path's copies, or

@@ -12,10 +12,9 @@ import torch
 from foscar import BatchAttention, Scheme
 from foscar.cache import PagedKVCache, PagePoolFull
 from test_cache import SCHEMES, assert_unchanged, kv, make_cache, snapshot
-from test_cache_chunk import rotated
+from test_cache_chunk import assert_within_the_rule, rotated
 
 SM_SCALE = 0.1
-FLOOR = 1e-5  # test_cache_decode_gpu's: a few BF16 ulps of outputs that are nearly exact in BF16
 
 
 def mix(cache):
@@ -72,42 +71,18 @@ def one_at_a_time(cache, layer, ids, offsets, q, k, v):
     return torch.cat(outs), torch.cat(lses)
 
 
-def reference(q, k, v):
-    """float64 ``(out, lse)`` of ``q [L, Hq, D]``, the last ``L`` of the tokens of ``k, v [kvh, n, D]`` (causal),
-    and the same attention in q's dtype (what a PyTorch user gets: the tolerance rule's yardstick)."""
-    tokens, hq, d = q.shape
-    kvh, n = k.shape[:2]
-    later = torch.arange(n)[None, :] > torch.arange(n - tokens, n)[:, None]
-
-    def attend(dtype):
-        qg = q.to(dtype).reshape(tokens, kvh, hq // kvh, d)
-        scores = (torch.einsum("lhrd,hnd->lhrn", qg, k.to(dtype)) * SM_SCALE).masked_fill(later[:, None, None],
-                                                                                         -math.inf)
-        p = torch.softmax(scores.double() if dtype == torch.float64 else scores.float(), -1).to(dtype)
-        out = torch.einsum("lhrn,hnd->lhrd", p, v.to(dtype)).reshape(tokens, hq, d)
-        return out, torch.logsumexp(scores.double(), -1).reshape(tokens, hq)
-
-    (ref, ref_lse), (low, low_lse) = attend(torch.float64), attend(q.dtype)
-    return ref, ref_lse, low, low_lse
-
-
 def check_float64(cache, layer, ids, offsets, before, q, k, v, out, lse):
     """Each sequence's rows against float64 attention over what it attended: a decode or a verify, the cache as it
     holds the tokens now (``dense``); a chunk, what it held before (``before``) and its own new K/V. The project's
-    rule: error at most twice the same attention's in q's dtype, plus FLOOR."""
+    rule (``assert_within_the_rule``)."""
     for seq, start, end in zip(ids, offsets, offsets[1:]):
         new_k, new_v = (x[start:end].transpose(0, 1).cpu() for x in (rotated(cache, k), v))
         if end - start <= cache.max_query_tokens():
             k_all, v_all = (x.cpu() for x in cache.dense(layer, seq))
         else:
             k_all, v_all = (torch.cat([x.cpu(), y.float()], 1) for x, y in zip(before[seq], (new_k, new_v)))
-        ref, ref_lse, low, low_lse = reference(rotated(cache, q[start:end]).cpu(), k_all, v_all)
-        tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
-        err = float((out[start:end].cpu().double() - ref).abs().max())
-        assert math.isfinite(err) and err <= tol, (seq, end - start, err, tol)
-        lse_err = float((lse[start:end].cpu().double() - ref_lse).abs().max())
-        lse_tol = max(2 * float((low_lse - ref_lse).abs().max()), tol, 1e-3)
-        assert lse_err <= lse_tol, (seq, end - start, lse_err, lse_tol)
+        assert_within_the_rule(out[start:end], lse[start:end], rotated(cache, q[start:end]).cpu(), k_all, v_all,
+                               SM_SCALE, (seq, end - start))
 
 
 def run_mixed_step(batched, single, ids, lens, rng, indptr_type):

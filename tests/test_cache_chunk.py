@@ -15,29 +15,54 @@ from test_cache import SCHEMES, assert_unchanged, expected_dense, kv, make_cache
 CHUNKS = [1, 2, 4, 8, 16, 3, 61, 100, 300, 1, 16, 130]  # appended in turn: lengths cross pages, granules, the window
 
 
-def chunk_attention(q, k_cached, v_cached, k_new, v_new, sm_scale):
-    """float64 attention of ``q [L, Hq, D]`` over ``k_cached [kvh, n, D]`` and, causally, ``k_new [kvh, L, D]``."""
-    n, tokens, d = k_cached.shape[1], q.shape[0], q.shape[-1]
-    kvh = k_cached.shape[0]
-    k = torch.cat([k_cached, k_new], 1).double()
-    v = torch.cat([v_cached, v_new], 1).double()
-    qg = q.double().reshape(tokens, kvh, -1, d)
-    scores = torch.einsum("lhrd,hmd->lhrm", qg, k) * sm_scale
-    later = torch.arange(n + tokens)[None, :] > (n + torch.arange(tokens))[:, None]
-    scores = scores.masked_fill(later[:, None, None, :], -math.inf)
-    out = torch.einsum("lhrm,hmd->lhrd", torch.softmax(scores, -1), v)
-    return out.reshape(q.shape), torch.logsumexp(scores, -1).reshape(tokens, -1)
+FLOOR = 1e-5  # test_cache_decode_gpu's: a few BF16 ulps of outputs that are nearly exact in BF16
+
+
+def causal_references(q, k, v, sm_scale):
+    """float64 ``(out, lse)`` of ``q [L, Hq, D]``, the last ``L`` of the tokens of ``k, v [kvh, n, D]`` (causal),
+    and the same attention in q's dtype (what a PyTorch user gets: the tolerance rule's yardstick)."""
+    tokens, hq, d = q.shape
+    kvh, n = k.shape[:2]
+    later = torch.arange(n)[None, :] > torch.arange(n - tokens, n)[:, None]
+
+    def attend(dtype):
+        qg = q.to(dtype).reshape(tokens, kvh, hq // kvh, d)
+        scores = (torch.einsum("lhrd,hnd->lhrn", qg, k.to(dtype)) * sm_scale).masked_fill(later[:, None, None],
+                                                                                         -math.inf)
+        p = torch.softmax(scores.double() if dtype == torch.float64 else scores.float(), -1).to(dtype)
+        out = torch.einsum("lhrn,hnd->lhrd", p, v.to(dtype)).reshape(tokens, hq, d)
+        return out, torch.logsumexp(scores.double(), -1).reshape(tokens, hq)
+
+    (ref, ref_lse), (low, low_lse) = attend(torch.float64), attend(q.dtype)
+    return ref, ref_lse, low, low_lse
+
+
+def assert_within_the_rule(out, lse, q, k, v, sm_scale, where):
+    """``out [L, Hq, D], lse [L, Hq]`` of the last ``L`` tokens of ``k, v [kvh, n, D]`` (causal) against float64:
+    the project's rule, an error at most twice that of the same attention in q's dtype, plus FLOOR (the lse: at
+    most that, or 1e-3)."""
+    ref, ref_lse, low, low_lse = causal_references(q, k, v, sm_scale)
+    tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
+    err = float((out.cpu().double() - ref).abs().max())
+    assert math.isfinite(err) and err <= tol, (where, err, tol)
+    lse_err = float((lse.cpu().double() - ref_lse).abs().max())
+    lse_tol = max(2 * float((low_lse - ref_lse).abs().max()), tol, 1e-3)
+    assert lse_err <= lse_tol, (where, lse_err, lse_tol)
 
 
 def rotated(cache, x):
-    """What the cache attends for 16-bit ``x`` (K or Q): rotated and rounded as it stores keys."""
-    return x if cache.rotation is None else (x.float() @ cache.rotation.to(x.device)).to(x.dtype)
+    """What the cache attends for 16-bit ``x`` (K or Q of a whole call): rotated and rounded as it stores keys, on
+    the cache's device and with the call's batch shape (a GPU matmul rounds by shape: a key rotated alone can
+    differ by 1 bit from the same key rotated in its batch)."""
+    if cache.rotation is None:
+        return x
+    return (x.to(cache.device).float() @ cache.rotation).to(x.dtype).to(x.device)
 
 
 def check_chunk(cache, ids, cached, rng, tokens, layer=0, sm_scale=0.1):
     """``attend_chunk`` of ``tokens`` fresh random tokens on ``ids`` equals float64 attention over what each
-    sequence holds (``cached(seq)``: fp32 ``(k, v) [kvh, n, D]``) and the new tokens; the cache is unchanged.
-    Returns the new tokens' ``(k, v)``."""
+    sequence holds (``cached(seq)``: fp32 ``(k, v) [kvh, n, D]``) and the new tokens within the project's rule
+    (``assert_within_the_rule``); the cache is unchanged. Returns the new tokens' ``(k, v)``."""
     scheme, dev = cache.scheme, cache.device
     q = torch.randn(len(ids), tokens, cache.kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=rng)
     q = q.to(scheme.q_dtype)
@@ -47,13 +72,11 @@ def check_chunk(cache, ids, cached, rng, tokens, layer=0, sm_scale=0.1):
                                   return_lse=True)
     assert_unchanged(cache, before)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    q_seen, k_seen = rotated(cache, q), rotated(cache, k_new)
     for b, seq in enumerate(ids):
         k, v = cached(seq)
-        ref, ref_lse = chunk_attention(rotated(cache, q[b]), k.cpu(), v.cpu(), rotated(cache, k_new[b]).float(),
-                                       v_new[b].float(), sm_scale)
-        assert (out[b].cpu().double() - ref).abs().max() < 1e-2, (seq, tokens)
-        # relative: an fp32 logsumexp over thousands of scores (the GPU's matmuls sum in another order: 2e-5 of 4.6)
-        assert ((lse[b].cpu().double() - ref_lse).abs() / ref_lse.abs().clamp_min(1)).max() < 1e-4, (seq, tokens)
+        k_all, v_all = (torch.cat([x.cpu(), y.float()], 1) for x, y in zip((k, v), (k_seen[b], v_new[b])))
+        assert_within_the_rule(out[b], lse[b], q_seen[b], k_all, v_all, sm_scale, (seq, tokens))
     return k_new, v_new
 
 
@@ -107,20 +130,26 @@ def test_attend_chunk_in_blocks_of_query_tokens(rng, monkeypatch):
     check_chunk(cache, [seq], lambda s: expected_dense(cache, k[0], v[0]), rng, 40)
 
 
-def test_attend_chunk_reading_pages_as_a_kernel_cache_does(rng):
-    """A kernel cache keeps no fp32 copies: attend_chunk dequantizes its pages per call. That read, run here on a
-    CPU cache without its copies, gives what the copies give."""
+def test_attend_chunk_as_a_kernel_cache_computes_it(rng, monkeypatch):
+    """A kernel cache keeps no fp32 copies: attend_chunk dequantizes its pages block by block into q's dtype and
+    merges fused attentions (foscar.chunk_attention). That computation, run here on a CPU cache without its
+    copies (the torch dequantizer in place of the kernel), in blocks of one page, is within the rule of float64
+    and close to the copies' fp32 result."""
+    monkeypatch.setattr(foscar.cache, "BLOCK_BYTES", 1)  # one page per block
     scheme = SCHEMES[3]
     cache = make_cache(scheme)
     ids = [cache.allocate() for _ in range(2)]
     k, v = kv(rng, scheme, 2, 700)
     cache.append(0, ids, k, v)
+    assert cache.quantized_tokens(700) > 2 * cache.page_size  # several blocks
     q = torch.randn(2, 9, 4, scheme.head_dim, generator=rng).to(scheme.q_dtype)
     k_new, v_new = kv(rng, scheme, 2, 9)
     with_copies = cache.attend_chunk(0, ids[::-1], q, k_new, v_new, return_lse=True)
     cache._dequantized = None  # what a use_kernels cache holds
-    without = cache.attend_chunk(0, ids[::-1], q, k_new, v_new, return_lse=True)
-    assert torch.equal(with_copies[0], without[0]) and torch.allclose(with_copies[1], without[1], atol=1e-6)
+    blocked = cache.attend_chunk(0, ids[::-1], q, k_new, v_new, return_lse=True)
+    assert torch.allclose(with_copies[0].float(), blocked[0].float(), atol=1e-2)
+    assert torch.allclose(with_copies[1], blocked[1], atol=1e-2)
+    check_chunk(cache, ids[::-1], lambda seq: cache.dense(0, seq), rng, 9)
 
 
 def test_attend_chunk_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
@@ -305,7 +334,8 @@ def gpu_cache(scheme, rotate=False):
     return foscar.cache.PagedKVCache(scheme, 1, 2, 48, 3, 4096, sink=64, window=256, rotate=rotate, device="cuda")
 
 
-GPU_SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make(4, "token", 128, "token", 128, 128, 4)]
+GPU_SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make(4, "token", 128, "token", 128, 128, 4),
+               Scheme.make(2, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16)]
 
 
 @pytest.mark.gpu

@@ -114,9 +114,10 @@ def test_dequantize_pages_matches_reference(cfg):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_axis,v_axis,k_bits,v_bits", [("channel", "token", 2, 2), ("token", "token", 2, 2),
                                                          ("channel", "token", 4, 2), ("token", "channel", 2, 4)])
-def test_dequantize_pages_matches_quantize_kv(k_axis, v_axis, k_bits, v_bits, rng):
+def test_dequantize_pages_matches_quantize_kv(k_axis, v_axis, k_bits, v_bits, dtype, rng):
     from foscar import Scheme, quantize_kv
     from foscar.kernels import dequantize_pages
 
@@ -127,6 +128,8 @@ def test_dequantize_pages_matches_quantize_kv(k_axis, v_axis, k_bits, v_bits, rn
     refs = cache.dequantize()
     for role, ref in zip(("k", "v"), refs):
         codes, params = (cache.k_codes, cache.k_params) if role == "k" else (cache.v_codes, cache.v_params)
-        out = dequantize_pages(codes, params, cache.page_table, scheme, role).float()
+        out = dequantize_pages(codes, params, cache.page_table, scheme, role, dtype)
+        assert out.dtype == dtype
+        rtol = 2**-7 if dtype == torch.bfloat16 else 2**-10  # one ulp: the kernel's s*c+z may be one FMA
         for b, length in enumerate(cache.lengths.tolist()):
-            torch.testing.assert_close(out[b, :, :length], ref[b, :, :length].float(), rtol=2**-7, atol=1e-6)
+            torch.testing.assert_close(out[b, :, :length].float(), ref[b, :, :length].float(), rtol=rtol, atol=1e-6)

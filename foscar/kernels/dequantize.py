@@ -1,9 +1,10 @@
-"""Dequantize a paged, packed KV cache into a dense BF16 tensor (CuTe DSL, sm_90a and sm_100a).
+"""Dequantize a paged, packed KV cache into a dense BF16 (or FP16) tensor (CuTe DSL, sm_90a and sm_100a).
 
 Why this kernel exists: it is the simplest kernel that reads the packed format exactly as the
 attention kernels will -- one 64-token tile at a time, through the tile's code-position layout
 (``foscar.layouts.cute.bit_layout``) -- so a GPU test can compare it bit for bit against the torch
-dequantizer, and the BF16 output feeds the dequantize-then-attend baseline. Correctness first:
+dequantizer, and the BF16 output feeds the dequantize-then-attend baseline and the blocks of
+``foscar.chunk_attention`` (in the query's dtype there). Correctness first:
 one CTA per tile, a plain SIMT gather; no Tensor Cores.
 
 Formats (one KV head dimension ``D``, ``bits`` per code, group ``G``)::
@@ -13,7 +14,7 @@ Formats (one KV head dimension ``D``, ``bits`` per code, group ``G``)::
                 float16 [num_pages, kv_heads, page_size // G, D, 2]          channel-wise groups
                         last mode (scale, offset): x = scale * code + offset
     page_table  int32   [batch, max_pages]
-    out         bf16    [batch, kv_heads, max_pages * page_size, D]
+    out         bf16    [batch, kv_heads, max_pages * page_size, D]                 (or fp16: ``dtype``)
 
 Token ``i`` of sequence ``b`` lives in page ``page_table[b, i // page_size]``, slot
 ``i % page_size``. Every page-table entry is read, so unused entries must hold a valid page index.
@@ -40,6 +41,7 @@ __all__ = ["DequantizeConfig", "Dequantize", "compile_dequantize", "dequantize_p
 
 THREADS = 128
 CHUNK = 8  # channels per thread per store: 8 bf16 = one 16-byte store
+OUT_TYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class DequantizeConfig:
     role: str  # 'k' or 'v': which packed tile layout
     axis: Axis  # group axis of this role's (scale, offset)
     group: int
+    dtype: str = "bfloat16"  # the output's: "bfloat16" or "float16"
 
     def __post_init__(self):
         object.__setattr__(self, "axis", Axis(self.axis))
@@ -59,15 +62,21 @@ class DequantizeConfig:
             raise ValueError(f"token-wise group {self.group} must divide head_dim {self.head_dim}")
         if self.group % CHUNK:
             raise ValueError(f"group {self.group} must be a multiple of {CHUNK}")
+        if self.dtype not in OUT_TYPES:
+            raise ValueError(f"dtype must be one of {sorted(OUT_TYPES)}, got {self.dtype!r}")
 
     @classmethod
-    def of(cls, scheme_or_config, role: str | None = None) -> "DequantizeConfig":
+    def of(cls, scheme_or_config, role: str | None = None, dtype: str = "bfloat16") -> "DequantizeConfig":
         if isinstance(scheme_or_config, cls):
             return scheme_or_config
         if not isinstance(scheme_or_config, Scheme) or role not in ("k", "v"):
             raise TypeError("pass a DequantizeConfig, or a Scheme and role='k' or 'v'")
         quant = scheme_or_config.k if role == "k" else scheme_or_config.v
-        return cls(quant.bits, scheme_or_config.head_dim, role, quant.axis, quant.group)
+        return cls(quant.bits, scheme_or_config.head_dim, role, quant.axis, quant.group, dtype)
+
+    @property
+    def out_type(self):
+        return OUT_TYPES[self.dtype]
 
     @property
     def geometry(self) -> TileGeometry:
@@ -175,7 +184,7 @@ class Dequantize:
         # ---- gather codes by the tile's bit layout, dequantize, store 8 channels --------------
         bits_of = bit_layout(cfg.geometry)  # (token, channel) -> bit position in the tile
         mask = (1 << cfg.bits) - 1
-        values = cute.make_rmem_tensor((CHUNK,), cutlass.BFloat16)
+        values = cute.make_rmem_tensor((CHUNK,), cfg.out_type)
         for step in cutlass.range_constexpr(self.out_steps):
             n = step * THREADS + tidx
             token = n // self.chunks_per_row
@@ -192,7 +201,7 @@ class Dequantize:
                 if cutlass.const_expr(cfg.axis is Axis.CHANNEL):
                     scale = mParams[page, head, slot // cfg.group, c0 + e, 0].to(cutlass.Float32)
                     offset = mParams[page, head, slot // cfg.group, c0 + e, 1].to(cutlass.Float32)
-                values[e] = (scale * code.to(cutlass.Float32) + offset).to(cutlass.BFloat16)
+                values[e] = (scale * code.to(cutlass.Float32) + offset).to(cfg.out_type)
             # ((CHUNK), (D / CHUNK))
             gRow = cute.zipped_divide(mOut[seq, head, tile * TILE_TOKENS + token, None], (CHUNK,))
             cute.autovec_copy(values, gRow[None, n % self.chunks_per_row])
@@ -210,20 +219,25 @@ def compile_dequantize(scheme_or_config, role: str | None = None, arch: str = "s
         fake_ptr(cutlass.Int32),
         fake_ptr(cutlass.Float16),
         fake_ptr(cutlass.Int32),
-        fake_ptr(cutlass.BFloat16),
+        fake_ptr(cfg.out_type),
         i32, i32, i32, i32, i32,
         cuda.CUstream(0),
     )
 
 
-def dequantize_pages(codes, params, page_table, scheme, role: str):
-    """Dense BF16 [batch, kv_heads, max_pages*page_size, D] of a paged packed cache (CUDA tensors).
+def dequantize_pages(codes, params, page_table, scheme, role: str, dtype=None):
+    """Dense ``dtype`` (BF16 by default, or FP16) [batch, kv_heads, max_pages*page_size, D] of a paged packed
+    cache in the Hopper bit order (CUDA tensors).
 
     Runs on the current torch stream.
     """
     import torch
 
-    cfg = DequantizeConfig.of(scheme, role)
+    dtype = torch.bfloat16 if dtype is None else dtype
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dtype not in names:
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    cfg = DequantizeConfig.of(scheme, role, names[dtype])
     D, G = cfg.head_dim, cfg.group
     num_pages, kv_heads, tiles_per_page, words = codes.shape
     page_size = tiles_per_page * TILE_TOKENS
@@ -239,20 +253,18 @@ def dequantize_pages(codes, params, page_table, scheme, role: str):
         ("params", params, torch.float16, params_shape),
         ("page_table", page_table, torch.int32, (batch, max_pages)),
     ]
-    for name, t, dtype, shape in expected:
-        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_cuda or not t.is_contiguous():
-            raise ValueError(f"{name}: need a contiguous CUDA {dtype} tensor of shape {shape}, got "
+    for name, t, want, shape in expected:
+        if t.dtype != want or tuple(t.shape) != shape or not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{name}: need a contiguous CUDA {want} tensor of shape {shape}, got "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    out = torch.empty(batch, kv_heads, max_pages * page_size, D, dtype=torch.bfloat16, device=codes.device)
+    out = torch.empty(batch, kv_heads, max_pages * page_size, D, dtype=dtype, device=codes.device)
     if out.numel() == 0:
         return out
     arch = device_arch(codes.device)
     compiled = cached_compile(("dequantize", cfg, arch), lambda: compile_dequantize(cfg, arch=arch))
-
-
     stream = current_stream(codes.device)
     compiled(
         gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16), gmem_ptr(page_table, cutlass.Int32),
-        gmem_ptr(out, cutlass.BFloat16), num_pages, kv_heads, page_size, batch, max_pages, stream,
+        gmem_ptr(out, cfg.out_type), num_pages, kv_heads, page_size, batch, max_pages, stream,
     )
     return out

@@ -1,0 +1,115 @@
+"""Attention of a chunk of new tokens over a long cached prefix (chunked prefill, a prefix-cache hit, a new turn),
+block by block, for ``PagedKVCache.attend_chunk`` on a kernel cache.
+
+The cached tokens come as blocks of K/V in the query's dtype (the cache dequantizes one block of packed pages at a
+time, ``BLOCK_BYTES`` of K and V); each block is fully visible to every query token and is attended by a fused
+attention that keeps its scores on chip and returns each row's log-sum-exp (cuDNN's through torch's
+``_scaled_dot_product_cudnn_attention``; the CPU's flash kernel on the CPU). The chunk's own tokens follow, causal.
+The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: one block, the chunk's query,
+outputs and its K/V repeated per query head, never the whole prefix.
+
+Shapes: a query head ``h`` of KV head ``h // gqa``; for the cached blocks, which every token sees, the ``gqa``
+heads of a KV head fold into the rows of one attention (``[kv_heads, gqa * L, D]``, row ``g * L + t``), so the
+block's K/V are read once per KV head. A chunk too short to fill the GPU with its rows splits a block into
+``pieces`` (a batch of one attention) whose partials merge first.
+
+This is the dequantize-then-attend algebra with a bounded working set, not a folded kernel: the values of a block
+are written once and read back. It is exact up to the rounding of the dequantized values to the query's dtype,
+which a BF16 (FP16) PyTorch computation on the same cache also makes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BLOCK_BYTES", "Merged", "chunk_attention", "fused_attention"]
+
+BLOCK_BYTES = 128 << 20  # K and V of one dequantized block of cached tokens
+MIN_PIECE = 1024  # tokens: the shortest piece of a block that is its own batch entry
+ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward kernel (head_dim <= 128 on sm_90)
+CTAS_PER_SM = 2  # pieces are added until the grid fills the GPU this many times
+
+
+def fused_attention(q, k, v, sm_scale: float, causal: bool):
+    """``(out [B, H, L, D] in q's dtype, lse [B, H, L] fp32, natural log of the scaled scores)`` of
+    ``q [B, H, L, D]`` over ``k, v [B, H, T, D]`` (same heads, contiguous).
+
+    On a GPU, cuDNN's fused attention: on the H200 (2026-12-02, 8 heads, a 32K-token block, BF16) it took 796 us
+    for 4096 query rows per head where FlashAttention-2's took 1514 us (690 vs 363 TFLOPS), and 122 vs 204 us for
+    512 rows cut into 16 pieces."""
+    if q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                      scale=sm_scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=sm_scale)
+    return out, lse.reshape(out.shape[:-1])
+
+
+@dataclass
+class Merged:
+    """The running merge of partial attentions of the same query rows: ``out`` fp32 ``[..., rows, D]`` and
+    ``lse`` fp32 ``[..., rows]``; every partial attends a non-empty set of tokens (a finite lse)."""
+
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        out, lse = out.float(), lse.float()
+        if self.out is None:
+            self.out, self.lse = out, lse
+            return
+        total = torch.logaddexp(self.lse, lse)
+        self.out = self.out * (self.lse - total).exp_()[..., None] + out * (lse - total).exp_()[..., None]
+        self.lse = total
+
+
+def _pieces(rows: int, kv_heads: int, tokens: int, device: torch.device) -> int:
+    """How many pieces one block's attention of ``rows`` query rows per KV head splits into (a batch)."""
+    if device.type != "cuda":
+        return 1
+    ctas = kv_heads * -(-rows // ROWS_PER_CTA)
+    wanted = -(-CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count // ctas)
+    return max(1, min(wanted, tokens // MIN_PIECE))
+
+
+def _attend_block(q_rows, k, v, sm_scale: float, merged: Merged) -> None:
+    """Merge the attention of ``q_rows [kv_heads, rows, D]`` over one fully visible block ``k, v [kv_heads, T, D]``."""
+    kv_heads, rows, d = q_rows.shape
+    tokens = k.shape[1]
+    pieces = _pieces(rows, kv_heads, tokens, q_rows.device)
+    span = tokens // pieces
+    if pieces > 1:
+        # (pieces, kv_heads, span, D): piece i holds tokens i*span .. (i+1)*span - 1 of every head
+        k_pieces = k[:, :pieces * span].unflatten(1, (pieces, span)).transpose(0, 1).contiguous()
+        v_pieces = v[:, :pieces * span].unflatten(1, (pieces, span)).transpose(0, 1).contiguous()
+        q_pieces = q_rows.expand(pieces, -1, -1, -1).contiguous()
+        out, lse = fused_attention(q_pieces, k_pieces, v_pieces, sm_scale, causal=False)
+        total = torch.logsumexp(lse, dim=0)
+        merged.add((out.float() * (lse - total).exp_()[..., None]).sum(0), total)
+    rest = slice(pieces * span, tokens) if pieces > 1 else slice(0, tokens)
+    if rest.stop > rest.start:
+        k_rest, v_rest = (x[None, :, rest].contiguous() for x in (k, v))
+        out, lse = fused_attention(q_rows[None], k_rest, v_rest, sm_scale, causal=False)
+        merged.add(out[0], lse[0])
+
+
+def chunk_attention(q, k_new, v_new, blocks, sm_scale: float):
+    """Attention of ``L`` new tokens ``q [L, Hq, D]`` over the cached ``blocks`` (an iterable of ``(k, v)``
+    ``[kv_heads, T, D]`` in q's dtype, each fully visible; empty ones are skipped) and, causally, their own
+    ``k_new, v_new [kv_heads, L, D]``. Returns ``out [L, Hq, D]`` (q's dtype) and ``lse [L, Hq]`` (fp32)."""
+    tokens, q_heads, d = q.shape
+    kv_heads = k_new.shape[0]
+    group = q_heads // kv_heads
+    q_by_head = q.transpose(0, 1).contiguous()  # [Hq, L, D]
+    q_rows = q_by_head.view(kv_heads, group * tokens, d)  # the gqa heads of a KV head as rows g*L + t
+    merged = Merged()
+    for k, v in blocks:
+        if k.shape[1]:
+            _attend_block(q_rows, k, v, sm_scale, merged)
+    own_k, own_v = (x.repeat_interleave(group, dim=0)[None] for x in (k_new, v_new))  # [1, Hq, L, D]
+    out, lse = fused_attention(q_by_head[None], own_k, own_v, sm_scale, causal=True)
+    merged.add(out[0].reshape(kv_heads, group * tokens, d), lse[0].reshape(kv_heads, group * tokens))
+    out = merged.out.reshape(q_heads, tokens, d).transpose(0, 1).to(q.dtype)
+    return out, merged.lse.reshape(q_heads, tokens).transpose(0, 1).contiguous()

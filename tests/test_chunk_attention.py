@@ -1,0 +1,52 @@
+"""foscar.chunk_attention (the blocked attention of ``attend_chunk`` on a kernel cache) on the CPU: cached tokens in
+blocks of any length (empty ones included), a block cut into pieces, and the chunk's own tokens, against float64
+causal attention over the same values under the project's rule. On the GPU the same code runs through the kernel
+cache's tests (tests/test_cache_chunk.py, tests/test_batch.py)."""
+
+import pytest
+import torch
+from test_cache_chunk import assert_within_the_rule
+
+import foscar.chunk_attention as chunk_attention
+from foscar.chunk_attention import Merged
+
+SM_SCALE = 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pieces", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_blocks_pieces_and_own_tokens_against_float64(dtype, pieces, tokens, rng, monkeypatch):
+    kv_heads, group, d = 2, 4, 64
+    blocks = [0, 1500, 7, 0, 2049]  # cached tokens per block: empty, long (cut into pieces with a tail), short
+    monkeypatch.setattr(chunk_attention, "_pieces", lambda rows, heads, length, device: min(pieces, length // 8 or 1))
+    k = torch.randn(kv_heads, sum(blocks) + tokens, d, generator=rng) + 2 * torch.randn(d, generator=rng)
+    v = torch.randn(kv_heads, sum(blocks) + tokens, d, generator=rng)
+    k, v = k.to(dtype), v.to(dtype)
+    q = torch.randn(tokens, kv_heads * group, d, generator=rng).to(dtype)
+    edges = torch.tensor([0] + blocks).cumsum(0).tolist()
+    cached = [(k[:, a:b], v[:, a:b]) for a, b in zip(edges, edges[1:])]
+    out, lse = chunk_attention.chunk_attention(q, k[:, -tokens:], v[:, -tokens:], cached, SM_SCALE)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (tokens, kv_heads * group)
+    assert lse.dtype == torch.float32
+    assert_within_the_rule(out, lse, q, k.float(), v.float(), SM_SCALE, (dtype, pieces, tokens))
+
+
+def test_nothing_cached_is_causal_attention_of_the_chunk(rng):
+    kv_heads, group, d, tokens = 1, 2, 32, 9
+    k, v = (torch.randn(kv_heads, tokens, d, generator=rng).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(tokens, kv_heads * group, d, generator=rng).to(torch.bfloat16)
+    out, lse = chunk_attention.chunk_attention(q, k, v, [], SM_SCALE)
+    assert_within_the_rule(out, lse, q, k.float(), v.float(), SM_SCALE, "no cached tokens")
+
+
+def test_merging_partials_equals_one_softmax(rng):
+    """Merged.add over a split of the keys gives the softmax over all of them (float64: exactly up to rounding)."""
+    scores = torch.randn(3, 50, generator=rng, dtype=torch.float64) * 4
+    values = torch.randn(50, 8, generator=rng, dtype=torch.float64)
+    merged = Merged()
+    for a, b in ((0, 20), (20, 21), (21, 50)):
+        lse = torch.logsumexp(scores[:, a:b], -1)
+        merged.add(torch.softmax(scores[:, a:b], -1) @ values[a:b], lse)
+    assert torch.allclose(merged.out.double(), torch.softmax(scores, -1) @ values, atol=1e-6)
+    assert torch.allclose(merged.lse.double(), torch.logsumexp(scores, -1), atol=1e-6)
