@@ -225,6 +225,7 @@ class PagedKVCache:
                                   f"({sink} + {ring})")
         self.num_layers, self.kv_heads, self.num_pages, self.max_seqs = num_layers, kv_heads, num_pages, max_seqs
         self.page_size, self.sink, self.window, self.max_seq_len = page_size, sink, window, max_seq_len
+        self.rollback = rollback
         self.ring = ring
         self.max_pages = max(1, -(-self.quantized_tokens(max_seq_len) // page_size))
         self.trash_page = num_pages
@@ -721,8 +722,11 @@ class PagedKVCache:
         """Decode attention of ``q [len(seq_ids), kv_heads*gqa_ratio, head_dim]`` over each sequence, or of
         ``q [len(seq_ids), tokens, kv_heads*gqa_ratio, head_dim]``: the sequences' last ``tokens`` tokens
         (speculative verification: the draft tokens, appended first), each attending every token up to its
-        own (causal). They sit in the 16-bit window (``tokens <= window``); on the GPU the kernel takes
-        ``gqa_ratio x tokens <= 16`` query rows per KV head (``Arch.check_query_tokens``).
+        own (causal). They sit in the 16-bit window (``tokens <= window``); on the GPU one kernel launch takes
+        ``gqa_ratio x tokens <= 16`` query rows per KV head (``Arch.max_query_tokens``), and more tokens, up to
+        :meth:`max_query_tokens`, run as several launches: the tokens of each but the last see the sequence as
+        a truncate of the tokens after them would leave it (its ``lengths`` less those tokens, which the ring
+        still holds in 16 bits while they are within ``rollback``).
 
         Returns ``out`` (q's dtype and shape) and, if asked, ``lse`` (fp32, q's shape less head_dim, natural
         log, scores scaled by ``sm_scale``, default ``head_dim**-0.5``). A sequence with no token yet attends
@@ -732,27 +736,42 @@ class PagedKVCache:
         """
         self._check_layer(layer)
         ids, index = self._rows(seq_ids)
-        scheme = self.scheme
         tokens = self._check_query(layer, q, ids)
         sm_scale = self._sm_scale(sm_scale)
         q = self._rotate(q).contiguous()  # the kernels read q densely (a q sliced from a fused QKV is not)
-        if self.use_kernels:  # packed pages + 16-bit slots, merged (Arch.run_cache_decode: one launch on Hopper)
-            out, lse = self.arch.run_cache_decode(
-                q, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
-                self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, self.lengths[layer], self._counters,
-                self.sink, self.window, sm_scale, scheme, self.num_splits(q.shape[0]), self.cta_budget)
-            return (out, lse) if return_lse else out
-        plan = self._attend_plan(layer, ids, index)
-        out, lse = self._softmax_attend(layer, q.view(q.shape[0], tokens, *q.shape[-2:]), plan, index, sm_scale)
+        rows = q.view(q.shape[0], tokens, *q.shape[-2:])
+        step = self._tokens_per_launch()
+        parts = [self._attend_tokens(layer, ids, index, rows[:, first:first + step].contiguous(), sm_scale,
+                                     tokens - min(tokens, first + step)) for first in range(0, tokens, step)]
+        out, lse = (torch.cat(x, dim=1) if len(x) > 1 else x[0] for x in zip(*parts))
         out, lse = out.view(q.shape).to(q.dtype), lse.view(q.shape[:-1])
         return (out, lse) if return_lse else out
 
+    def _attend_tokens(self, layer, ids, index, q, sm_scale, later: int):
+        """``attend`` of ``q [B, tokens, Hq, D]``, the tokens of each sequence that precede its last ``later``
+        ones: over the sequence as a truncate of those would leave it."""
+        lengths = self.lengths[layer] if later == 0 else self.lengths[layer] - later
+        if self.use_kernels:  # packed pages + 16-bit slots, merged (Arch.run_cache_decode: one launch on Hopper)
+            one = q[:, 0] if q.shape[1] == 1 else q
+            out, lse = self.arch.run_cache_decode(
+                one, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
+                self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, lengths, self._counters,
+                self.sink, self.window, sm_scale, self.scheme, self.num_splits(q.shape[0]), self.cta_budget)
+            return out.view(q.shape), lse.view(q.shape[:-1])
+        plan = self._attend_plan(layer, ids, index, later)
+        return self._softmax_attend(layer, q, plan, lengths[index], sm_scale)
+
+    def _tokens_per_launch(self) -> int:
+        """The most query tokens per sequence one kernel launch (or one torch-path softmax) attends."""
+        window = max(self.window, 1)
+        return min(window, self.arch.max_query_tokens(self.scheme)[0]) if self.use_kernels else window
+
     def max_query_tokens(self) -> int:
         """The most query tokens per sequence :meth:`attend` takes (the sequences' last tokens): the 16-bit window
-        holds them, and on the GPU the decode kernel takes them (``Arch.max_query_tokens``: its query tile holds
-        ``gqa_ratio x tokens <= 16`` columns). More go through :meth:`attend_chunk`, before they are appended."""
-        limit = max(self.window, 1)
-        return min(limit, self.arch.max_query_tokens(self.scheme)[0]) if self.use_kernels else limit
+        holds them; on the GPU one kernel launch takes ``gqa_ratio x tokens <= 16`` query columns
+        (``Arch.max_query_tokens``), and ``rollback`` tokens more run as earlier launches over the sequence as
+        a truncate would leave it. More go through :meth:`attend_chunk`, before they are appended."""
+        return min(max(self.window, 1), self._tokens_per_launch() + self.rollback)
 
     def _check_query(self, layer, q, ids) -> int:
         """Validate ``attend``'s ``q`` (3-D: one token per sequence; 4-D: ``tokens`` of them); returns ``tokens``."""
@@ -769,8 +788,14 @@ class PagedKVCache:
             raise ValueError(f"q: {tokens} query tokens per sequence exceed window={self.window}: attend's query "
                              "tokens are the last ones appended, which the 16-bit window holds (attend_chunk "
                              "takes longer chunks)")
+        step = self._tokens_per_launch()
         if self.use_kernels:
-            self.arch.check_query_tokens(self.scheme, self.page_size, tokens)
+            self.arch.check_query_tokens(self.scheme, self.page_size, min(tokens, step))
+        if tokens > self.max_query_tokens():
+            raise ValueError(f"q: {tokens} query tokens per sequence: one kernel launch takes {step} and rollback="
+                             f"{self.rollback} more (earlier launches read the sequence as a truncate would leave "
+                             f"it), at most {self.max_query_tokens()}; construct the cache with rollback >= "
+                             f"{tokens - step}, or attend_chunk the tokens before appending them")
         if not _capturing(self.device):  # a capture sees no lengths: the caller appended the tokens
             self._sync_mirror()
             held = self._host_len[layer, list(ids)]
@@ -828,7 +853,7 @@ class PagedKVCache:
                      for b, (seq, n) in enumerate(zip(ids, held))]
             out, lse = (torch.stack(x) for x in zip(*parts))
             return (out, lse) if return_lse else out
-        plan = self._attend_plan(layer, ids, index)
+        plan = self._attend_plan(layer, ids, index, 0)
         cached = self._read_cached(layer, plan, index)
         rows = max(1, CHUNK_SCORES // (batch * heads * (plan.bias.shape[-1] + tokens)))
         parts = [self._chunk_softmax(q[:, start:start + rows], k[:, :, :start + rows], v[:, :, :start + rows], start,
@@ -893,19 +918,19 @@ class PagedKVCache:
         out = out.view(batch, kvh, group, rows, d).permute(0, 3, 1, 2, 4).reshape(batch, rows, hq, d)
         return out, lse.view(batch, kvh, group, rows).permute(0, 3, 1, 2).reshape(batch, rows, hq)
 
-    def _attend_plan(self, layer, ids, index) -> _AttendPlan:
-        """What a torch-path attend of ``ids`` reads; outside a capture it is kept for the next attend of the
-        same sequences at the same lengths (every layer's at a decode step): pages and slots are laid out
-        alike in every layer, and a page-table change drops it."""
+    def _attend_plan(self, layer, ids, index, later: int) -> _AttendPlan:
+        """What a torch-path attend of ``ids`` reads, each sequence without its last ``later`` tokens; outside a
+        capture it is kept for the next attend of the same sequences at the same lengths (every layer's at a
+        decode step): pages and slots are laid out alike in every layer, and a page-table change drops it."""
         capturing = _capturing(self.device)
         if not capturing:
             self._sync_mirror()
-            key = (ids, tuple(self._host_len[layer, list(ids)].tolist()))
+            key = (ids, tuple((self._host_len[layer, list(ids)] - later).tolist()))
             if self._plan is not None and self._plan[0] == key:
                 return self._plan[1]
         contiguous = ids == tuple(range(ids[0], ids[0] + len(ids)))
         rows = slice(ids[0], ids[0] + len(ids)) if contiguous else index  # slices avoid gathers
-        n = self.lengths[layer, index]
+        n = self.lengths[layer, index] - later
         qlen = self._quantized_tokens_dev(n)
         table = self.page_table[rows]
         if not capturing:  # only pages that hold tokens (at least one): work follows the lengths, not max_seq_len
@@ -950,11 +975,11 @@ class PagedKVCache:
             quantized = quantized.transpose(0, 1)
         return quantized, self._slots_fp32[role][layer][plan.rows]
 
-    def _softmax_attend(self, layer, q, plan, index, sm_scale):
-        """fp32 attention of ``q [B, tokens, Hq, D]``, the sequences' last ``tokens`` tokens, over what ``plan``
-        reads: one softmax over the quantized part and the slots, each query token masked from the slots that
-        hold later tokens (those are in the 16-bit window: ``tokens <= window``); a sequence that holds no token
-        gets ``out = 0``, ``lse = -inf``."""
+    def _softmax_attend(self, layer, q, plan, n, sm_scale):
+        """fp32 attention of ``q [B, tokens, Hq, D]``, the last ``tokens`` of sequences of ``n`` tokens, over
+        what ``plan`` reads: one softmax over the quantized part and the slots, each query token masked from the
+        slots that hold later tokens (those are in the 16-bit window: ``tokens <= window``); a sequence that
+        holds no token gets ``out = 0``, ``lse = -inf``."""
         batch, tokens, hq, d = q.shape
         group = hq // self.kv_heads
         (k_q, k_s), (v_q, v_s) = self._read(layer, "k", plan), self._read(layer, "v", plan)
@@ -962,7 +987,6 @@ class PagedKVCache:
         qg = qg.reshape(batch, self.kv_heads, group * tokens, d)  # rows (query head of the group, token)
         scores = torch.cat([torch.matmul(qg, k_q.mT), torch.matmul(qg, k_s.mT)], dim=-1).add_(plan.bias)
         if tokens > 1:
-            n = self.lengths[layer, index]
             later = self._slot_positions(n, self._quantized_tokens_dev(n))[:, None, :] > (
                 n[:, None] - tokens + torch.arange(tokens, device=self.device)[None, :])[:, :, None]  # [B, tokens, slots]
             slots = scores[..., plan.width:].view(batch, self.kv_heads, group, tokens, -1)

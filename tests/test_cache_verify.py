@@ -4,6 +4,7 @@ against float64 attention over what the cache holds (``PagedKVCache.dense``) wit
 torch path here, the Hopper kernel (``foscar.query_rows``: gqa x tokens query columns, the causal mask on the
 window tiles) in the GPU tests; the kernels' limits and the errors, which leave the cache unchanged."""
 
+import copy
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from foscar import Scheme
 from foscar.archs import BLACKWELL, HOPPER
 from foscar.cache import PagedKVCache
 from test_cache import SCHEMES, assert_unchanged, kv, make_cache, snapshot
+from test_cache_chunk import assert_within_the_rule, rotated
 
 
 def causal_attention(q, k, v, sm_scale):
@@ -247,3 +249,72 @@ def test_kernel_verification_in_a_cuda_graph_equals_eager(rng):
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
     assert caches[0].lengths.equal(caches[1].lengths)
+
+
+def check_launches(cache, ids, drafts, rng, sm_scale=0.1):
+    """Append drafts of ``drafts`` tokens in turn to ``ids`` and attend each: the launches of
+    ``cache._tokens_per_launch()`` tokens, each over the sequence as a truncate of the later tokens leaves it,
+    against float64 over that truncated cache with the causal mask (the project's rule); the ring always holds
+    what those views read (``rollback_limit``)."""
+    scheme, dev, step = cache.scheme, cache.device, cache._tokens_per_launch()
+    heads = cache.kv_heads * scheme.gqa_ratio
+    for tokens in drafts:
+        k, v = kv(rng, scheme, len(ids), tokens, heads=cache.kv_heads)
+        cache.append(0, ids, k.to(dev), v.to(dev))
+        assert all(cache.rollback_limit(seq) >= tokens - step for seq in ids)
+        q = torch.randn(len(ids), tokens, heads, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+        out, lse = cache.attend(0, ids, q.to(dev), sm_scale=sm_scale, return_lse=True)
+        q_seen = rotated(cache, q)
+        for first in range(0, tokens, step):  # the launches: tokens first .. end - 1 of each sequence
+            end, view = min(tokens, first + step), copy.deepcopy(cache)
+            view.truncate(0, ids, tokens - end)
+            for b, seq in enumerate(ids):
+                assert_within_the_rule(out[b, first:end], lse[b, first:end], q_seen[b, first:end],
+                                       *(x.cpu() for x in view.dense(0, seq)), sm_scale, (tokens, first, seq))
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_more_tokens_than_one_launch_takes_run_as_launches_over_truncated_views(step, rng, monkeypatch):
+    """Past the tokens one launch takes (patched here to ``step``; gqa x tokens <= 16 on the GPU), ``rollback``
+    tokens more run as earlier launches, each over the sequence as a truncate of the later tokens leaves it (a
+    granule that the draft's own append quantized is still read in 16 bits there, as a token-by-token decode
+    read it): drafts of 1 .. step + rollback tokens across flushes."""
+    monkeypatch.setattr(PagedKVCache, "_tokens_per_launch", lambda self: step)
+    cache = make_cache(SCHEMES[1], window=64, num_pages=40, rollback=7)  # granule 64: a flush every 64 tokens
+    assert cache.max_query_tokens() == step + 7
+    ids = [cache.allocate(), cache.allocate()]
+    for i, n in zip(ids, [130, 20]):
+        k, v = kv(rng, cache.scheme, 1, n)
+        cache.append(0, [i], k, v)
+    check_launches(cache, ids, [min(t, step + 7) for t in [8, 2, step + 1, 5, 8, 1, 8]], rng)
+
+
+@pytest.mark.gpu
+def test_kernel_launches_past_one_tile_match_float64(rng):
+    """On the GPU: gqa 4 takes 4 tokens per launch; with rollback=8, drafts of up to 12 run as up to three launches
+    of the decode kernel over shorter views of the sequences, across a flush."""
+    scheme = Scheme.make(2, "channel", 128, "token", 128, 128, 4)
+    cache = PagedKVCache(scheme, 1, 2, num_pages=64, max_seqs=3, max_seq_len=8192, sink=64, window=256,
+                         rotate=True, device="cuda", rollback=8)
+    assert cache._tokens_per_launch() == 4 and cache.max_query_tokens() == 12
+    ids = [cache.allocate() for _ in range(3)]
+    for i, n in zip(ids, [5, 300, 64 + 256 + 120]):
+        k, v = kv(rng, scheme, 1, n, heads=2)
+        cache.append(0, [i], k.cuda(), v.cuda())
+    check_launches(cache, ids, [12, 5, 9, 12, 1, 8], rng)
+    assert not cache._counters.any()
+
+
+def test_more_tokens_than_launches_and_rollback_take_name_q_and_change_nothing(rng, monkeypatch):
+    monkeypatch.setattr(PagedKVCache, "_tokens_per_launch", lambda self: 2)
+    scheme = SCHEMES[1]
+    cache = make_cache(scheme, window=64, num_pages=40, rollback=3)
+    seq = cache.allocate()
+    k, v = kv(rng, scheme, 1, 100)
+    cache.append(0, [seq], k, v)
+    before = snapshot(cache)
+    q = torch.randn(1, 6, cache.kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+    with pytest.raises(ValueError, match=r"q: 6 query tokens per sequence: one kernel launch takes 2 and rollback=3 "
+                                         r"more .* at most 5; construct the cache with rollback >= 4"):
+        cache.attend(0, [seq], q)
+    assert_unchanged(cache, before)
