@@ -86,11 +86,8 @@ class TensorQuant:
         return self.format.levels
 
     def params_shape(self, tokens: int, dim: int) -> tuple[int, int]:
-        """Rows x pairs of the (scale, offset) params of ``tokens`` x ``dim`` values: one row per token
-        and a pair per channel block (token-wise), or one row per token group and a pair per channel
-        (channel-wise). The one source of the params geometry (quantize, append, cache pools, decode
-        validation; the fold cases' ``params_row`` addresses the same)."""
-        return (tokens, dim // self.group) if self.axis is Axis.TOKEN else (tokens // self.group, dim)
+        """Rows x pairs of the (scale, offset) params of ``tokens`` x ``dim`` values (:func:`params_shape`)."""
+        return params_shape(self.axis, self.group, tokens, dim)
 
     def grouped(self, x):
         """View ``x [..., L, D]`` as ``[..., groups_l, gl, groups_d, gd]`` (one group = gl x gd)."""
@@ -98,6 +95,14 @@ class TensorQuant:
         if self.axis is Axis.TOKEN:
             return x.reshape(*lead, length, 1, dim // self.group, self.group)
         return x.reshape(*lead, length // self.group, self.group, dim, 1)
+
+
+def params_shape(axis: Axis, group: int, tokens, dim):
+    """Rows x pairs of the (scale, offset) params of ``tokens`` x ``dim`` values grouped along ``axis``: one row per
+    token and a pair per channel block (token-wise), or one row per token group and a pair per channel
+    (channel-wise). The one source of the params geometry (quantize, append, dequantize, cache pools, decode
+    validation; the fold cases' ``params_row`` addresses the same); ``tokens`` may be a kernel's Int32."""
+    return (tokens, dim // group) if axis is Axis.TOKEN else (tokens // group, dim)
 
 
 def construction_for(arch: str, fmt) -> Construction:

@@ -35,7 +35,7 @@ import cutlass.cute as cute
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
 from ..layouts.cute import bit_layout
 from ..layouts.fragment import TILE_TOKENS, TileGeometry, tile_position
-from ..scheme import Axis, Scheme
+from ..scheme import Axis, Scheme, params_shape
 
 __all__ = ["DequantizeConfig", "Dequantize", "compile_dequantize", "dequantize_pages"]
 
@@ -136,13 +136,9 @@ class Dequantize:
         mCodes = cute.make_tensor(
             codes, cute.make_ordered_layout((num_pages, kv_heads, tiles_per_page, self.words), row_major4)
         )
-        if cutlass.const_expr(cfg.axis is Axis.TOKEN):
-            # (num_pages, kv_heads, page_size, D // G, 2)
-            params_shape = (num_pages, kv_heads, page_size, D // G, 2)
-        else:
-            # (num_pages, kv_heads, page_size // G, D, 2)
-            params_shape = (num_pages, kv_heads, page_size // G, D, 2)
-        mParams = cute.make_tensor(params, cute.make_ordered_layout(params_shape, row_major5))
+        # (num_pages, kv_heads, page_size, D // G, 2) token-wise; (num_pages, kv_heads, page_size // G, D, 2) channel-wise
+        shape = (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D), 2)
+        mParams = cute.make_tensor(params, cute.make_ordered_layout(shape, row_major5))
         # (batch, max_pages)
         mPages = cute.make_tensor(page_table, cute.make_ordered_layout((batch, max_pages), (1, 0)))
         # (batch, kv_heads, max_pages * page_size, D)
@@ -242,15 +238,11 @@ def dequantize_pages(codes, params, page_table, scheme, role: str, dtype=None):
     num_pages, kv_heads, tiles_per_page, words = codes.shape
     page_size = tiles_per_page * TILE_TOKENS
     batch, max_pages = page_table.shape
-    if cfg.axis is Axis.TOKEN:
-        params_shape = (num_pages, kv_heads, page_size, D // G, 2)
-    else:
-        if page_size % G:
-            raise ValueError(f"page_size {page_size} must be a multiple of the channel-wise group {G}")
-        params_shape = (num_pages, kv_heads, page_size // G, D, 2)
+    if cfg.axis is Axis.CHANNEL and page_size % G:
+        raise ValueError(f"page_size {page_size} must be a multiple of the channel-wise group {G}")
     expected = [
         ("codes", codes, torch.int32, (num_pages, kv_heads, tiles_per_page, cfg.tile_words)),
-        ("params", params, torch.float16, params_shape),
+        ("params", params, torch.float16, (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D), 2)),
         ("page_table", page_table, torch.int32, (batch, max_pages)),
     ]
     for name, t, want, shape in expected:

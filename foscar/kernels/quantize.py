@@ -48,7 +48,7 @@ from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_pt
 from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
 from ..formats import MinMaxFormat
-from ..scheme import Axis, Scheme
+from ..scheme import Axis, Scheme, params_shape
 
 __all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "bw_word_code_coords", "WORD_CODE_COORDS",
            "compile_quantize", "quantize_tiles", "granule_of"]
@@ -152,9 +152,8 @@ class QuantizeConfig:
     @property
     def groups(self) -> int:
         """(scale, offset) pairs per granule."""
-        if self.axis is Axis.TOKEN:
-            return self.granule * (self.head_dim // self.group)
-        return (self.granule // self.group) * self.head_dim
+        rows, pairs = params_shape(self.axis, self.group, self.granule, self.head_dim)
+        return rows * pairs
 
     @property
     def cute_src(self):
@@ -199,13 +198,9 @@ class Quantize:
         mCodes = cute.make_tensor(
             codes, cute.make_ordered_layout((num_pages, kv_heads, page_size // TILE_TOKENS, self.words), (3, 2, 1, 0))
         )
-        if cutlass.const_expr(cfg.axis is Axis.TOKEN):
-            # (num_pages, kv_heads, page_size, D // G, 2)
-            params_shape = (num_pages, kv_heads, page_size, D // G, 2)
-        else:
-            # (num_pages, kv_heads, page_size // G, D, 2)
-            params_shape = (num_pages, kv_heads, page_size // G, D, 2)
-        mParams = cute.make_tensor(params, cute.make_ordered_layout(params_shape, (4, 3, 2, 1, 0)))
+        # (num_pages, kv_heads, page_size, D // G, 2) token-wise; (num_pages, kv_heads, page_size // G, D, 2) channel-wise
+        shape = (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D), 2)
+        mParams = cute.make_tensor(params, cute.make_ordered_layout(shape, (4, 3, 2, 1, 0)))
         self.kernel(mSrc, mPage, mSlot, mCodes, mParams).launch(grid=[tiles, kv_heads, 1], block=[THREADS, 1, 1],
                                                                   stream=stream)
 
@@ -315,16 +310,12 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
     tiles, kv_heads, granule, dim = src.shape
     num_pages, _, tiles_per_page, words = codes.shape
     page_size = tiles_per_page * TILE_TOKENS
-    if cfg.axis is Axis.TOKEN:
-        params_shape = (num_pages, kv_heads, page_size, dim // cfg.group, 2)
-    else:
-        params_shape = (num_pages, kv_heads, page_size // cfg.group, dim, 2)
     expected = [
         ("src", src, scheme.q_dtype, (tiles, kv_heads, cfg.granule, cfg.head_dim)),
         ("dest_page", dest_page, torch.int32, (tiles,)),
         ("dest_slot", dest_slot, torch.int32, (tiles,)),
         ("codes", codes, torch.int32, (num_pages, kv_heads, tiles_per_page, cfg.geometry.words)),
-        ("params", params, torch.float16, params_shape),
+        ("params", params, torch.float16, (num_pages, kv_heads, *params_shape(cfg.axis, cfg.group, page_size, dim), 2)),
     ]
     for name, t, dtype, shape in expected:
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_cuda or not t.is_contiguous():
