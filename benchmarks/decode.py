@@ -270,10 +270,11 @@ def foscar_layers(scheme, batch, context, kv_heads, page_size=128):
 
 
 def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=64, window=256, lengths=None,
-                         tokens=1):
+                         tokens=1, rollback=0):
     """Layer closures of ``PagedKVCache.attend``: BF16 sink + recent window merged with the quantized pages;
     ``lengths``: per-sequence token counts (default ``context`` each); ``tokens``: query tokens per sequence
-    (several: ``q [batch, tokens, Hq, D]``, the last tokens, causal: speculative verification)."""
+    (several: ``q [batch, tokens, Hq, D]``, the last tokens, causal: speculative verification; ``rollback``: the
+    cache's margin, which lets ``attend`` take that many tokens more than one launch, as earlier launches)."""
     from foscar.cache import PagedKVCache
     from foscar.kernels.quantize import granule_of
 
@@ -287,7 +288,7 @@ def foscar_window_layers(scheme, batch, context, kv_heads, page_size=128, sink=6
     copies = copies_for(nbytes)
     pages = sum(-(-qn // page_size) for qn in quantized)
     cache = PagedKVCache(scheme, num_layers=copies, kv_heads=kv_heads, num_pages=max(1, pages), max_seqs=batch,
-                         max_seq_len=max(lengths), page_size=page_size, sink=sink, window=window)
+                         max_seq_len=max(lengths), page_size=page_size, sink=sink, window=window, rollback=rollback)
     seqs = [cache.allocate() for _ in range(batch)]
     gen = torch.Generator("cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     uniform = len(set(lengths)) == 1

@@ -1,10 +1,11 @@
 """Speculative verification: ``PagedKVCache.attend`` of several query tokens per sequence (the draft tokens,
 appended to the 16-bit window first) against the same decode with one, in one process.
 
-    python -m benchmarks.verify [--tokens 1,2,4] [--methods int2-kt128,int4-kt128] [--out benchmarks/results]
+    python -m benchmarks.verify [--tokens 1,2,4] [--methods int2-kt128,int4-kt128] [--rollback 0] [--out ...]
 
 The pages are read once whatever the token count (the query tile takes gqa x tokens columns), so the target
-is a verification of 4 tokens costing at most 1.3x a single-token decode (issue 25). Timing as
+is a verification of 4 tokens costing at most 1.3x a single-token decode (issue 25). ``--rollback k`` builds the
+caches with that margin, so that up to ``k`` tokens more than one launch takes run as earlier launches. Timing as
 ``benchmarks.decode``: one CUDA graph over enough cache copies to keep L2 out, median of replays.
 """
 
@@ -23,7 +24,7 @@ from .records import run_meta, write
 SHAPES = [("qwen3-8b", 8, 32768), ("qwen3-8b", 1, 131072), ("qwen3-8b", 64, 8192), ("tp4-70b", 1, 131072)]
 
 
-def measure(methods, tokens_list, reps):
+def measure(methods, tokens_list, reps, rollback=0):
     """Rows ``(model, batch, context, method, tokens, us, ratio to one token)``; a count the kernel cannot
     take (gqa x tokens > 16) is a row with its reason."""
     rows = []
@@ -34,7 +35,7 @@ def measure(methods, tokens_list, reps):
             base = None
             for tokens in tokens_list:
                 try:
-                    fns, _, _ = foscar_window_layers(scheme, batch, context, kvh, tokens=tokens)
+                    fns, _, _ = foscar_window_layers(scheme, batch, context, kvh, tokens=tokens, rollback=rollback)
                     us = time_layers(fns, reps)
                 except ValueError as err:  # the kernel's limit (attend raises before anything launches)
                     rows.append((model, batch, context, method, tokens, None, None, str(err)))
@@ -61,23 +62,27 @@ def main(argv=None):
     parser.add_argument("--tokens", default="1,2,4", help="query tokens per sequence (1 first: the reference)")
     parser.add_argument("--methods", default="int2-kt128,int2-kc128,int4-kt128")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--rollback", type=int, default=0, help="the caches' rollback margin (tokens)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--tag", default="verify")
     args = parser.parse_args(argv)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     if tokens_list[0] != 1 or any(t < 1 for t in tokens_list):
         parser.error(f"--tokens must start with 1 (the single-token reference), got {args.tokens!r}")
+    if args.rollback < 0:
+        parser.error(f"--rollback must be >= 0, got {args.rollback}")
     methods = args.methods.split(",")
     for method in methods:
         if scheme_of(method) is None or method.endswith("+sw"):
             parser.error(f"--methods: {method!r} is not <format>-k<t|c><group> (the cache decode: sink + window)")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.verify needs a CUDA GPU")
-    rows = measure(methods, tokens_list, args.reps)
-    meta = run_meta("benchmarks.verify", argv, _versions())
+    rows = measure(methods, tokens_list, args.reps, args.rollback)
+    meta = run_meta("benchmarks.verify", argv, _versions(), rollback=args.rollback)
     text = table(rows)
     write(args.out, args.tag, "Speculative verification", meta, rows, text,
-          f"CUDA graph, median of {args.reps} replays; cache: sink 64 + window 256, page 128. ")
+          f"CUDA graph, median of {args.reps} replays; cache: sink 64 + window 256, page 128, rollback "
+          f"{args.rollback}. ")
     print(text)
 
 if __name__ == "__main__":
