@@ -11,11 +11,11 @@ Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, on
   (``foscar.kernels.dequantize``), the 16-bit sink + window slots and the chunk gathered next to them, then
   FlashInfer's ragged batch prefill (``BatchPrefillWithRaggedKVCacheWrapper``, NHD: the gather writes that layout,
   one copy as a concatenation would be) over them. Extra memory: the whole prefix in BF16.
+* ``foscar-attend-chunk``: ``PagedKVCache.attend_chunk`` on a kernel cache (``foscar.chunk_attention``: the packed
+  pages dequantized a block at a time into a fused attention, merged by LSE).
 
-(``single_prefill_with_kv_cache`` of the pinned FlashInfer dies with SIGFPE on a 100K-token K/V on the H200,
-2026-12-02; the batch wrappers are what engines call for chunked prefill anyway.)
-* ``foscar-attend-chunk``: ``PagedKVCache.attend_chunk`` as it runs on the GPU today (torch: the pages dequantized
-  per call, fp32 scores in blocks of query tokens).
+``single_prefill_with_kv_cache`` of the pinned FlashInfer dies with SIGFPE on a 100K-token K/V on the H200
+(2026-12-02); the batch wrappers are what engines call for chunked prefill anyway.
 
 Timing: eager calls between CUDA events, median of ``--reps`` after a warm-up (``attend_chunk`` plans on the host and
 cannot be captured in a CUDA graph; the FlashInfer rows are timed the same way for a like comparison). ``extra MiB``:

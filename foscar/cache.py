@@ -47,9 +47,10 @@ step neither unpacks pages nor converts slots: each quantized token's dequantize
 bytes per element (the pool's codes take 1/4 or 1/2) and are not counted by :meth:`PagedKVCache.nbytes`.
 
 Several new tokens per sequence (chunked prefill, a new turn, draft tokens to verify): :meth:`attend_chunk`
-attends them over the cached tokens and, causally, over their own 16-bit K/V, before they are appended (torch
-code on every device). A few of them, appended first, :meth:`attend` takes itself (``q [B, tokens, Hq, D]``:
-speculative verification, in the decode kernel, up to :meth:`max_query_tokens`). :meth:`truncate` rolls the
+attends them over the cached tokens and, causally, over their own 16-bit K/V, before they are appended (on a
+kernel cache the prefix block by block, ``foscar.chunk_attention``; torch code on the torch path). A few of them,
+appended first, :meth:`attend` takes itself (``q [B, tokens, Hq, D]``: speculative verification, in the decode
+kernel, up to :meth:`max_query_tokens`). :meth:`truncate` rolls the
 last tokens back while the ring still holds, in 16 bits, everything the shorter sequence keeps there
 (:meth:`rollback_limit`; the constructor's ``rollback`` keeps it from falling below a draft's length).
 
@@ -69,7 +70,7 @@ from typing import NamedTuple
 import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
-from .chunk_attention import BLOCK_BYTES, chunk_attention
+from .chunk_attention import chunk_attention
 from .kernels.dequantize import dequantize_pages
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
@@ -80,6 +81,7 @@ from .work_list import CTAS_PER_SM, plan_splits
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
 
 MAX_INDEX = 2**31 - 1  # the kernels hold token positions and page indices in 32-bit ints
+BLOCK_BYTES = 128 << 20  # K and V of one block of packed pages attend_chunk dequantizes at a time (a kernel cache)
 CHUNK_SCORES = 1 << 24  # fp32 scores one block of attend_chunk's query tokens may hold (64 MiB)
 INDEX_CACHE = 4096  # device indexes of batches of seq_ids kept (those of captured graphs always)
 
@@ -803,6 +805,12 @@ class PagedKVCache:
                 short = ids[int(held.argmin())]
                 raise ValueError(f"q: {tokens} query tokens per sequence, but sequence {short} holds "
                                  f"{int(held.min())} tokens: append the query tokens' K/V before attend")
+            for seq in ids if tokens > step else ():  # a truncate since the draft's append lowers the margin
+                if self.rollback_limit(seq, layer) < tokens - step:
+                    raise ValueError(f"q: {tokens} query tokens per sequence run as launches of {step}; the first "
+                                     f"reads sequence {seq} without its last {tokens - step} tokens, but the ring "
+                                     f"keeps only {self.rollback_limit(seq, layer)} of them readable so "
+                                     "(rollback_limit, lowered by a truncate): append the draft, then attend it")
         return tokens
 
     def _sm_scale(self, sm_scale) -> float:
@@ -854,7 +862,7 @@ class PagedKVCache:
             out, lse = (torch.stack(x) for x in zip(*parts))
             return (out, lse) if return_lse else out
         plan = self._attend_plan(layer, ids, index, 0)
-        cached = self._read_cached(layer, plan, index)
+        cached = self._read(layer, "k", plan), self._read(layer, "v", plan)
         rows = max(1, CHUNK_SCORES // (batch * heads * (plan.bias.shape[-1] + tokens)))
         parts = [self._chunk_softmax(q[:, start:start + rows], k[:, :, :start + rows], v[:, :, :start + rows], start,
                                      cached, plan, sm_scale) for start in range(0, tokens, rows)]
@@ -884,17 +892,6 @@ class PagedKVCache:
         n_dev = torch.tensor([n], device=self.device)
         slots = self._valid_slots(n_dev, self._quantized_tokens_dev(n_dev))[0].nonzero()[:, 0]
         yield self.k_bf16[layer, seq][:, slots], self.v_bf16[layer, seq][:, slots]
-
-    def _read_cached(self, layer, plan, index):
-        """fp32 ``((k pages, k slots), (v pages, v slots))`` of what ``plan`` reads: the torch path's copies, or
-        on a kernel cache (which keeps none) the pages dequantized now and the slots converted."""
-        if self._dequantized is not None:
-            return self._read(layer, "k", plan), self._read(layer, "v", plan)
-        table = self.page_table[index, :plan.width // self.page_size]
-        width = torch.full((len(index),), plan.width, dtype=torch.int32, device=self.device)
-        pages = QuantizedKV(self.scheme, self.page_size, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
-                            self.v_params[layer], table, width, self.arch.layout).dequantize()
-        return tuple((x, bf16[layer][plan.rows].float()) for x, bf16 in zip(pages, (self.k_bf16, self.v_bf16)))
 
     def _chunk_softmax(self, q, k, v, first, cached, plan, sm_scale):
         """fp32 attention of new tokens ``first .. first + l - 1`` (``q [B, l, Hq, D]``, rotated) over the cached

@@ -2,11 +2,12 @@
 block by block, for ``PagedKVCache.attend_chunk`` on a kernel cache.
 
 The cached tokens come as blocks of K/V in the query's dtype (the cache dequantizes one block of packed pages at a
-time, ``BLOCK_BYTES`` of K and V); each block is fully visible to every query token and is attended by a fused
-attention that keeps its scores on chip and returns each row's log-sum-exp (cuDNN's through torch's
-``_scaled_dot_product_cudnn_attention``; the CPU's flash kernel on the CPU). The chunk's own tokens follow, causal.
-The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: one block, the chunk's query,
-outputs and its K/V repeated per query head, never the whole prefix.
+time, ``foscar.cache.BLOCK_BYTES`` of K and V); each block is fully visible to every query token and is attended by
+a fused attention that keeps its scores on chip and returns each row's log-sum-exp (:func:`fused_attention`: cuDNN's
+or FlashAttention-2 through torch on a GPU, the CPU's flash kernel on the CPU). The chunk's own tokens follow, causal.
+The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: about two blocks (the next one is
+dequantized while a block's pieces are copied out for the attention), the chunk's query, outputs and its K/V
+repeated per query head, never the whole prefix.
 
 Shapes: a query head ``h`` of KV head ``h // gqa``; for the cached blocks, which every token sees, the ``gqa``
 heads of a KV head fold into the rows of one attention (``[kv_heads, gqa * L, D]``, row ``g * L + t``), so the
@@ -14,8 +15,8 @@ block's K/V are read once per KV head. A chunk too short to fill the GPU with it
 ``pieces`` (a batch of one attention) whose partials merge first.
 
 This is the dequantize-then-attend algebra with a bounded working set, not a folded kernel: the values of a block
-are written once and read back. It is exact up to the rounding of the dequantized values to the query's dtype,
-which a BF16 (FP16) PyTorch computation on the same cache also makes.
+are written once and read back. It rounds the dequantized values, and each block's output, to the query's dtype,
+as a BF16 (FP16) PyTorch computation on the same cache rounds its values and P.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "Merged", "chunk_attention", "fused_attention"]
+__all__ = ["Merged", "chunk_attention", "fused_attention"]
 
-BLOCK_BYTES = 128 << 20  # K and V of one dequantized block of cached tokens
+CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (fused_attention)
 MIN_PIECE = 1024  # tokens: the shortest piece of a block that is its own batch entry
 ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward kernel (head_dim <= 128 on sm_90)
 CTAS_PER_SM = 2  # pieces are added until the grid fills the GPU this many times
@@ -36,12 +37,15 @@ def fused_attention(q, k, v, sm_scale: float, causal: bool):
     """``(out [B, H, L, D] in q's dtype, lse [B, H, L] fp32, natural log of the scaled scores)`` of
     ``q [B, H, L, D]`` over ``k, v [B, H, T, D]`` (same heads, contiguous).
 
-    On a GPU, cuDNN's fused attention: on the H200 (2026-12-02, 8 heads, a 32K-token block, BF16) it took 796 us
-    for 4096 query rows per head where FlashAttention-2's took 1514 us (690 vs 363 TFLOPS), and 122 vs 204 us for
-    512 rows cut into 16 pieces."""
-    if q.is_cuda:
+    On a GPU, cuDNN's fused attention at head_dim 128: on the H200 (2026-12-02, 8 heads, a 32K-token block, BF16)
+    it took 797 us for 4096 query rows per head where FlashAttention-2's took 1514 us (690 vs 363 TFLOPS), and
+    123 vs 205 us for 512 rows cut into 16 pieces (``benchmarks/NOTES.md`` section 22). Other head dims, which
+    were not measured, and a torch without cuDNN take FlashAttention-2."""
+    if q.is_cuda and q.shape[-1] == CUDNN_HEAD_DIM and torch.backends.cudnn.is_available():
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                       scale=sm_scale)[:2]
+    elif q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=sm_scale)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=sm_scale)
     return out, lse.reshape(out.shape[:-1])
@@ -58,10 +62,10 @@ class Merged:
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         out, lse = out.float(), lse.float()
         if self.out is None:
-            self.out, self.lse = out, lse
+            self.out, self.lse = out.clone(), lse  # merged into in place: never the caller's tensor
             return
         total = torch.logaddexp(self.lse, lse)
-        self.out = self.out * (self.lse - total).exp_()[..., None] + out * (lse - total).exp_()[..., None]
+        self.out.mul_((self.lse - total).exp_()[..., None]).addcmul_(out, (lse - total).exp_()[..., None])
         self.lse = total
 
 
@@ -108,6 +112,7 @@ def chunk_attention(q, k_new, v_new, blocks, sm_scale: float):
     for k, v in blocks:
         if k.shape[1]:
             _attend_block(q_rows, k, v, sm_scale, merged)
+        del k, v  # before the next block is dequantized
     own_k, own_v = (x.repeat_interleave(group, dim=0)[None] for x in (k_new, v_new))  # [1, Hq, L, D]
     out, lse = fused_attention(q_by_head[None], own_k, own_v, sm_scale, causal=True)
     merged.add(out[0].reshape(kv_heads, group * tokens, d), lse[0].reshape(kv_heads, group * tokens))

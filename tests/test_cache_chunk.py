@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import foscar.cache
+import foscar.chunk_attention
 from foscar import Scheme
 from test_cache import SCHEMES, assert_unchanged, expected_dense, kv, make_cache, snapshot
 
@@ -341,9 +342,12 @@ GPU_SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make
 @pytest.mark.gpu
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("scheme", GPU_SCHEMES, ids=lambda s: s.name)
-def test_attend_chunk_on_a_kernel_cache(scheme, rotate, rng):
+def test_attend_chunk_on_a_kernel_cache(scheme, rotate, rng, monkeypatch):
     """The kernel path's cache (no fp32 copies; pages dequantized per call): chunks against float64 attention
-    over what the cache holds (its dense(), read from the packed pages), chunks appended in turn."""
+    over what the cache holds (its dense(), read from the packed pages), chunks appended in turn; blocks of one
+    page, cut into pieces of 64 tokens (the dequantize kernel given page-table slices past the first page)."""
+    monkeypatch.setattr(foscar.cache, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(foscar.chunk_attention, "MIN_PIECE", 64)
     cache = gpu_cache(scheme, rotate)
     assert cache.use_kernels and cache._dequantized is None
     ids = [cache.allocate() for _ in range(3)]

@@ -318,3 +318,22 @@ def test_more_tokens_than_launches_and_rollback_take_name_q_and_change_nothing(r
                                          r"more .* at most 5; construct the cache with rollback >= 4"):
         cache.attend(0, [seq], q)
     assert_unchanged(cache, before)
+
+
+def test_launches_refuse_a_view_a_truncate_made_unreadable(rng, monkeypatch):
+    """A truncate since the draft's append lowers the margin (rollback_limit): attending existing tokens in several
+    launches then needs shorter views than the ring keeps, and is refused, naming q, before anything runs."""
+    monkeypatch.setattr(PagedKVCache, "_tokens_per_launch", lambda self: 1)
+    scheme = SCHEMES[1]
+    cache = make_cache(scheme, window=64, num_pages=40, rollback=7)
+    seq = cache.allocate()
+    k, v = kv(rng, scheme, 1, 400)
+    cache.append(0, [seq], k, v)
+    cache.truncate(0, [seq], cache.rollback_limit(seq))
+    assert cache.rollback_limit(seq) == 0
+    q = torch.randn(1, 2, cache.kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"q: 2 query tokens per sequence run as launches of 1; the first reads "
+                                         r"sequence \d+ without its last 1 tokens, but the ring keeps only 0"):
+        cache.attend(0, [seq], q)
+    assert_unchanged(cache, before)

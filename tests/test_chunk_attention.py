@@ -18,7 +18,7 @@ SM_SCALE = 0.1
 @pytest.mark.parametrize("tokens", [1, 5, 70])
 def test_blocks_pieces_and_own_tokens_against_float64(dtype, pieces, tokens, rng, monkeypatch):
     kv_heads, group, d = 2, 4, 64
-    blocks = [0, 1500, 7, 0, 2049]  # cached tokens per block: empty, long (cut into pieces with a tail), short
+    blocks = [0, 1501, 7, 0, 2050]  # cached tokens per block: empty, long (cut into pieces, a tail left), short
     monkeypatch.setattr(chunk_attention, "_pieces", lambda rows, heads, length, device: min(pieces, length // 8 or 1))
     k = torch.randn(kv_heads, sum(blocks) + tokens, d, generator=rng) + 2 * torch.randn(d, generator=rng)
     v = torch.randn(kv_heads, sum(blocks) + tokens, d, generator=rng)

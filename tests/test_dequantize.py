@@ -133,3 +133,13 @@ def test_dequantize_pages_matches_quantize_kv(k_axis, v_axis, k_bits, v_bits, dt
         rtol = 2**-7 if dtype == torch.bfloat16 else 2**-10  # one ulp: the kernel's s*c+z may be one FMA
         for b, length in enumerate(cache.lengths.tolist()):
             torch.testing.assert_close(out[b, :, :length].float(), ref[b, :, :length].float(), rtol=rtol, atol=1e-6)
+
+
+def test_dequantize_pages_refuses_a_dtype_its_config_contradicts():
+    from foscar.kernels import dequantize_pages
+
+    cfg = DequantizeConfig(2, 128, "k", "token", 128, "float16")
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 contradicts the config's dtype='float16'"):
+        dequantize_pages(torch.zeros(1), torch.zeros(1), torch.zeros(1), cfg, "k", torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float16"):
+        dequantize_pages(torch.zeros(1), torch.zeros(1), torch.zeros(1), cfg, "k", torch.float32)

@@ -25,8 +25,9 @@ packed INT2/INT4 pages in between) and returns the new K/V themselves:
 * a chunk after the prefill (several tokens: chunked prefill, a new turn on the same cache -- a second
   ``generate`` with the whole conversation --, the draft tokens of assisted decoding): the layer holds
   its K/V back while ``PagedKVCache.attend_chunk`` attends it over the cached tokens and, causally, its
-  own 16-bit K/V, then appends it. Any length (the cache's ``max_seq_len`` aside); torch code on the GPU
-  too for now (the decode kernel's several query tokens, ``PagedKVCache.attend``, come after their append).
+  own 16-bit K/V, then appends it. Any length (the cache's ``max_seq_len`` aside); on the GPU the prefix
+  is read block by block (``foscar.chunk_attention``; the decode kernel's several query tokens,
+  ``PagedKVCache.attend``, come after their append).
 
 Rollback (``crop``: assisted decoding, e.g. ``generate(..., prompt_lookup_num_tokens=10)``, which
 transformers prepares with ``activate_past_recording``): the layers then hold each chunk until the next

@@ -222,18 +222,20 @@ def compile_dequantize(scheme_or_config, role: str | None = None, arch: str = "s
 
 
 def dequantize_pages(codes, params, page_table, scheme, role: str, dtype=None):
-    """Dense ``dtype`` (BF16 by default, or FP16) [batch, kv_heads, max_pages*page_size, D] of a paged packed
-    cache in the Hopper bit order (CUDA tensors).
+    """Dense ``dtype`` (BF16 by default, or FP16; a passed DequantizeConfig's own) [batch, kv_heads,
+    max_pages*page_size, D] of a paged packed cache in the Hopper bit order (CUDA tensors).
 
     Runs on the current torch stream.
     """
     import torch
 
-    dtype = torch.bfloat16 if dtype is None else dtype
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    if dtype not in names:
+    if dtype is not None and dtype not in names:
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-    cfg = DequantizeConfig.of(scheme, role, names[dtype])
+    if isinstance(scheme, DequantizeConfig) and dtype is not None and names[dtype] != scheme.dtype:
+        raise ValueError(f"dtype={dtype} contradicts the config's dtype={scheme.dtype!r}")
+    cfg = DequantizeConfig.of(scheme, role, names[dtype or torch.bfloat16])
+    dtype = getattr(torch, cfg.dtype)
     D, G = cfg.head_dim, cfg.group
     num_pages, kv_heads, tiles_per_page, words = codes.shape
     page_size = tiles_per_page * TILE_TOKENS
