@@ -41,8 +41,14 @@ PAGE = 64  # tokens per page of the BF16 baseline's cache, as benchmarks.decode'
 
 
 def timed(fn, reps: int):
-    """(median microseconds of ``fn()``, its peak extra allocation in MiB)."""
+    """(median microseconds of ``fn()``, its peak extra allocation in MiB, microseconds of its first call: what
+    shapes seen for the first time cost, e.g. a fused attention's plan, as a changing prefix length meets them; the
+    first chunk size's also holds the kernels' compiles or compile-cache loads)."""
+    torch.cuda.synchronize()
+    first = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first[0].record()
     fn()
+    first[1].record()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -54,7 +60,8 @@ def timed(fn, reps: int):
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+    extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return statistics.median(times), extra, first[0].elapsed_time(first[1]) * 1e3
 
 
 def foscar_prefix(scheme, kv_heads, prefix, generator):
@@ -145,18 +152,22 @@ def measure(method: str, prefix: int, chunks, reps: int):
             return cache.attend_chunk(0, [seq], q[None], k_new[None], v_new[None])
 
         for name, fn in (("flashinfer-bf16", bf16), ("dequant+flashinfer", oscar), ("foscar-attend-chunk", foscar)):
-            us, extra = timed(fn, reps)
-            rows.append({"prefix": prefix, "chunk": chunk, "method": name, "us": us, "extra_mib": extra})
-            print(f"prefix {prefix} chunk {chunk} {name}: {us:.0f} us, +{extra:.0f} MiB", flush=True)
+            us, extra, first = timed(fn, reps)
+            rows.append({"prefix": prefix, "chunk": chunk, "method": name, "us": us, "extra_mib": extra,
+                         "first_us": first})
+            print(f"prefix {prefix} chunk {chunk} {name}: {us:.0f} us (first call {first:.0f}), +{extra:.0f} MiB",
+                  flush=True)
     return rows
 
 
 def table(rows) -> str:
-    lines = ["| prefix | chunk | method | us | vs flashinfer-bf16 | extra MiB |", "|---|---|---|---|---|---|"]
+    lines = ["| prefix | chunk | method | us | vs flashinfer-bf16 | extra MiB | first call us |",
+             "|---|---|---|---|---|---|---|"]
     base = {(r["prefix"], r["chunk"]): r["us"] for r in rows if r["method"] == "flashinfer-bf16"}
     for r in rows:
         lines.append(f"| {r['prefix']} | {r['chunk']} | {r['method']} | {r['us']:.0f} | "
-                     f"{r['us'] / base[r['prefix'], r['chunk']]:.2f}x | {r['extra_mib']:.0f} |")
+                     f"{r['us'] / base[r['prefix'], r['chunk']]:.2f}x | {r['extra_mib']:.0f} | "
+                     f"{r.get('first_us', float('nan')):.0f} |")
     return "\n".join(lines)
 
 
