@@ -46,44 +46,97 @@ def bulk_copy_g2s(dst: cute.Pointer, src: cute.Pointer, nbytes: int, mbar: cute.
                "r,l,r,r,~{memory}", True, loc, ip)
 
 
-def stage_and_phase(i, stages: int):
-    """(stage, phase parity) of local tile ``i`` in a ring of ``stages``."""
-    return i % stages, (i // stages) % 2
+def stage(i, stages: int):
+    """The stage of item ``i`` in a ring of ``stages``."""
+    return i % stages if stages > 1 else 0
+
+
+def phase(i, stages: int):
+    """The phase parity of item ``i`` in a ring of ``stages``."""
+    return (i // stages) % 2
 
 
 # The bundles below are frozen dataclasses: the DSL treats them as read-only, so a kernel may call their
 # methods inside runtime loops and branches (other Python objects would have to be loop-carried values;
 # docs/design.md section 3).
 @dataclass(frozen=True)
+class Channel:
+    """``stages`` (full, empty) mbarrier pairs from ``base``: full[s] = base + s, empty[s] = base + stages + s.
+    Item ``i`` (a tile, a step) uses stage ``i % stages`` in phase parity ``(i // stages) % 2``; the producer
+    waits ``empty`` on the opposite parity (a fresh mbarrier counts as completed for parity 1, so the first
+    pass does not block). Both arches' rings and Blackwell's warpgroup handoffs are channels."""
+
+    base: cute.Pointer
+    stages: int
+
+    def next(self, stages: int) -> Channel:
+        """The channel of ``stages`` pairs right after this one."""
+        return Channel(self.base + 2 * self.stages, stages)
+
+    def init(self, full_count: int, empty_count: int):
+        """Call from one thread (then mbarrier_init_fence + a CTA barrier)."""
+        for s in range(self.stages):
+            cute.arch.mbarrier_init(self.base + s, full_count)
+            cute.arch.mbarrier_init(self.base + self.stages + s, empty_count)
+
+    def stage(self, i):
+        return stage(i, self.stages)
+
+    def full(self, s):
+        return self.base + s
+
+    def empty(self, s):
+        return self.base + self.stages + s
+
+    def wait_full(self, i):
+        """Consumer: item i is in its stage."""
+        cute.arch.mbarrier_wait(self.base + stage(i, self.stages), phase(i, self.stages))
+
+    def release(self, i):
+        """Consumer: done with item i's stage (one arrival per thread)."""
+        cute.arch.mbarrier_arrive(self.base + self.stages + stage(i, self.stages))
+
+    def wait_empty(self, i):
+        """Producer: item i - stages has been released (passes at once on the first pass)."""
+        cute.arch.mbarrier_wait(self.base + self.stages + stage(i, self.stages), phase(i, self.stages) ^ 1)
+
+    def publish(self, i):
+        """Producer: item i is written (one arrival per thread)."""
+        cute.arch.mbarrier_arrive(self.base + stage(i, self.stages))
+
+
+@dataclass(frozen=True)
 class Ring:
-    """A CTA's ring in shared memory: ``stages`` stages of ``stage_words`` int32 words from ``words``, stage
-    ``s`` guarded by the mbarriers ``full + s`` and ``empty + s`` (see the module docstring)."""
+    """A CTA's ring in shared memory (Hopper's): ``barriers.stages`` stages of ``stage_words`` int32 words from
+    ``words``, stage ``s`` guarded by the channel's ``full(s)`` and ``empty(s)`` (see the module docstring)."""
 
     words: cute.Pointer
-    full: cute.Pointer
-    empty: cute.Pointer
-    stages: int
+    barriers: Channel
     stage_words: int
+
+    @property
+    def stages(self) -> int:
+        return self.barriers.stages
 
     def position(self, i):
         """(stage, phase parity) of local tile ``i``."""
-        return stage_and_phase(i, self.stages)
+        return stage(i, self.stages), phase(i, self.stages)
 
     def stage(self, s):
         """The first word of stage ``s``."""
         return self.words + cute.assume(s * self.stage_words, divby=4)
 
-    def wait_full(self, s, phase):
-        """Consumer: stage ``s`` is filled in ``phase``."""
-        cute.arch.mbarrier_wait(self.full + s, phase)
+    def wait_full(self, s, parity):
+        """Consumer: stage ``s`` is filled in phase ``parity``."""
+        cute.arch.mbarrier_wait(self.barriers.full(s), parity)
 
-    def wait_empty(self, s, phase):
+    def wait_empty(self, s, parity):
         """Producer: stage ``s``'s previous fill is read (passes at once on the first pass)."""
-        cute.arch.mbarrier_wait(self.empty + s, phase ^ 1)
+        cute.arch.mbarrier_wait(self.barriers.empty(s), parity ^ 1)
 
     def release(self, s):
         """Consumer: done with stage ``s`` (one arrival per thread)."""
-        cute.arch.mbarrier_arrive(self.empty + s)
+        cute.arch.mbarrier_arrive(self.barriers.empty(s))
 
 
 @dataclass(frozen=True)

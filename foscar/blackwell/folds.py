@@ -32,7 +32,7 @@ from ..barriers import BlackwellDecodeBarrier
 from ..device import fsel
 from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VTokenWise
 from ..layouts.fragment import TILE_TOKENS
-from . import pipeline as pl
+from ..pipeline import stage
 from . import storage as sm_
 from .primitives import FP8_TARGET_EXP, STEP, WG, exp_floor, fabs, hilo, load_acc, max4, pow2_scale, scalar
 
@@ -171,7 +171,7 @@ class BlackwellKChannelWise(KHooks):
         for tk in cutlass.range_constexpr(self.q_copies):
             off = tk * min(G, STEP)  # first token of group tk in the step
             grp = (off % TILE_TOKENS) // G if G < TILE_TOKENS else 0  # group within its tile
-            tile_words = ring_words + cute.assume(pl.stage(2 * step + off // TILE_TOKENS, cfg.RING) * cfg.STAGE_WORDS, divby=4)
+            tile_words = ring_words + cute.assume(stage(2 * step + off // TILE_TOKENS, cfg.RING) * cfg.STAGE_WORDS, divby=4)
             kp_ring = cute.recast_ptr(tile_words + cfg.K_PARAMS + grp * D, dtype=Float16)
             smax = Float32(0.0)
             for i in cutlass.range_constexpr(nd):
@@ -222,7 +222,7 @@ class BlackwellKChannelWise(KHooks):
         cfg = self.cfg
         N, NM, G = cfg.N, cfg.NM, self.fold.group
         sc = cute.make_rmem_tensor((N,), Float32)
-        so = pl.stage(step, cfg.OP_STAGES)
+        so = stage(step, cfg.OP_STAGES)
         tk = (wq * 32) // G if G < STEP else 0  # token group of this warp
         acc = load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + tk * NM, acc_layout), NM)
         cute.arch.fence_view_async_tmem_load()
@@ -376,7 +376,7 @@ class BlackwellVChannelWise(VHooks):
         for tv in range(self.step_groups):
             off = tv * min(G, STEP)  # first token of group tv in the step
             grp = (off % TILE_TOKENS) // G if G < TILE_TOKENS else 0  # group within its tile
-            vp_ring = ring_words + cute.assume(pl.stage(2 * step + off // TILE_TOKENS, cfg.RING) * cfg.STAGE_WORDS, divby=4)
+            vp_ring = ring_words + cute.assume(stage(2 * step + off // TILE_TOKENS, cfg.RING) * cfg.STAGE_WORDS, divby=4)
             for i in range(nd):
                 vpw[tv * nd + i] = scalar(vp_ring, cfg.V_PARAMS + grp * D + (t + WG * i) % D)[0]
         return vpw

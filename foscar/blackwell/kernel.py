@@ -90,7 +90,7 @@ from ..device import LOG2E, NEG_INF, fsel
 from ..query_rows import KvHead, Output, QueryRows
 from ..jit import half_type
 from ..layouts.fragment import TILE_TOKENS
-from ..pipeline import PackedPages, bulk_copy_g2s
+from ..pipeline import Channel, PackedPages, bulk_copy_g2s
 from ..softmax import finite_reference, normalize
 from ..quantize import check_page_size
 from ..scheme import Scheme
@@ -421,7 +421,7 @@ class BlackwellDecodeKernel:
 
         # ---------------------------------------------------------------- mbarrier channels
         # (full, empty) mbarrier pairs per stage (foscar.blackwell.pipeline), with arrival counts
-        ring = pl.Channel(storage.mbar.data_ptr(), cfg.RING)  # producer (expect_tx) -> prep + softmax: (1, 256)
+        ring = Channel(storage.mbar.data_ptr(), cfg.RING)  # producer (expect_tx) -> prep + softmax: (1, 256)
         opnd = ring.next(cfg.OP_STAGES)  # prep -> MMA (commit after the step's PV): (128, 1)
         s_ch = opnd.next(cfg.S_STAGES)  # MMA (commit) -> softmax, S in TMEM: (1, 128)
         p_ch = s_ch.next(cfg.P_BUFS)  # softmax -> MMA, P'^T in smem: (128, 1)

@@ -166,7 +166,7 @@ class CacheWindow:
             # a runtime loop: the producer's 40 registers do not hold an unrolled one's addresses
             self.ops.copy_rows(((dst + cfg.WIN_K, self.k_win), (dst + cfg.WIN_V, self.v_win)), first, rows_in, j0,
                                self.holds, lane, 32, BLOCK, unrolled=False)
-            cute.arch.cp_async_mbarrier_arrive_noinc(ring.full + s)  # this lane's arrival, once its copies land
+            cute.arch.cp_async_mbarrier_arrive_noinc(ring.barriers.full(s))  # this lane's arrival, once its copies land
 
     @cute.jit
     def attend(self, kernel: HopperDecodeKernel, mma: WarpMma, ring: Ring, state: WarpState, i: Int32,

@@ -76,7 +76,7 @@ from ..barriers import HopperDecodeBarrier
 from ..device import LOG2E, NEG_INF, at, fsel, movmatrix_trans, reduce_over_rows, store
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
-from ..pipeline import PackedPages, Ring, TileSpan, bulk_copy_g2s
+from ..pipeline import Channel, PackedPages, Ring, TileSpan, bulk_copy_g2s
 from ..query_rows import KvHead, Output, QueryRows
 from ..scheme import Scheme
 from ..softmax import finite_reference, normalize
@@ -296,8 +296,7 @@ class HopperDecodeKernel:
         cfg = self.cfg
         fields = {  # built as a dict: this module's annotations are strings (PEP 563) outside jit functions
             "ring": cute.struct.Align[cute.struct.MemRange[Int32, cfg.RING_WORDS], 1024],
-            "full": cute.struct.MemRange[Int64, cfg.STAGES],
-            "empty": cute.struct.MemRange[Int64, cfg.STAGES],
+            "barriers": cute.struct.MemRange[Int64, 2 * cfg.STAGES],  # the ring's Channel: full, then empty
             **extra,
         }
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -350,8 +349,7 @@ class HopperDecodeKernel:
     def ring_of(self, storage) -> Ring:
         """The stage ring in ``storage`` (:meth:`shared_storage`)."""
         cfg = self.cfg
-        return Ring(storage.ring.data_ptr(), storage.full.data_ptr(), storage.empty.data_ptr(), cfg.STAGES,
-                    cfg.STAGE_WORDS)
+        return Ring(storage.ring.data_ptr(), Channel(storage.barriers.data_ptr(), cfg.STAGES), cfg.STAGE_WORDS)
 
     @cute.jit
     def init_ring_barriers(self, ring: Ring, tidx: Int32):
@@ -359,9 +357,7 @@ class HopperDecodeKernel:
         (``FULL_ARRIVALS``), ``empty`` the 32 lanes of the warp that owns the stage; then the whole CTA
         syncs."""
         if tidx == 0:
-            for s in cutlass.range_constexpr(self.cfg.STAGES):
-                cute.arch.mbarrier_init(ring.full + s, self.cfg.FULL_ARRIVALS)
-                cute.arch.mbarrier_init(ring.empty + s, 32)
+            ring.barriers.init(self.cfg.FULL_ARRIVALS, 32)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -396,9 +392,9 @@ class HopperDecodeKernel:
                         local = local + ring_first
                     s, phase = ring.position(local)
                     ring.wait_empty(s, phase)
-                    cute.arch.mbarrier_arrive_and_expect_tx(ring.full + s, cfg.TILE_BYTES)
+                    cute.arch.mbarrier_arrive_and_expect_tx(ring.barriers.full(s), cfg.TILE_BYTES)
                     if cutlass.const_expr(cfg.FULL_ARRIVALS > 1):  # the arrivals a window tile's lanes make
-                        cute.arch.mbarrier_arrive(ring.full + s, arrive_count=cfg.FULL_ARRIVALS - 1)
+                        cute.arch.mbarrier_arrive(ring.barriers.full(s), arrive_count=cfg.FULL_ARRIVALS - 1)
                     self.copy_tile(ring, pages, page.to(Int64) * head.kv_heads + head.h, tile % SUB, s)
 
     def copy_tile(self, ring: Ring, pages: PackedPages, page_head, sub, s):
@@ -406,7 +402,7 @@ class HopperDecodeKernel:
         cfg = self.cfg
         slot0 = sub * TILE_TOKENS  # first slot of the tile in its page
         dst = ring.stage(s)
-        full = ring.full + s
+        full = ring.barriers.full(s)
         tile_index = page_head * cfg.SUB + sub
         bulk_copy_g2s(dst + cfg.K_CODES, pages.k_codes + tile_index * cfg.K_TW, 4 * cfg.K_TW, full)
         bulk_copy_g2s(dst + cfg.V_CODES, pages.v_codes + tile_index * cfg.V_TW, 4 * cfg.V_TW, full)
