@@ -170,6 +170,14 @@ class TileSpan:
     def count(self):
         return cutlass.max(self.end - self.begin, 0)
 
+    def n_tiles(self):
+        """The sequence's 64-token tiles (all splits')."""
+        return (self.length + TILE_TOKENS - 1) // TILE_TOKENS
+
+    def steps(self, tiles_per_step: int):
+        """The span's steps of ``tiles_per_step`` tiles (Blackwell: 128-token steps; <= 0 when empty)."""
+        return (self.end - self.begin + tiles_per_step - 1) // tiles_per_step
+
     def valid_tokens(self, local_tile):
         """Tokens of local tile ``local_tile`` before the sequence's end (>= 1 for the span's tiles)."""
         return self.length - (self.begin + local_tile) * TILE_TOKENS

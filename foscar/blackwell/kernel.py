@@ -100,7 +100,7 @@ from .folds import hooks_for
 from .operands import recipe_for
 from .pipeline import tcgen05_fence_after, tcgen05_fence_before
 from .primitives import STEP, WG, fabs, hilo, max4, pow2_scale, scalar
-from .sequence import DecodeSequence
+from .sequence import STEP_TILES, DecodeSequence
 
 # warpgroup roles
 WG_MMA, WG_PREP, WG_SOFTMAX, WG_OUTPUT = 0, 1, 2, 3
@@ -451,7 +451,7 @@ class BlackwellDecodeKernel:
 
         # ================================================================ roles
         # Nothing dynamic is computed before the dispatch: the TMEM address and the CTA's token range
-        # (``seq.geometry()``) are (re)computed inside each role, so no value stays live across it
+        # (``seq.tiles()``) are (re)computed inside each role, so no value stays live across it
         # (ptxas spilled such values when one role ran at its setmaxnreg ceiling).
         if role == WG_PREP:
             cute.arch.setmaxregister_increase(REGS[WG_PREP])
@@ -490,9 +490,9 @@ class BlackwellDecodeKernel:
     def produce_tiles(self, ch: pl.Channels, pages: PackedPages, seq, head: KvHead):
         cfg = self.cfg
         ring = ch.ring
-        _length, n_tiles, t_begin, _t_end, n_steps = seq.geometry()
-        for i in cutlass.range(0, 2 * n_steps, 1, unroll=1):
-            page_head, sub, slot0 = self.tile_head(seq, head.kv_heads, head.h, n_tiles, t_begin + i)
+        tiles = seq.tiles()
+        for i in cutlass.range(0, STEP_TILES * tiles.steps(STEP_TILES), 1, unroll=1):
+            page_head, sub, slot0 = self.tile_head(seq, head.kv_heads, head.h, tiles.n_tiles(), tiles.begin + i)
             st = ring.stage(i)
             ring.wait_empty(i)
             cute.arch.mbarrier_arrive_and_expect_tx(ring.full(st), cfg.STAGE_BYTES)
@@ -527,7 +527,7 @@ class BlackwellDecodeKernel:
         mma_qk, mma_pv, desc_mma = mmas.qk, mmas.pv, mmas.desc  # (the MMAs' ACCUMULATE field is loop-carried)
         opnd, s_ch, p_ch, o_ch = ch.opnd, ch.s, ch.p, ch.o
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
-        n_steps = seq.geometry()[4]
+        n_steps = seq.tiles().steps(STEP_TILES)
         sK, sV, sQ, sP = sm.sK, sm.sV, sm.sQ, sm.sP
         tCrK = desc_mma.make_fragment_A(sK)  # descriptors (MMA, 1, KB_D, OP_STAGES)
         tCrV = desc_mma.make_fragment_A(sV)  # (MMA, 1, KB_S, OP_STAGES*MT)
@@ -619,7 +619,7 @@ class BlackwellDecodeKernel:
         ku32 = cute.recast_ptr(storage.sK.data_ptr(), dtype=Int32)
         vu32 = cute.recast_ptr(storage.sV.data_ptr(), dtype=Int32)
         ksw, vsw = sK_layout.inner, sV_layout.inner
-        n_steps = seq.geometry()[4]
+        n_steps = seq.tiles().steps(STEP_TILES)
         for step in cutlass.range(0, n_steps, 1, unroll=1):
             so = opnd.stage(step)
             ring.wait_full(2 * step)  # both tiles of the step in the ring
@@ -671,7 +671,8 @@ class BlackwellDecodeKernel:
         ring, s_ch, p_ch, st_ch, ring_words = ch.ring, ch.s, ch.p, ch.st, ch.ring_words
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
         t2r, thr_t2r = _t2r(tmem_ptr, acc_layout, t, cfg.NM)
-        length, _n_tiles, t_begin, t_end, n_steps = seq.geometry()
+        tiles = seq.tiles()
+        length, t_begin, t_end, n_steps = tiles.length, tiles.begin, tiles.end, tiles.steps(STEP_TILES)
         RED = sm_.red_words(cfg.P_STAGES)  # sRed half (by step parity: one barrier per step suffices)
         m_run = cute.make_rmem_tensor((N,), Float32)
         l_run = cute.make_rmem_tensor((N,), Float32)  # per-thread partial (one token per step)
@@ -780,7 +781,7 @@ class BlackwellDecodeKernel:
         st_ch, o_ch = ch.st, ch.o
         tmem_ptr = cute.arch.retrieve_tmem_ptr(Float32, 16, tmem_holder)
         t2r, thr_t2r = _t2r(tmem_ptr, acc_layout, t, cfg.NM)
-        n_steps = seq.geometry()[4]
+        n_steps = seq.tiles().steps(STEP_TILES)
         accO = cute.make_rmem_tensor((cfg.MT * N,), Float32)
         for x in cutlass.range_constexpr(cfg.MT * N):
             accO[x] = Float32(0.0)

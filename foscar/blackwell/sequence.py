@@ -14,10 +14,12 @@ from cutlass import Int32, Int64
 
 from ..window_tiles import quantized_tokens
 from ..layouts.fragment import TILE_TOKENS
-from ..pipeline import split_range
+from ..pipeline import TileSpan
 from .primitives import STEP, scalar
 
-__all__ = ["DecodeSequence", "CacheSequence"]
+STEP_TILES = STEP // TILE_TOKENS  # 64-token tiles per 128-token step
+
+__all__ = ["DecodeSequence", "CacheSequence", "STEP_TILES"]
 
 
 class DecodeSequence:
@@ -38,12 +40,9 @@ class DecodeSequence:
         """Partials per query row: the stride of the split output."""
         return self.num_splits
 
-    def geometry(self):
-        """(length, n_tiles, t_begin, t_end, n_steps) of the CTA's token range: whole 128-token steps
-        per split."""
-        length = self.packed_tokens()
-        n_tiles, t_begin, t_end = split_range(length, self.split, self.num_splits, STEP // TILE_TOKENS)
-        return length, n_tiles, t_begin, t_end, (t_end - t_begin + 1) // 2
+    def tiles(self) -> TileSpan:
+        """The CTA's packed tiles (``foscar.pipeline.TileSpan``): whole 128-token steps per split."""
+        return TileSpan.of_split(self.packed_tokens(), self.split, self.num_splits, STEP_TILES)
 
     def tile_head(self, kv_heads, h, n_tiles, tile, page_size: int):
         """(page * kv_heads + h, tile-in-page, first slot) of 64-token tile ``tile`` (clamped in range)."""
