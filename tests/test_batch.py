@@ -121,6 +121,22 @@ def assert_same_state(a, b, ids):
                 assert apart <= (1e-3 if batch_variant else 0), (layer, seq, apart)
 
 
+def test_drafts_past_one_launch_take_the_decode_route_with_a_rollback_margin(rng, monkeypatch):
+    """With rollback=6 (and one launch patched to take 2 tokens), groups of up to 8 tokens are appended and
+    attended (as several launches), not attend_chunk'ed: the same result as one sequence at a time, and float64.
+    The sequences stay inside the sink + window (no granule quantized within a draft: every view reads the same
+    values)."""
+    monkeypatch.setattr(PagedKVCache, "_tokens_per_launch", lambda self: 2)
+    batched, single = (make_cache(SCHEMES[1], max_seqs=4, rollback=6) for _ in range(2))
+    assert batched.max_query_tokens() == 8
+    routes = []
+    monkeypatch.setattr(PagedKVCache, "attend_chunk", lambda *a, **kw: routes.append("chunk"))
+    ids = prefill([batched, single], [20, 3, 60], rng)
+    run_mixed_step(batched, single, ids, [5, 8, 1], rng, list)
+    assert routes == [] and all(batched.seq_len(s) < batched.sink + batched.window for s in ids)
+    assert_same_state(batched, single, ids)
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.name)
 def test_mixed_batch_equals_one_sequence_at_a_time(scheme, rotate, rng):
