@@ -29,7 +29,9 @@ from foscar.device import at, cp_async_16, inline_ptx
 from foscar.hopper.kernel import PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, default_consumers
 from foscar.query_rows import KvHead, Output
 from foscar.layouts.fragment import TILE_TOKENS
-from foscar.pipeline import PackedPages, Ring, TileSpan, bulk_copy_g2s, stage_and_phase
+from foscar.pipeline import PackedPages, Ring, TileSpan, bulk_copy_g2s
+from foscar.pipeline import phase as phase_of
+from foscar.pipeline import stage as stage_of
 
 from .decode import copies_for, read_ceiling_us, time_layers
 from .hopper_sweep import VARIANTS, cache_sets, planned_splits
@@ -77,7 +79,7 @@ class PipelineOnly(HopperDecodeKernel):
         u_end = (tiles.end + U - 1) // U
         page_first = tiles.begin // SUB
         page_end = (tiles.end + SUB - 1) // SUB
-        full, empty = ring.full, ring.empty
+        full, empty = ring.barriers.full(0), ring.barriers.empty(0)
         for chunk in cutlass.range(page_first, page_end, 32, unroll=1):
             table_row = head.row.to(Int64) * pages.max_pages
             my_page = at(pages.page_table, table_row + cutlass.min(chunk + lane, page_end - 1))  # page table
@@ -91,7 +93,7 @@ class PipelineOnly(HopperDecodeKernel):
                     self.produce_mixed(ring, pages, page.to(Int64) * head.kv_heads + head.h, tile, unit - u_begin,
                                        lane)
                 elif lane == 0:
-                    s, phase = stage_and_phase(unit - u_begin, self.stages)
+                    s, phase = stage_of(unit - u_begin, self.stages), phase_of(unit - u_begin, self.stages)
                     cute.arch.mbarrier_wait(empty + s, phase ^ 1)
                     cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.unit_bytes)
                     page_head = page.to(Int64) * head.kv_heads + head.h
@@ -113,8 +115,8 @@ class PipelineOnly(HopperDecodeKernel):
         of V codes and params with cp.async and registers them on ``full`` (pending count +1 each, before
         lane 0's arrive, so the phase cannot complete early); then lane 0 bulk-copies K codes and params."""
         cfg = self.cfg
-        full, empty = ring.full, ring.empty
-        s, phase = stage_and_phase(local, self.stages)
+        full, empty = ring.barriers.full(0), ring.barriers.empty(0)
+        s, phase = stage_of(local, self.stages), phase_of(local, self.stages)
         cute.arch.mbarrier_wait(empty + s, phase ^ 1)
         slot0 = (tile % cfg.SUB) * TILE_TOKENS
         dst = ring.words + cute.assume(s * self.unit_words, divby=4)
@@ -138,12 +140,12 @@ class PipelineOnly(HopperDecodeKernel):
     @cute.jit
     def consume(self, mma, warp, ring: Ring, q_ptr, head: KvHead, tiles: TileSpan, out: Output, scale_log2):
         cfg = self.cfg
-        words, full, empty, lse = ring.words, ring.full, ring.empty, out.lse
+        words, full, empty, lse = ring.words, ring.barriers.full(0), ring.barriers.empty(0), out.lse
         n_local = cutlass.max((tiles.end + self.unit - 1) // self.unit - tiles.begin // self.unit, 0)
         my_units = (cutlass.max(n_local - warp, 0) + cfg.NW - 1) // cfg.NW
         touched = Int32(0)
         for step in cutlass.range(0, my_units, 1, unroll=1):
-            stage, phase = stage_and_phase(warp + cfg.NW * step, self.stages)
+            stage, phase = stage_of(warp + cfg.NW * step, self.stages), phase_of(warp + cfg.NW * step, self.stages)
             cute.arch.mbarrier_wait(full + stage, phase)
             touched = touched + at(words, stage * self.unit_words + mma.lane)
             cute.arch.mbarrier_arrive(empty + stage)
