@@ -5,6 +5,8 @@ cache's tests (tests/test_cache_chunk.py, tests/test_batch.py)."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_cache_chunk import assert_within_the_rule
 
 import foscar.chunk_attention as chunk_attention
@@ -50,3 +52,24 @@ def test_merging_partials_equals_one_softmax(rng):
         merged.add(torch.softmax(scores[:, a:b], -1) @ values[a:b], lse)
     assert torch.allclose(merged.out.double(), torch.softmax(scores, -1) @ values, atol=1e-6)
     assert torch.allclose(merged.lse.double(), torch.logsumexp(scores, -1), atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(0, 300), min_size=0, max_size=5), tokens=st.integers(1, 6),
+       pieces=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_any_cut_of_the_cached_tokens_gives_the_same_attention(cuts, tokens, pieces, seed):
+    """However the cached tokens are cut into blocks (and blocks into pieces), the result is the same attention:
+    FP32 merges of the same values (the CPU flash kernel's vectorized exp puts the lse ~1e-5 apart; a block merged
+    with a wrong weight moves it by its share of the softmax, a tail or piece dropped by the tokens' share)."""
+    rng = torch.Generator().manual_seed(seed)
+    n = sum(cuts)
+    k, v = (torch.randn(2, n + tokens, 32, generator=rng, dtype=torch.float64).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(tokens, 4, 32, generator=rng, dtype=torch.float64).to(torch.bfloat16)
+    edges = torch.tensor([0] + cuts).cumsum(0).tolist()
+    blocks = [(k[:, a:b], v[:, a:b]) for a, b in zip(edges, edges[1:])]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chunk_attention, "_pieces", lambda rows, heads, length, device: max(1, min(pieces, length)))
+        out, lse = chunk_attention.chunk_attention(q, k[:, n:], v[:, n:], blocks, SM_SCALE)
+    whole, whole_lse = chunk_attention.chunk_attention(q, k[:, n:], v[:, n:], [(k[:, :n], v[:, :n])], SM_SCALE)
+    assert (lse - whole_lse).abs().max() < 1e-4
+    assert (out.float() - whole.float()).abs().max() <= 2 * 2**-8 * whole.float().abs().max() + 1e-6
