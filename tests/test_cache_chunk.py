@@ -131,14 +131,16 @@ def test_attend_chunk_in_blocks_of_query_tokens(rng, monkeypatch):
     check_chunk(cache, [seq], lambda s: expected_dense(cache, k[0], v[0]), rng, 40)
 
 
-def test_attend_chunk_as_a_kernel_cache_computes_it(rng, monkeypatch):
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_attend_chunk_as_a_kernel_cache_computes_it(arch, rng, monkeypatch):
     """A kernel cache keeps no fp32 copies: attend_chunk dequantizes its pages block by block into q's dtype and
     merges fused attentions (foscar.chunk_attention). That computation, run here on a CPU cache without its
-    copies (the torch dequantizer in place of the kernel), in blocks of one page, is within the rule of float64
-    and close to the copies' fp32 result."""
+    copies (the torch dequantizer in place of the kernel; each arch's bit order), in blocks of one page, is within
+    the rule of float64 and close to the copies' fp32 result."""
     monkeypatch.setattr(foscar.cache, "BLOCK_BYTES", 1)  # one page per block
     scheme = SCHEMES[3]
-    cache = make_cache(scheme)
+    cache = make_cache(scheme, arch=arch)
+    assert cache.arch.name == arch
     ids = [cache.allocate() for _ in range(2)]
     k, v = kv(rng, scheme, 2, 700)
     cache.append(0, ids, k, v)
