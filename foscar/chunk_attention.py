@@ -21,6 +21,7 @@ as a BF16 (FP16) PyTorch computation on the same cache rounds its values and P.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +38,9 @@ def fused_attention(q, k, v, sm_scale: float, causal: bool):
     """``(out [B, H, L, D] in q's dtype, lse [B, H, L] fp32, natural log of the scaled scores)`` of
     ``q [B, H, L, D]`` over ``k, v [B, H, T, D]`` (same heads, contiguous).
 
-    On a GPU, cuDNN's fused attention at head_dim 128: on the H200 (2026-12-02, 8 heads, a 32K-token block, BF16)
-    it took 797 us for 4096 query rows per head where FlashAttention-2's took 1514 us (690 vs 363 TFLOPS), and
-    123 vs 205 us for 512 rows cut into 16 pieces (``benchmarks/NOTES.md`` section 22). Other head dims, which
-    were not measured, and a torch without cuDNN take FlashAttention-2."""
+    On a GPU, cuDNN's fused attention at head_dim 128, where it measured about twice FlashAttention-2's speed
+    (``benchmarks/fused_attention.py``, ``benchmarks/NOTES.md`` section 22); other head dims, which were not
+    measured, and a torch without cuDNN take FlashAttention-2."""
     if q.is_cuda and q.shape[-1] == CUDNN_HEAD_DIM and torch.backends.cudnn.is_available():
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                       scale=sm_scale)[:2]
@@ -69,12 +69,17 @@ class Merged:
         self.lse = total
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _pieces(rows: int, kv_heads: int, tokens: int, device: torch.device) -> int:
     """How many pieces one block's attention of ``rows`` query rows per KV head splits into (a batch)."""
     if device.type != "cuda":
         return 1
     ctas = kv_heads * -(-rows // ROWS_PER_CTA)
-    wanted = -(-CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count // ctas)
+    wanted = -(-CTAS_PER_SM * _sm_count(device) // ctas)
     return max(1, min(wanted, tokens // MIN_PIECE))
 
 

@@ -14,18 +14,12 @@ from foscar import Scheme
 from foscar.archs import BLACKWELL, HOPPER
 from foscar.cache import PagedKVCache
 from test_cache import SCHEMES, assert_unchanged, kv, make_cache, snapshot
-from test_cache_chunk import assert_within_the_rule, rotated
+from test_cache_chunk import assert_within_the_rule, causal_references, rotated
 
 
 def causal_attention(q, k, v, sm_scale):
-    """float64 attention of ``q [L, Hq, D]``, the last ``L`` of the ``n`` tokens of ``k, v [kvh, n, D]``."""
-    tokens, d, (kvh, n) = q.shape[0], q.shape[-1], k.shape[:2]
-    qg = q.double().reshape(tokens, kvh, -1, d)
-    scores = torch.einsum("lhrd,hmd->lhrm", qg, k.double()) * sm_scale
-    later = torch.arange(n)[None, :] > (n - tokens + torch.arange(tokens))[:, None]
-    scores = scores.masked_fill(later[:, None, None, :], -math.inf)
-    out = torch.einsum("lhrm,hmd->lhrd", torch.softmax(scores, -1), v.double())
-    return out.reshape(q.shape), torch.logsumexp(scores, -1).reshape(tokens, -1)
+    """float64 ``(out, lse)`` of ``q [L, Hq, D]``, the last ``L`` of the ``n`` tokens of ``k, v [kvh, n, D]``."""
+    return causal_references(q, k, v, sm_scale)[:2]
 
 
 def check_verify(cache, ids, tokens, rng, layer=0, sm_scale=0.1, atol=1e-2, low_dtype=None):
@@ -305,35 +299,36 @@ def test_kernel_launches_past_one_tile_match_float64(rng):
     assert not cache._counters.any()
 
 
-def test_more_tokens_than_launches_and_rollback_take_name_q_and_change_nothing(rng, monkeypatch):
-    monkeypatch.setattr(PagedKVCache, "_tokens_per_launch", lambda self: 2)
-    scheme = SCHEMES[1]
-    cache = make_cache(scheme, window=64, num_pages=40, rollback=3)
+def launch_limited_cache(monkeypatch, step, rollback, rng):
+    """A CPU cache whose launches take ``step`` tokens (patched), with ``rollback``, one sequence of 400 tokens."""
+    monkeypatch.setattr(PagedKVCache, "_tokens_per_launch", lambda self: step)
+    cache = make_cache(SCHEMES[1], window=64, num_pages=40, rollback=rollback)
     seq = cache.allocate()
-    k, v = kv(rng, scheme, 1, 100)
+    k, v = kv(rng, cache.scheme, 1, 400)
     cache.append(0, [seq], k, v)
+    return cache, seq
+
+
+def refused(cache, seq, tokens, rng, message):
+    """``attend`` of ``tokens`` query tokens raises a ValueError matching ``message`` and changes nothing."""
     before = snapshot(cache)
-    q = torch.randn(1, 6, cache.kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)
-    with pytest.raises(ValueError, match=r"q: 6 query tokens per sequence: one kernel launch takes 2 and rollback=3 "
-                                         r"more .* at most 5; construct the cache with rollback >= 4"):
-        cache.attend(0, [seq], q)
+    q = torch.randn(1, tokens, cache.kv_heads * cache.scheme.gqa_ratio, cache.scheme.head_dim, generator=rng)
+    with pytest.raises(ValueError, match=message):
+        cache.attend(0, [seq], q.to(cache.scheme.q_dtype))
     assert_unchanged(cache, before)
+
+
+def test_more_tokens_than_launches_and_rollback_take_name_q_and_change_nothing(rng, monkeypatch):
+    cache, seq = launch_limited_cache(monkeypatch, 2, 3, rng)
+    refused(cache, seq, 6, rng, r"q: 6 query tokens per sequence: one kernel launch takes 2 and rollback=3 more .* "
+                                r"at most 5; construct the cache with rollback >= 4")
 
 
 def test_launches_refuse_a_view_a_truncate_made_unreadable(rng, monkeypatch):
     """A truncate since the draft's append lowers the margin (rollback_limit): attending existing tokens in several
     launches then needs shorter views than the ring keeps, and is refused, naming q, before anything runs."""
-    monkeypatch.setattr(PagedKVCache, "_tokens_per_launch", lambda self: 1)
-    scheme = SCHEMES[1]
-    cache = make_cache(scheme, window=64, num_pages=40, rollback=7)
-    seq = cache.allocate()
-    k, v = kv(rng, scheme, 1, 400)
-    cache.append(0, [seq], k, v)
+    cache, seq = launch_limited_cache(monkeypatch, 1, 7, rng)
     cache.truncate(0, [seq], cache.rollback_limit(seq))
     assert cache.rollback_limit(seq) == 0
-    q = torch.randn(1, 2, cache.kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=rng).to(scheme.q_dtype)
-    before = snapshot(cache)
-    with pytest.raises(ValueError, match=r"q: 2 query tokens per sequence run as launches of 1; the first reads "
-                                         r"sequence \d+ without its last 1 tokens, but the ring keeps only 0"):
-        cache.attend(0, [seq], q)
-    assert_unchanged(cache, before)
+    refused(cache, seq, 2, rng, r"q: 2 query tokens per sequence run as launches of 1; the first reads sequence \d+ "
+                                r"without its last 1 tokens, but the ring keeps only 0")
