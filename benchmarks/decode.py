@@ -247,12 +247,15 @@ def sdpa_layer(batch, context, q_heads, kv_heads, head_dim):
 
 
 # ----------------------------------------------------------------------------- FOSCAR
-def foscar_layers(scheme, batch, context, kv_heads, page_size=128):
-    """Layer closures over ``copies`` clones of one quantized cache (same codes, distinct buffers)."""
+def foscar_layers(scheme, batch, context, kv_heads, page_size=128, tokens=1):
+    """Layer closures over ``copies`` clones of one quantized cache (same codes, distinct buffers); ``tokens``:
+    query tokens per sequence (several: ``q [batch, tokens, Hq, D]``, the pages' last tokens, causal)."""
     from foscar.decode import decode_paged, plan_splits
     from foscar.testing import random_problem
 
     q, cache = random_problem(scheme, [context] * batch, kv_heads=kv_heads, page_size=page_size, shuffle=False)
+    if tokens > 1:
+        q = torch.randn(batch, tokens, *q.shape[1:], device=q.device).to(q.dtype)
     nbytes = cache.nbytes() + 2 * q.numel() * q.element_size()
     copies = copies_for(nbytes)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -66,11 +66,13 @@ class Arch:
 
             check_sink_window(scheme.head_dim, scheme.gqa_ratio, slots, what)
 
-    def compile_decode(self, scheme: Scheme, page_size: int, partial_output: bool = False, **options):
-        """The compiled decode kernel (cached per process; works without a GPU). ``options`` go to
-        the arch's ``KernelSet.options`` (Hopper: ``consumers``)."""
+    def compile_decode(self, scheme: Scheme, page_size: int, partial_output: bool = False, tokens: int = 1,
+                       **options):
+        """The compiled decode kernel for ``tokens`` query tokens per sequence (the packed pages' last, causal;
+        cached per process; works without a GPU). ``options`` go to the arch's ``KernelSet.options`` (Hopper:
+        ``consumers``)."""
         self.can_implement(scheme, page_size)
-        return self._kernels().compile_decode(scheme, page_size, partial_output, **options)
+        return self._kernels().compile_decode(scheme, page_size, partial_output, tokens, **options)
 
     def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1):
         """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (Hopper: packed pages,
@@ -83,8 +85,9 @@ class Arch:
         return self._kernels().compile_cache_decode(scheme, page_size, tokens)
 
     def max_query_tokens(self, scheme: Scheme) -> tuple[int, str]:
-        """The most query tokens per sequence the cache decode takes (speculative verification:
-        ``PagedKVCache.attend`` of a 4-D q), and why no more; compiles nothing."""
+        """The most query tokens per sequence one decode launch (of the cache decode or the decode) takes
+        (speculative verification: ``PagedKVCache.attend`` or ``decode_paged`` of a 4-D q; both cut more into
+        launches), and why no more; compiles nothing."""
         return self._kernels().max_query_tokens(scheme)
 
     def check_query_tokens(self, scheme: Scheme, page_size: int, tokens: int) -> None:

@@ -54,17 +54,19 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
         raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if q.dim() != 3:
-        raise ValueError(f"q must have shape [batch, q_heads, head_dim], got {list(q.shape)}")
-    batch, q_heads, dim = q.shape
-    if batch < 1:
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must have shape [batch, q_heads, head_dim] or [batch, tokens, q_heads, head_dim], got "
+                         f"{list(q.shape)}")
+    batch, q_heads, dim = q.shape[0], q.shape[-2], q.shape[-1]
+    tokens = q.shape[1] if q.dim() == 4 else 1
+    if batch < 1 or tokens < 1:
         raise ValueError(f"q must hold at least one sequence, got shape {list(q.shape)}")
     if q.device.type == "meta":
         raise ValueError("q is a meta tensor (a shape without data): decode needs real tensors")
     if dim != scheme.head_dim:
         raise ValueError(f"q's head_dim {dim} must equal Scheme.head_dim {scheme.head_dim}")
     device = q.device
-    _tensor("q", q, scheme.q_dtype, ("batch", "q_heads", dim), None)
+    _tensor("q", q, scheme.q_dtype, ("batch", "tokens", "q_heads", dim)[4 - q.dim():], None)
     if not isinstance(k_codes, torch.Tensor) or k_codes.dim() != 4:
         raise ValueError("k_codes must be a 4-d int32 tensor [num_pages, kv_heads, page_size // 64, tile_words]")
     num_pages, kv_heads = k_codes.shape[:2]
@@ -80,8 +82,9 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if check_pages and not capturing:
         lens = lengths.cpu()
-        if lens.numel() and (int(lens.min()) < 1 or int(lens.max()) > page_table.shape[1] * page_size):
-            raise ValueError(f"lengths must lie in [1, max_pages*page_size = {page_table.shape[1] * page_size}]")
+        if lens.numel() and (int(lens.min()) < tokens or int(lens.max()) > page_table.shape[1] * page_size):
+            raise ValueError(f"lengths must lie in [{tokens} (the query tokens, which the pages hold), "
+                             f"max_pages*page_size = {page_table.shape[1] * page_size}]")
         used = torch.arange(page_table.shape[1])[None, :] * page_size < lens[:, None]
         pages = page_table.cpu()[used]
         if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
@@ -93,10 +96,15 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
                  check_pages: bool = True, out=None, lse=None, layout: str | None = None):
     """Decode attention over a paged quantized cache; returns ``out`` (and ``lse`` if asked).
 
-    ``out`` ([batch, q_heads, head_dim], q's dtype) and ``lse`` ([batch, q_heads], fp32) may be
-    given to write in place. ``check_pages=False`` skips the host read-back of the page table
-    (it is skipped anyway under CUDA-graph capture). ``layout`` (optional) names the bit order the
-    codes were packed in; it must be the device's (``foscar.archs.Arch.layout``).
+    ``q`` is ``[batch, q_heads, head_dim]``, one query token per sequence, or ``[batch, tokens, q_heads,
+    head_dim]``: the sequences' last ``tokens`` tokens (speculative verification: the draft, already
+    quantized into the pages), each attending its sequence up to itself (causal); ``lengths`` count them.
+    One launch takes ``gqa_ratio x tokens <= 16`` query rows per KV head (``Arch.max_query_tokens``); more
+    tokens run as several launches, the earlier tokens' over the sequences cut short (``lengths - later``).
+    ``out`` (q's shape and dtype) and ``lse`` (fp32, q's shape but head_dim) may be given to write in
+    place. ``check_pages=False`` skips the host read-back of the page table (it is skipped anyway under
+    CUDA-graph capture). ``layout`` (optional) names the bit order the codes were packed in; it must be
+    the device's (``foscar.archs.Arch.layout``).
     """
     validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme, page_size, sm_scale, check_pages)
     sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
@@ -109,24 +117,37 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
         raise ValueError(f"layout: the cache is packed for {layout!r} but this {arch.name} device reads {arch.layout!r} "
                          f"(quantize with layout={arch.layout!r})")
     arch.can_implement(scheme, page_size)  # a variant the kernel cannot build fails here, before compiling
-    batch, q_heads, dim = q.shape
     if out is not None:
-        _tensor("out", out, q.dtype, (batch, q_heads, dim), q.device)
+        _tensor("out", out, q.dtype, tuple(q.shape), q.device)
     if lse is not None:
-        _tensor("lse", lse, torch.float32, (batch, q_heads), q.device)
+        _tensor("lse", lse, torch.float32, tuple(q.shape[:-1]), q.device)
     if num_splits is None:
         props = torch.cuda.get_device_properties(q.device)
-        num_splits = plan_splits(batch, k_codes.shape[1], page_table.shape[1] * page_size, props.multi_processor_count)
+        num_splits = plan_splits(q.shape[0], k_codes.shape[1], page_table.shape[1] * page_size,
+                                 props.multi_processor_count)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
-    out, lse = arch.run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
-                               num_splits, out, lse)
+    tokens = q.shape[1] if q.dim() == 4 else 1
+    step = arch.max_query_tokens(scheme)[0]
+    if tokens <= step:
+        out, lse = arch.run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
+                                   num_splits, out, lse)
+        return (out, lse) if return_lse else out
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
+    for first in range(0, tokens, step):
+        last = min(first + step, tokens)
+        o_part, lse_part = arch.run_decode(q[:, first:last].contiguous(), k_codes, k_params, v_codes, v_params,
+                                           page_table, lengths - (tokens - last), sm_scale, scheme, num_splits)
+        out[:, first:last] = o_part
+        lse[:, first:last] = lse_part
     return (out, lse) if return_lse else out
 
 
 def decode(q, cache: QuantizedKV, sm_scale: float | None = None, return_lse: bool = False, num_splits: int | None = None,
            out=None, lse=None):
-    """Decode attention of ``q [batch, kv_heads*gqa_ratio, head_dim]`` over ``cache``."""
+    """Decode attention of ``q [batch, kv_heads*gqa_ratio, head_dim]`` (or ``[batch, tokens, ...]``: the
+    cache's last ``tokens`` tokens, causal; :func:`decode_paged`) over ``cache``."""
     if not isinstance(cache, QuantizedKV):
         raise TypeError(f"cache must be a foscar.QuantizedKV, got {type(cache).__name__}")
     return decode_paged(q, cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.page_table, cache.lengths,
@@ -134,12 +155,13 @@ def decode(q, cache: QuantizedKV, sm_scale: float | None = None, return_lse: boo
                         layout=cache.layout)
 
 
-def compile_decode(scheme: Scheme, arch: str, page_size: int = 128, split: bool = True):
+def compile_decode(scheme: Scheme, arch: str, page_size: int = 128, split: bool = True, tokens: int = 1):
     """Compile the decode kernel of ``scheme`` for ``arch`` ("sm_90a" or "sm_100a") without a GPU.
 
     Returns ``foscar.inspect.Artifacts``: PTX, cubin, SASS (via nvdisasm), registers, spills and
-    the instruction mix. ``split`` selects the kernel that writes split-KV partials. A variant the
-    arch's kernel cannot build raises a ValueError naming the field (``Arch.can_implement``).
+    the instruction mix. ``split`` selects the kernel that writes split-KV partials; ``tokens`` the
+    query tokens per sequence of one launch (:func:`decode_paged`). A variant the arch's kernel cannot
+    build raises a ValueError naming the field (``Arch.can_implement``, ``q`` for ``tokens``).
     """
     from .inspect import artifacts
 
@@ -147,7 +169,7 @@ def compile_decode(scheme: Scheme, arch: str, page_size: int = 128, split: bool 
     if not isinstance(scheme, Scheme):
         raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
     check_page_size(scheme, page_size)
-    return artifacts(target.compile_decode(scheme, page_size, split))
+    return artifacts(target.compile_decode(scheme, page_size, split, tokens))
 
 
 class _CallableModule(types.ModuleType):

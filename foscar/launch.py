@@ -17,7 +17,9 @@ arch)`` and ``(f"{name}_cache_decode", scheme, page_size, *options, arch)``, the
 
 ``partial_output`` selects the decode's output: False writes ``o`` (q's dtype, ``[B, Hq, D]``) and ``lse``
 (fp32 ``[B, Hq]``, natural log); True writes normalized fp32 partials ``o [B, Hq, S, D]`` and ``lse [B, Hq,
-S]`` for the combine kernel (an empty split has ``lse = -inf`` and ``o = 0``).
+S]`` for the combine kernel (an empty split has ``lse = -inf`` and ``o = 0``). With ``tokens`` query tokens
+per sequence (``q [B, tokens, Hq, D]``, the last ``tokens`` tokens of each sequence, causal:
+``foscar.query_rows``) every ``Hq`` above is ``tokens x Hq``.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class KernelSet:
     def _config_builds(self, scheme: Scheme, page_size: int) -> bool:
         """Build the split-output decode config once per (scheme, page size): ``can_implement`` runs on every
         decode call, and a config costs ~25 us of Python (a refusal raises and is not cached)."""
-        self.config(scheme, page_size, True, *self.options(scheme, 1))
+        self.config(scheme, page_size, True, 1, *self.options(scheme, 1))
         return True
 
     def options(self, scheme: Scheme, tokens: int) -> tuple:
@@ -125,8 +127,9 @@ class KernelSet:
         gives (none here; a TypeError names an unknown one)."""
         return ()
 
-    def config(self, scheme: Scheme, page_size: int, partial_output: bool, *options):
-        """The decode kernel's config; building it runs the checks that need its geometry."""
+    def config(self, scheme: Scheme, page_size: int, partial_output: bool, tokens: int, *options):
+        """The decode kernel's config for ``tokens`` query tokens per sequence, the last tokens of its packed
+        pages (causal); building it runs the checks that need its geometry."""
         raise NotImplementedError
 
     def cache_config(self, scheme: Scheme, page_size: int, tokens: int, *options):
@@ -140,42 +143,54 @@ class KernelSet:
     def _compile(self, kernel, names):
         return compile_for(self.arch, kernel, *_stand_ins(names, kernel.cfg.q_dtype))
 
-    def compile_decode(self, scheme: Scheme, page_size: int, partial_output: bool = False, **options):
-        """The compiled decode kernel of ``scheme`` (cached; works without a GPU; keeps its PTX and cubin,
-        ``foscar.inspect``)."""
-        opts = self.options(scheme, 1, **options)
+    def compile_decode(self, scheme: Scheme, page_size: int, partial_output: bool = False, tokens: int = 1,
+                       **options):
+        """The compiled decode kernel of ``scheme`` for ``tokens`` query tokens per sequence (cached; works
+        without a GPU; keeps its PTX and cubin, ``foscar.inspect``)."""
+        self.check_launch_tokens(scheme, tokens, "decode")
+        opts = self.options(scheme, tokens, **options)
         key = (f"{self.name}_decode", scheme, int(page_size), bool(partial_output), *opts, self.arch)
+        key += (int(tokens),) if tokens > 1 else ()
         return cached_compile(key, lambda: self._compile(self.decode_kernel(self.config(
-            scheme, page_size, partial_output, *opts)), decode_args(partial_output)))
+            scheme, page_size, partial_output, tokens, *opts)), decode_args(partial_output)))
 
     def run_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme,
                    num_splits: int = 1, out=None, lse=None, **options):
         """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out,
-        lse)``, written in place when given (q's dtype ``[B, Hq, D]``, fp32 ``[B, Hq]``: a caller can poison
-        them, or keep them static for CUDA graphs). With ``num_splits > 1`` the kernel writes fp32 partials
-        that ``foscar.kernels.combine`` merges into them."""
-        batch, hq, d = q.shape
+        lse)``, written in place when given (q's dtype and shape, ``[B, Hq, D]`` or ``[B, tokens, Hq, D]``;
+        fp32 of q's shape but the last dim: a caller can poison them, or keep them static for CUDA graphs).
+        With ``num_splits > 1`` the kernel writes fp32 partials that ``foscar.kernels.combine`` merges into
+        them."""
+        tokens = q.shape[1] if q.dim() == 4 else 1
+        batch, d = q.shape[0], q.shape[-1]
+        rows = tokens * q.shape[-2]  # query rows per sequence, token-major (foscar.query_rows)
         partial = num_splits > 1
-        compiled = self.compile_decode(scheme, k_codes.shape[2] * 64, partial, **options)
+        compiled = self.compile_decode(scheme, k_codes.shape[2] * 64, partial, tokens, **options)
         out = torch.empty_like(q) if out is None else out
-        lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device) if lse is None else lse
-        o_part = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device) if partial else None
-        lse_part = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device) if partial else None
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
+        o_part = torch.empty(batch, rows, num_splits, d, dtype=torch.float32, device=q.device) if partial else None
+        lse_part = torch.empty(batch, rows, num_splits, dtype=torch.float32, device=q.device) if partial else None
         values = dict(q=q, k_codes=k_codes, k_params=k_params, v_codes=v_codes, v_params=v_params,
                       page_table=page_table, lengths=lengths, out=out, lse=lse, o_part=o_part, lse_part=lse_part,
                       batch=batch, kv_heads=k_codes.shape[1], max_pages=page_table.shape[1], num_splits=num_splits,
                       sm_scale=float(sm_scale))
         compiled(*_launch_args(decode_args(partial), half_type(q.dtype), values, q.device))
         if partial:
-            combine_splits(o_part, lse_part, out, lse)
+            combine_splits(o_part, lse_part, out.view(batch, rows, d), lse.view(batch, rows))
         return out, lse
 
     def max_query_tokens(self, scheme: Scheme) -> tuple[int, str]:
-        """The most query tokens per sequence the cache decode takes, and why no more: ``gqa_ratio x
-        tokens`` query columns fit one query tile (``foscar.query_rows``; the window tiles, or the window
-        kernel, carry the causal mask)."""
+        """The most query tokens per sequence one decode launch takes, and why no more: ``gqa_ratio x
+        tokens`` query columns fit one query tile (``foscar.query_rows``)."""
         return MAX_QUERY_COLUMNS // scheme.gqa_ratio, (f"a query tile holds {MAX_QUERY_COLUMNS} columns per KV "
                                                        f"head: gqa_ratio={scheme.gqa_ratio} x tokens")
+
+    def check_launch_tokens(self, scheme: Scheme, tokens: int, what: str) -> None:
+        """A ValueError naming ``q`` if one ``what`` launch cannot take ``tokens`` query tokens per sequence."""
+        limit, why = self.max_query_tokens(scheme)
+        if type(tokens) is not int or not 1 <= tokens <= limit:
+            raise ValueError(f"q: {tokens!r} query tokens per sequence: the {self.arch} {what} takes 1..{limit} "
+                             f"({why})")
 
     def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1, **options):
         """The compiled decode launch of ``foscar.cache.PagedKVCache`` for ``tokens`` query tokens per
@@ -183,10 +198,7 @@ class KernelSet:
         return self._cache_decode(scheme, page_size, tokens, self.options(scheme, tokens, **options))
 
     def _cache_decode(self, scheme, page_size, tokens, opts):
-        limit, why = self.max_query_tokens(scheme)
-        if not 1 <= tokens <= limit:
-            raise ValueError(f"q: {tokens} query tokens per sequence: the {self.arch} cache decode takes "
-                             f"1..{limit} ({why})")
+        self.check_launch_tokens(scheme, tokens, "cache decode")
         key = (f"{self.name}_cache_decode", scheme, int(page_size), *opts, self.arch)
         key += (int(tokens),) if tokens > 1 else ()
         return cached_compile(key, lambda: self._compile(self.cache_kernel(self.cache_config(

@@ -7,8 +7,10 @@ so the columns of one KV head are ``gqa`` consecutive rows per token, ``kv_heads
 one token (single-token decode) they are ``R`` consecutive rows, the layout ``[batch, kv_heads * gqa,
 head_dim]`` the kernels read and write.
 
-Several tokens (speculative verification: the draft tokens, already appended to the cache's 16-bit
-window) see every packed page; only the window carries the causal mask (:meth:`QueryRows.sees`).
+Several tokens (speculative verification: the draft tokens, already appended) attend causally
+(:meth:`QueryRows.sees`). In the cache decode the draft sits in the 16-bit window, so the packed pages are
+fully visible and only the window carries the mask; in ``decode_paged`` every token is packed, and the
+kernel's packed tiles carry it (:meth:`QueryRows.row_bound`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ class QueryRows:
         """Whether column ``col`` attends the token at ``position`` of its ``n``-token sequence, whose last
         ``tokens`` tokens are the query tokens (causal)."""
         return position <= n - self.tokens + col // self.gqa
+
+    def row_bound(self, col, valid):
+        """The causal mask within a tile whose first ``valid`` rows precede the sequence's end: column ``col``
+        attends rows ``< row_bound`` (:meth:`sees` shifted to the tile; a padding column past ``R``, ``valid``)."""
+        return valid - cutlass.max(self.tokens - 1 - col // self.gqa, 0)
 
 
 # Frozen dataclasses, like ``foscar.pipeline``'s bundles: a kernel may call their methods inside runtime loops

@@ -31,7 +31,8 @@ def test_accuracy_names_the_formats_before_loading_the_model(monkeypatch, capsys
 
 @pytest.mark.parametrize("args,message", [(["--tokens", "2,4"], "--tokens must start with 1"),
                                           (["--methods", "int2-kt128+sw"], "--methods: 'int2-kt128+sw' is not"),
-                                          (["--rollback", "-1"], "--rollback must be >= 0")])
+                                          (["--rollback", "-1"], "--rollback must be >= 0"),
+                                          (["--rollback", "2", "--path", "paged"], "--path paged has none")])
 def test_verify_names_a_bad_choice_before_the_gpu_check(args, message, capsys):
     from benchmarks import verify
 

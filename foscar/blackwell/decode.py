@@ -22,8 +22,8 @@ class BlackwellKernels(KernelSet):
                   "o_part", "lse_part", "batch", "kv_heads", "max_pages", "num_splits", "parts", "sink", "window",
                   "sm_scale")
 
-    def config(self, scheme, page_size, partial_output):
-        return BlackwellConfig(scheme, page_size, partial_output)
+    def config(self, scheme, page_size, partial_output, tokens):
+        return BlackwellConfig(scheme, page_size, partial_output, tokens, packed_causal=True)
 
     def cache_config(self, scheme, page_size, tokens):
         return BlackwellConfig(scheme, page_size, True, tokens)

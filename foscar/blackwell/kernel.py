@@ -116,9 +116,11 @@ class BlackwellConfig:
     Per tensor it reads the plan's fold case (``plan.k``, ``plan.v``: group, bits, construction,
     params geometry) and the operand recipe of its bits (``foscar.blackwell.operands``), so K and
     V may differ in bits (FP8 K operands with FP4 V operands, or the reverse). ``tokens``: query tokens per
-    sequence (``foscar.query_rows``: gqa x tokens query columns; the cache decode's window launch masks them)."""
+    sequence (``foscar.query_rows``: gqa x tokens query columns; the cache decode's window launch masks them,
+    or, with ``packed_causal`` (``decode_paged``: the query tokens are the packed pages' last), the packed
+    steps)."""
 
-    def __init__(self, scheme: Scheme, page_size: int, split: bool, tokens: int = 1):
+    def __init__(self, scheme: Scheme, page_size: int, split: bool, tokens: int = 1, packed_causal: bool = False):
         check_page_size(scheme, page_size)
         if not 1 <= scheme.gqa_ratio <= 16:
             raise NotImplementedError("the Blackwell kernel supports gqa_ratio 1..16")
@@ -130,6 +132,7 @@ class BlackwellConfig:
         self.D = scheme.head_dim
         self.rows = QueryRows(scheme.gqa_ratio, tokens)
         self.R = self.rows.R  # query columns: gqa x tokens
+        self.packed_causal = bool(packed_causal) and tokens > 1
         self.N = 8 if self.R <= 8 else 16  # query columns (padded)
         self.NM = 2 * self.N  # hi and lo halves
         # operand recipes and constructions, per tensor: the construction's 1/a (an exact power of
@@ -698,7 +701,7 @@ class BlackwellDecodeKernel:
             sc = self.kh.scores(sm, prm, tmem_ptr, t2r, thr_t2r, acc_layout, ss, step, t, wq)
             tcgen05_fence_before()
             s_ch.release(step)  # S stage free for the QK of step + S_STAGES
-            self.softmax_column_max(sm, sc, ok, red, lane, wq)
+            self.softmax_column_max(sm, sc, ok, tok, length, red, lane, wq)
             v_params = self.vh.softmax_params(sm, prm, ring_words, step, ok, red, t, lane, wq, nd)
             ring.release(2 * step)  # last ring read of this step (params)
             ring.release(2 * step + 1)
@@ -714,10 +717,16 @@ class BlackwellDecodeKernel:
         self.softmax_final(sm, m_run, l_run, t, lane, wq)
 
     @cute.jit
-    def softmax_column_max(self, sm, sc, ok, red, lane, wq):
-        """Mask the tokens past the range, then per-warp maxima of each query row over its tokens."""
-        for r in cutlass.range_constexpr(self.cfg.N):
-            sc[r] = fsel(ok, sc[r], Float32(NEG_INF))
+    def softmax_column_max(self, sm, sc, ok, tok, length, red, lane, wq):
+        """Mask the tokens past the range (and, with ``packed_causal``, each query row's later tokens: this
+        thread's token ``tok`` of the ``length``-token sequence), then per-warp maxima of each query row over
+        its tokens (a row that sees none keeps -inf: ``softmax_update`` subtracts a finite reference)."""
+        cfg = self.cfg
+        for r in cutlass.range_constexpr(cfg.N):
+            keep = ok
+            if cutlass.const_expr(cfg.packed_causal):
+                keep = ok & cfg.rows.sees(r, tok, length)
+            sc[r] = fsel(keep, sc[r], Float32(NEG_INF))
             mx = cute.arch.warp_reduction(sc[r], cute.arch.fmax)
             if lane == 0:
                 sm.sRed[sm_.red_row(red, r) + wq] = mx

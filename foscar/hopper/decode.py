@@ -27,8 +27,8 @@ class HopperKernels(KernelSet):
         """``consumers``: consumer warpgroups per CTA (None: :func:`~foscar.hopper.kernel.default_consumers`)."""
         return (int(default_consumers(scheme, tokens) if consumers is None else consumers),)
 
-    def config(self, scheme, page_size, partial_output, consumers):
-        return DecodeConfig(scheme, page_size, partial_output, consumers)
+    def config(self, scheme, page_size, partial_output, tokens, consumers):
+        return DecodeConfig(scheme, page_size, partial_output, consumers, tokens=tokens, packed_causal=True)
 
     def cache_config(self, scheme, page_size, tokens, consumers):
         return cache_decode_config(scheme, page_size, consumers, tokens)

@@ -166,9 +166,12 @@ class DecodeConfig:
 
     The variant's limits (gqa ratio, page sizes, group sizes) are ``foscar.archs.HOPPER.can_implement``'s,
     checked before this is built; what only the geometry tells (the ring fits, ``tokens`` query tokens
-    per sequence fit the query tile: ``foscar.query_rows``) is checked here."""
+    per sequence fit the query tile: ``foscar.query_rows``) is checked here. ``packed_causal``: the query
+    tokens are the last tokens of the packed pages (``decode_paged``), so the packed tiles carry the causal
+    mask (the cache decode's draft tokens sit in its window instead)."""
 
-    def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int, window=None, tokens: int = 1):
+    def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int, window=None, tokens: int = 1,
+                 packed_causal: bool = False):
         if consumers not in (1, 2, 3):
             raise ValueError(f"consumers must be 1, 2 or 3 warpgroups, got {consumers}")
         plan = scheme.plan("sm_90a")
@@ -179,6 +182,7 @@ class DecodeConfig:
         self.D = scheme.head_dim
         self.rows = QueryRows(scheme.gqa_ratio, tokens)
         self.R = self.rows.R  # query columns per KV head: gqa x tokens
+        self.packed_causal = bool(packed_causal) and tokens > 1
         self.N = 8 if self.R <= 8 else 16  # query columns padded to whole n8 blocks
         self.NB = self.N // 8  # n8 blocks
         self.NS = 2 * self.NB  # distinct query columns per thread in an m16n8 accumulator set
@@ -519,7 +523,8 @@ class HopperDecodeKernel:
         ring.release(ring_stage)  # codes and params are in registers
 
         sc = self.scores(mma, query.k_state, ktp, kw, rows, valid)
-        alpha, rescale = self.online_softmax(mma, sc, state)
+        # under the causal mask a column may see none of the tile's tokens
+        alpha, rescale = self.online_softmax(mma, sc, state, may_be_empty=cfg.packed_causal)
         vf.rescale_corrections(mma, state.v, alpha)
         pB, acc_p = self.p_operands(mma, state, vtp, sc)
         if rescale:  # the running max moved for some column of the warp
@@ -548,16 +553,20 @@ class HopperDecodeKernel:
         return qv
 
     def scores(self, mma: WarpMma, kst, ktp, kw, rows, valid):
-        """S^T = K . Q^T of the tile with the K case's scale and correction, -inf past the end:
-        ``sc[(tb * NB + nb) * 4 + i]``, log2 domain."""
+        """S^T = K . Q^T of the tile with the K case's scale and correction, -inf past the end (and, with
+        ``packed_causal``, past each column's token): ``sc[(tb * NB + nb) * 4 + i]``, log2 domain."""
         cfg = self.cfg
         sc = cute.make_rmem_tensor((TOKEN_BLOCKS * mma.NB * 4,), Float32)  # (tb, nb, i)
+        bound = [valid] * mma.NS  # per column slot: the tile's rows it attends are those below
+        if cutlass.const_expr(cfg.packed_causal):
+            bound = [cfg.rows.row_bound(mma.column(cs), valid) for cs in range(mma.NS)]
         for tb in range(TOKEN_BLOCKS):
             kfr = [cfg.k_operand.a_fragment(mma, kw[tb], 4 * kb) for kb in range(cfg.KB_D)]
             for nb in range(mma.NB):
                 vals = self.k_hooks.scores(mma, kst, ktp, kfr, tb, nb)
                 for i in range(4):
-                    sc[(tb * mma.NB + nb) * 4 + i] = fsel(rows[2 * tb + i // 2] < valid, vals[i], Float32(NEG_INF))
+                    keep = rows[2 * tb + i // 2] < bound[i % 2 + 2 * nb]
+                    sc[(tb * mma.NB + nb) * 4 + i] = fsel(keep, vals[i], Float32(NEG_INF))
         return sc
 
     def online_softmax(self, mma: WarpMma, sc, state: WarpState, token_blocks: int = TOKEN_BLOCKS,
@@ -583,6 +592,10 @@ class HopperDecodeKernel:
             moved = moved | (alpha[cs] != Float32(1.0))
         return alpha, cute.arch.vote_any_sync(moved)
 
+    def max_reference(self, m):
+        """The running max that P subtracts: finite where a column may have seen no token yet (-inf - -inf)."""
+        return finite_reference(m) if self.cfg.packed_causal else m
+
     def p_operands(self, mma: WarpMma, state: WarpState, vtp, sc):
         """P = exp2(S - m) into the P^T B fragments ``pB[tb][nb][ps]`` (rows = tokens become k by
         ``movmatrix``), one copy per P set of the V case (scaled or not), adding P to the row sums."""
@@ -591,7 +604,8 @@ class HopperDecodeKernel:
         acc_p = vf.begin_p(mma, state.v)
         for tb in range(TOKEN_BLOCKS):
             for nb in range(mma.NB):
-                p = [cute.arch.exp2(sc[(tb * mma.NB + nb) * 4 + i] - state.row_max[i % 2 + 2 * nb]) for i in range(4)]
+                p = [cute.arch.exp2(sc[(tb * mma.NB + nb) * 4 + i] - self.max_reference(state.row_max[i % 2 + 2 * nb]))
+                     for i in range(4)]
                 for i in range(4):
                     state.row_sum[i % 2 + 2 * nb] = state.row_sum[i % 2 + 2 * nb] + p[i]
                 for ps in range(vf.psets):
