@@ -6,7 +6,9 @@ pieces (a batch), in one process.
 
 A BF16 block of ``--tokens`` keys per head, ``--rows`` query rows per head (a chunk's tokens x gqa), head_dim 128.
 Timing: the mean of ``--reps`` eager calls between CUDA events after one warm-up (the pieces' contiguous copies are
-made outside the timing).
+made outside the timing). The ``new shape`` rows time one call whose key count the process has not seen before
+(host clock, synchronized): torch plans a cuDNN attention once per shape, and a chunk over a growing prefix meets a
+new shape at every call unless its blocks come from a bounded set (``foscar.chunk_attention``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -43,6 +46,20 @@ def cudnn(q, k, v):
     return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=0.1)
 
 
+def new_shape_us(fn, kv_heads: int, tokens: int, rows: int, reps: int) -> float:
+    """Median microseconds of a call of ``fn`` on a key count not seen before (``tokens + 1``, ``+ 2``, ...)."""
+    q = torch.randn(1, kv_heads, rows, 128, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for extra in range(1, reps + 1):
+        k = torch.randn(1, kv_heads, tokens + extra, 128, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(q, k, k)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
 def measure(kv_heads: int, tokens: int, rows_list, reps: int):
     d = 128
     k = torch.randn(1, kv_heads, tokens, d, device="cuda", dtype=torch.bfloat16)
@@ -64,6 +81,10 @@ def measure(kv_heads: int, tokens: int, rows_list, reps: int):
             tflops = 4 * rows * tokens * d * kv_heads / us / 1e6
             rows_out.append({"rows": rows, "kernel": name, "us": us, "tflops": tflops})
             print(f"rows {rows} {name}: {us:.1f} us ({tflops:.0f} TFLOPS)", flush=True)
+        for name, fn in (("fa2", flash), ("cudnn", cudnn)):
+            us = new_shape_us(fn, kv_heads, tokens, rows, min(reps, 5))
+            rows_out.append({"rows": rows, "kernel": f"{name} new shape", "us": us, "tflops": float("nan")})
+            print(f"rows {rows} {name} on a new shape: {us:.0f} us", flush=True)
     return rows_out
 
 

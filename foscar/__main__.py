@@ -39,7 +39,7 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
 
     # the run paths' cache keys (foscar/kernels/*.py), so the main job and later runs share entries
     def dequantize_k(arch):
-        cfg = DequantizeConfig.of(scheme, "k")
+        cfg = DequantizeConfig.of(scheme, "k", layout=REGISTERED[arch].layout)  # the arch's cache's bit order
         return cached_compile(("dequantize", cfg, arch), lambda: compile_dequantize(cfg, arch=arch))
 
     def combine(arch):

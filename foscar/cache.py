@@ -70,7 +70,7 @@ from typing import NamedTuple
 import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
-from .chunk_attention import chunk_attention
+from .chunk_attention import CUDNN_TOKENS, chunk_attention
 from .kernels.dequantize import dequantize_pages
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
@@ -872,16 +872,19 @@ class PagedKVCache:
     def _cached_blocks(self, layer, seq, n, dtype):
         """What sequence ``seq`` of ``n`` tokens holds, as blocks ``(k, v) [kv_heads, T, D]`` in ``dtype`` for
         ``chunk_attention``: its packed pages dequantized ``BLOCK_BYTES`` at a time (the dequantize kernel on a
-        GPU cache in the Hopper bit order it reads, else the torch dequantizer), then its 16-bit slots."""
+        GPU cache, in its arch's bit order; the torch dequantizer on a CPU cache), then its 16-bit slots."""
         quantized, ps, d = self.quantized_tokens(n), self.page_size, self.scheme.head_dim
         per_block = max(1, BLOCK_BYTES // (2 * self.kv_heads * ps * d * torch.finfo(dtype).bits // 8))
+        unit = CUDNN_TOKENS // ps  # full blocks of a multiple of CUDNN_TOKENS: shapes cuDNN plans once (chunk_attention)
+        per_block = max(unit, per_block // unit * unit)
         pages = -(-quantized // ps)
         for first in range(0, pages, per_block):
             # a copy: the kernel takes 16-byte aligned pointers, which a slice of a row need not be
             table = self.page_table[seq:seq + 1, first:min(pages, first + per_block)].clone()
             held = min(quantized - first * ps, table.shape[1] * ps)
-            if self.device.type == "cuda" and self.arch.layout == HOPPER.layout:
-                yield tuple(dequantize_pages(codes[layer], params[layer], table, self.scheme, role, dtype)[0, :, :held]
+            if self.device.type == "cuda":
+                yield tuple(dequantize_pages(codes[layer], params[layer], table, self.scheme, role, dtype,
+                                             layout=self.arch.layout)[0, :, :held]
                             for role, codes, params in (("k", self.k_codes, self.k_params),
                                                         ("v", self.v_codes, self.v_params)))
             else:

@@ -5,6 +5,13 @@ The cached tokens come as blocks of K/V in the query's dtype (the cache dequanti
 time, ``foscar.cache.BLOCK_BYTES`` of K and V); each block is fully visible to every query token and is attended by
 a fused attention that keeps its scores on chip and returns each row's log-sum-exp (:func:`fused_attention`: cuDNN's
 or FlashAttention-2 through torch on a GPU, the CPU's flash kernel on the CPU). The chunk's own tokens follow, causal.
+
+cuDNN is about twice as fast where a block's attention is compute-bound, but torch plans it once per shape, ~36 ms
+on the H200 (``benchmarks/fused_attention.py``, ``benchmarks/NOTES.md`` section 25), and a chunk over a growing
+prefix would meet a new shape at every call. So cuDNN only takes shapes from a bounded set, each planned once per
+process (:func:`_cudnn_rows`): blocks of a multiple of ``CUDNN_TOKENS`` keys (the cache's full blocks) with the
+query rows padded to one of four sizes per octave; the rest (a sequence's last block, its 16-bit slots, the
+chunk's own tokens, short chunks) takes FlashAttention-2, which plans nothing.
 The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: about two blocks (the next one is
 dequantized while a block's pieces are copied out for the attention), the chunk's query, outputs and its K/V
 repeated per query head, never the whole prefix.
@@ -29,19 +36,21 @@ import torch
 __all__ = ["Merged", "chunk_attention", "fused_attention"]
 
 CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (fused_attention)
+CUDNN_TOKENS = 8192  # cuDNN attends blocks of a multiple of this many keys: the full blocks, a bounded set of shapes
+CUDNN_MIN_ROWS = 512  # query rows per KV head from which cuDNN was measured faster than FA2 (pieces on both)
 MIN_PIECE = 1024  # tokens: the shortest piece of a block that is its own batch entry
 ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward kernel (head_dim <= 128 on sm_90)
 CTAS_PER_SM = 2  # pieces are added until the grid fills the GPU this many times
 
 
-def fused_attention(q, k, v, sm_scale: float, causal: bool):
+def fused_attention(q, k, v, sm_scale: float, causal: bool, cudnn: bool = False):
     """``(out [B, H, L, D] in q's dtype, lse [B, H, L] fp32, natural log of the scaled scores)`` of
     ``q [B, H, L, D]`` over ``k, v [B, H, T, D]`` (same heads, contiguous).
 
-    On a GPU, cuDNN's fused attention at head_dim 128, where it measured about twice FlashAttention-2's speed
-    (``benchmarks/fused_attention.py``, ``benchmarks/NOTES.md`` section 22); other head dims, which were not
-    measured, and a torch without cuDNN take FlashAttention-2."""
-    if q.is_cuda and q.shape[-1] == CUDNN_HEAD_DIM and torch.backends.cudnn.is_available():
+    On a GPU, FlashAttention-2, or with ``cudnn`` cuDNN's fused attention, which measured about twice as fast at
+    head_dim 128 where compute-bound (``benchmarks/NOTES.md`` section 22) but plans each new shape once (the
+    caller keeps to a bounded set of shapes: :func:`_cudnn_rows`)."""
+    if q.is_cuda and cudnn:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                       scale=sm_scale)[:2]
     elif q.is_cuda:
@@ -83,8 +92,40 @@ def _pieces(rows: int, kv_heads: int, tokens: int, device: torch.device) -> int:
     return max(1, min(wanted, tokens // MIN_PIECE))
 
 
+def _cudnn_rows(q_rows, tokens: int) -> int | None:
+    """The padded query rows per KV head with which cuDNN attends a block of ``tokens`` keys, or None (FA2): on a GPU
+    with cuDNN, head_dim 128, ``tokens`` a multiple of ``CUDNN_TOKENS`` and at least ``CUDNN_MIN_ROWS`` rows, rounded
+    up to four sizes per octave (at most 25% more rows). The shapes cuDNN sees are then a bounded set, each planned
+    once per process, whatever the prefix length and the chunk length."""
+    rows, d = q_rows.shape[1:]
+    if not (q_rows.is_cuda and d == CUDNN_HEAD_DIM and torch.backends.cudnn.is_available()
+            and tokens % CUDNN_TOKENS == 0 and rows >= CUDNN_MIN_ROWS):
+        return None
+    return padded_rows(rows)
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``2^(k-2)`` for ``2^k <= rows < 2^(k+1)``: four sizes per octave, at most
+    25% more rows."""
+    step = 1 << max(0, rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
 def _attend_block(q_rows, k, v, sm_scale: float, merged: Merged) -> None:
     """Merge the attention of ``q_rows [kv_heads, rows, D]`` over one fully visible block ``k, v [kv_heads, T, D]``."""
+    kv_heads, rows, d = q_rows.shape
+    tokens = k.shape[1]
+    padded = _cudnn_rows(q_rows, tokens)
+    if padded is not None:  # zero rows past ``rows``: attended, then dropped
+        block = Merged()
+        _attend_pieces(torch.nn.functional.pad(q_rows, (0, 0, 0, padded - rows)), k, v, sm_scale, block, cudnn=True)
+        merged.add(block.out[:, :rows], block.lse[:, :rows])
+        return
+    _attend_pieces(q_rows, k, v, sm_scale, merged, cudnn=False)
+
+
+def _attend_pieces(q_rows, k, v, sm_scale: float, merged: Merged, cudnn: bool) -> None:
+    """:func:`_attend_block`'s attention: the block cut into ``_pieces`` (a batch) and the rest."""
     kv_heads, rows, d = q_rows.shape
     tokens = k.shape[1]
     pieces = _pieces(rows, kv_heads, tokens, q_rows.device)
@@ -94,13 +135,13 @@ def _attend_block(q_rows, k, v, sm_scale: float, merged: Merged) -> None:
         k_pieces = k[:, :pieces * span].unflatten(1, (pieces, span)).transpose(0, 1).contiguous()
         v_pieces = v[:, :pieces * span].unflatten(1, (pieces, span)).transpose(0, 1).contiguous()
         q_pieces = q_rows.expand(pieces, -1, -1, -1).contiguous()
-        out, lse = fused_attention(q_pieces, k_pieces, v_pieces, sm_scale, causal=False)
+        out, lse = fused_attention(q_pieces, k_pieces, v_pieces, sm_scale, causal=False, cudnn=cudnn)
         total = torch.logsumexp(lse, dim=0)
         merged.add((out.float() * (lse - total).exp_()[..., None]).sum(0), total)
     rest = slice(pieces * span, tokens) if pieces > 1 else slice(0, tokens)
     if rest.stop > rest.start:
         k_rest, v_rest = (x[None, :, rest].contiguous() for x in (k, v))
-        out, lse = fused_attention(q_rows[None], k_rest, v_rest, sm_scale, causal=False)
+        out, lse = fused_attention(q_rows[None], k_rest, v_rest, sm_scale, causal=False, cudnn=cudnn)
         merged.add(out[0], lse[0])
 
 

@@ -8,7 +8,8 @@ import torch
 
 
 @pytest.mark.parametrize("name", ["decode", "generate", "ragged", "rows", "hopper_sweep", "pipeline_probe",
-                                  "mma_rate", "verify", "extend", "fused_attention"])
+                                  "mma_rate", "verify", "extend", "fused_attention",
+                                  "dequantize"])
 def test_gpu_benchmarks_say_they_need_a_gpu_at_once(name, monkeypatch):
     module = importlib.import_module(f"benchmarks.{name}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine

@@ -1,7 +1,8 @@
 """foscar.chunk_attention (the blocked attention of ``attend_chunk`` on a kernel cache) on the CPU: cached tokens in
-blocks of any length (empty ones included), a block cut into pieces, and the chunk's own tokens, against float64
-causal attention over the same values under the project's rule. On the GPU the same code runs through the kernel
-cache's tests (tests/test_cache_chunk.py, tests/test_batch.py)."""
+blocks of any length (empty ones included), a block cut into pieces, the chunk's own tokens, and the query rows
+padded for cuDNN's bounded set of shapes, against float64 causal attention over the same values under the
+project's rule. On the GPU the same code runs through the kernel cache's tests (tests/test_cache_chunk.py,
+tests/test_batch.py) and, with cuDNN's full blocks, here."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from test_cache_chunk import assert_within_the_rule
 
 import foscar.chunk_attention as chunk_attention
-from foscar.chunk_attention import Merged
+from foscar.chunk_attention import CUDNN_MIN_ROWS, CUDNN_TOKENS, Merged, padded_rows
 
 SM_SCALE = 0.1
 
@@ -73,3 +74,46 @@ def test_any_cut_of_the_cached_tokens_gives_the_same_attention(cuts, tokens, pie
     whole, whole_lse = chunk_attention.chunk_attention(q, k[:, n:], v[:, n:], [(k[:, :n], v[:, :n])], SM_SCALE)
     assert (lse - whole_lse).abs().max() < 1e-4
     assert (out.float() - whole.float()).abs().max() <= 2 * 2**-8 * whole.float().abs().max() + 1e-6
+
+
+def test_padded_rows_are_four_sizes_per_octave_at_most_a_quarter_more():
+    for octave in range(9, 16):
+        sizes = {padded_rows(rows) for rows in range(1 << octave, 2 << octave)}
+        assert sizes == {(4 + i) << (octave - 2) for i in range(5)}, (octave, sorted(sizes))  # 2^(k+1) is the next's
+    for rows in range(1, 70000, 7):
+        assert rows <= padded_rows(rows) <= 1.25 * rows
+
+
+def test_padded_query_rows_are_attended_then_dropped(rng, monkeypatch):
+    """The cuDNN path's padding (zero query rows past the chunk's) on the CPU's flash kernel: the same attention."""
+    kv_heads, group, d, tokens = 2, 3, 64, 7  # 21 rows per KV head -> 24
+    monkeypatch.setattr(chunk_attention, "_cudnn_rows", lambda q_rows, length: padded_rows(q_rows.shape[1]))
+    k = torch.randn(kv_heads, 900 + tokens, d, generator=rng).to(torch.bfloat16)
+    v = torch.randn(kv_heads, 900 + tokens, d, generator=rng).to(torch.bfloat16)
+    q = torch.randn(tokens, kv_heads * group, d, generator=rng).to(torch.bfloat16)
+    out, lse = chunk_attention.chunk_attention(q, k[:, -tokens:], v[:, -tokens:], [(k[:, :900], v[:, :900])], SM_SCALE)
+    assert_within_the_rule(out, lse, q, k.float(), v.float(), SM_SCALE, "padded rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [130, 1000])
+def test_full_blocks_take_cudnn_with_padded_rows_the_rest_fa2(tokens, monkeypatch):
+    """On the GPU: a block of CUDNN_TOKENS keys and >= CUDNN_MIN_ROWS rows goes to cuDNN (rows padded), a shorter
+    block, the slots and the chunk's own tokens to FA2; every element within the rule against float64."""
+    kv_heads, group, d = 2, 4, 128
+    assert tokens * group >= CUDNN_MIN_ROWS
+    calls = []
+    fused = chunk_attention.fused_attention
+    monkeypatch.setattr(chunk_attention, "fused_attention",
+                        lambda q, k, v, s, causal, cudnn=False: calls.append((cudnn, q.shape[2], k.shape[2]))
+                        or fused(q, k, v, s, causal, cudnn))
+    gen = torch.Generator("cuda").manual_seed(7)
+    n = CUDNN_TOKENS + 3000
+    k = (torch.randn(kv_heads, n + tokens, d, device="cuda", generator=gen) + 1).to(torch.bfloat16)
+    v = torch.randn(kv_heads, n + tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
+    q = torch.randn(tokens, kv_heads * group, d, device="cuda", generator=gen).to(torch.bfloat16)
+    blocks = [(k[:, :CUDNN_TOKENS], v[:, :CUDNN_TOKENS]), (k[:, CUDNN_TOKENS:n], v[:, CUDNN_TOKENS:n])]
+    out, lse = chunk_attention.chunk_attention(q, k[:, n:], v[:, n:], blocks, SM_SCALE)
+    assert {rows for cudnn, rows, _ in calls if cudnn} == {padded_rows(tokens * group)}
+    assert any(not cudnn and keys == 3000 for cudnn, _, keys in calls)  # the shorter block
+    assert_within_the_rule(out, lse, q.cpu(), k.float().cpu(), v.float().cpu(), SM_SCALE, tokens)

@@ -1,11 +1,14 @@
 """Dequantize a paged, packed KV cache into a dense BF16 (or FP16) tensor (CuTe DSL, sm_90a and sm_100a).
 
-Why this kernel exists: it is the simplest kernel that reads the packed format exactly as the
-attention kernels will -- one 64-token tile at a time, through the tile's code-position layout
-(``foscar.layouts.cute.bit_layout``) -- so a GPU test can compare it bit for bit against the torch
-dequantizer, and the BF16 output feeds the dequantize-then-attend baseline and the blocks of
-``foscar.chunk_attention`` (in the query's dtype there). Correctness first:
-one CTA per tile, a plain SIMT gather; no Tensor Cores.
+Why this kernel exists: the BF16 output feeds the dequantize-then-attend baseline and the blocks of
+``foscar.chunk_attention`` (``PagedKVCache._cached_blocks``, in the query's dtype), and GPU tests compare
+it bit for bit against the torch dequantizer. It reads either arch's packed bit order (``layout``:
+``"hopper"``, the mma.sync A-fragment order of ``foscar.layouts.fragment``; ``"blackwell"``, runs of
+reduction-axis elements per word, ``foscar.layouts.blackwell``), so a cache of either arch is dequantized
+on the GPU. It is a bandwidth kernel -- 2-4 bytes read per 16 written -- so the design goals are few
+instructions per output element (each packed word read once per thread, params loaded and converted
+once per thread; 5.3-6.6 SASS instructions per element at head_dim 128, from 10.6-15.0) and stores of
+whole 128-byte lines; :class:`TilePlan` says which thread makes what, from the layout's explicit formula.
 
 Formats (one KV head dimension ``D``, ``bits`` per code, group ``G``)::
 
@@ -19,6 +22,10 @@ Formats (one KV head dimension ``D``, ``bits`` per code, group ``G``)::
 Token ``i`` of sequence ``b`` lives in page ``page_table[b, i // page_size]``, slot
 ``i % page_size``. Every page-table entry is read, so unused entries must hold a valid page index.
 
+Values: ``scale * code + offset`` as one FP32 FMA, then rounded to the output dtype: exactly the torch
+dequantizer's value computed in float64, rounded to FP32 then to the dtype (the FP32 torch dequantizer
+rounds the product first, so it can be one FP32 ulp off before the final rounding).
+
 The host side takes raw pointers and Int32 extents, not tensors: one compiled function then serves
 every shape, the fake-pointer compile on a CPU machine produces exactly the kernel a GPU runs, and
 no TVM-FFI is needed to call it from torch.
@@ -26,6 +33,8 @@ no TVM-FFI is needed to call it from torch.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -33,15 +42,20 @@ import cutlass
 import cutlass.cute as cute
 
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
-from ..layouts.cute import bit_layout
+from ..layouts.blackwell import bw_tile_position
 from ..layouts.fragment import TILE_TOKENS, TileGeometry, tile_position
 from ..scheme import Axis, Scheme, params_shape
 
-__all__ = ["DequantizeConfig", "Dequantize", "compile_dequantize", "dequantize_pages"]
+__all__ = ["DequantizeConfig", "Dequantize", "TilePlan", "tile_plan", "POSITIONS", "compile_dequantize",
+           "dequantize_pages"]
 
-THREADS = 128
+THREADS = 128  # a CTA: the 7 thread-index bits of TilePlan.thread
 CHUNK = 8  # channels per thread per store: 8 bf16 = one 16-byte store
 OUT_TYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+# packed layout -> explicit (token, channel) -> code position formula (the packers' ``foscar.layouts.PACKERS``)
+POSITIONS = {"hopper": tile_position, "blackwell": bw_tile_position}
+BANK_BITS = 5  # 32 shared-memory banks of one word
+SWIZZLE_TARGETS = (2, 3, 4)  # word-index bits a swizzle may flip: not 0, 1, which a 16-byte staging vector spans
 
 
 @dataclass(frozen=True)
@@ -54,25 +68,29 @@ class DequantizeConfig:
     axis: Axis  # group axis of this role's (scale, offset)
     group: int
     dtype: str = "bfloat16"  # the output's: "bfloat16" or "float16"
+    layout: str = "hopper"  # the packed bit order read (an arch's ``Arch.layout``): "hopper" or "blackwell"
 
     def __post_init__(self):
         object.__setattr__(self, "axis", Axis(self.axis))
         TileGeometry(self.role, self.bits, self.head_dim)  # validates role, bits, head_dim
+        if self.group % CHUNK or self.group & (self.group - 1):
+            raise ValueError(f"group {self.group} must be a power of two and a multiple of {CHUNK}")
         if self.axis is Axis.TOKEN and self.head_dim % self.group:
             raise ValueError(f"token-wise group {self.group} must divide head_dim {self.head_dim}")
-        if self.group % CHUNK:
-            raise ValueError(f"group {self.group} must be a multiple of {CHUNK}")
         if self.dtype not in OUT_TYPES:
             raise ValueError(f"dtype must be one of {sorted(OUT_TYPES)}, got {self.dtype!r}")
+        if self.layout not in POSITIONS:
+            raise ValueError(f"layout must be one of {sorted(POSITIONS)}, got {self.layout!r}")
 
     @classmethod
-    def of(cls, scheme_or_config, role: str | None = None, dtype: str = "bfloat16") -> "DequantizeConfig":
+    def of(cls, scheme_or_config, role: str | None = None, dtype: str = "bfloat16",
+           layout: str = "hopper") -> "DequantizeConfig":
         if isinstance(scheme_or_config, cls):
             return scheme_or_config
         if not isinstance(scheme_or_config, Scheme) or role not in ("k", "v"):
             raise TypeError("pass a DequantizeConfig, or a Scheme and role='k' or 'v'")
         quant = scheme_or_config.k if role == "k" else scheme_or_config.v
-        return cls(quant.bits, scheme_or_config.head_dim, role, quant.axis, quant.group, dtype)
+        return cls(quant.bits, scheme_or_config.head_dim, role, quant.axis, quant.group, dtype, layout)
 
     @property
     def out_type(self):
@@ -86,32 +104,218 @@ class DequantizeConfig:
     def tile_words(self) -> int:
         return self.geometry.words
 
+    @property
+    def plan(self) -> "TilePlan":
+        return tile_plan(self.geometry, self.layout)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan: which thread makes which chunk, and where its codes are (host side, trace-time tables)
+# --------------------------------------------------------------------------------------------
+
+Bit = tuple  # a coordinate bit of a tile element: ("t", i) = token bit i, ("c", j) = channel bit j
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Who makes which output chunk of a 64-token tile, and where its codes sit (host-side tables).
+
+    Both packed orders are *bit-linear*: the first bit of (token, channel)'s code in the tile's bit
+    stream is the sum of one weight per set coordinate bit (``token_weights[i]`` for token bit ``i``,
+    ``channel_weights[j]`` for channel bit ``j``; distinct powers of two). A coordinate bit whose weight
+    is < 32 picks a code inside a word (a *shift bit*), a larger one picks the word. So a thread
+    whose own share of the tile is fixed by some coordinate bits (``thread``: the bits of its thread
+    index; ``step``: its unrolled steps) and walks the others (``inner``) needs only trace-time
+    constants -- word offsets and shifts -- on top of one per-thread word index and shift.
+
+    * ``inner``: channel bits 0-2 (the 8 channels of one 16-byte store) and the token shift bits (up
+      to the thread's share), so a thread uses every code of a word it reads for its tokens;
+    * ``thread``: lane bits 0-4 then warp bits 0-1. The lanes start with channel bits 3-5 (8 chunks
+      = 128 contiguous bytes of a row per store instruction: whole lines); the other two lane bits
+      are chosen so that a warp's word reads hit distinct banks (with ``swizzle``). Channel shift bits
+      on a lane are a per-thread shift (the lanes that share a word read it in one broadcast);
+    * ``step``: the rest (token bits), unrolled;
+    * ``swizzle``: (high bit, bank bit) pairs of the shared-memory XOR swizzle: word index ``w`` is
+      stored at ``w ^ sum(((w >> h) & 1) << b)``. It flips bits 2-4 only, so a 16-byte staging
+      vector stays whole and a warp's staging stores stay conflict-free.
+    """
+
+    layout: str
+    bits: int
+    head_dim: int
+    token_weights: tuple
+    channel_weights: tuple
+    inner: tuple
+    thread: tuple
+    step: tuple
+    swizzle: tuple
+
+    def weight(self, bit: Bit) -> int:
+        return (self.token_weights if bit[0] == "t" else self.channel_weights)[bit[1]]
+
+    def position(self, token: int, channel: int) -> int:
+        """First bit of the code of (token, channel) in the tile's bit stream, from the weights."""
+        return (sum(w for i, w in enumerate(self.token_weights) if token >> i & 1)
+                + sum(w for j, w in enumerate(self.channel_weights) if channel >> j & 1))
+
+    def coords(self, bits, n: int):
+        """(token, channel, bit position) of the coordinate bits ``bits`` set as the binary digits of ``n``."""
+        token = sum(1 << b[1] for k, b in enumerate(bits) if n >> k & 1 and b[0] == "t")
+        channel = sum(1 << b[1] for k, b in enumerate(bits) if n >> k & 1 and b[0] == "c")
+        return token, channel, self.position(token, channel)
+
+    def element(self, step: int, k: int, e: int):
+        """(token offset, bit offset) of channel ``e`` of chunk ``k`` of ``step``, past the thread's own
+        token and bit position (the thread's chunks share its channels: channel = its channel + ``e``)."""
+        step_token, _, step_bit = self.coords(self.step, step)
+        token, _, bit = self.coords(self.inner, (k << 3) | e)
+        return step_token + token, step_bit + bit
+
+    def word_index(self, word0, offset: int):
+        """Shared-memory index of the word ``offset`` words past the thread's own (swizzled) ``word0``:
+        the swizzle is linear, so ``word0`` op the constant's swizzled index, op an add where their bits
+        are disjoint (an immediate offset), else an XOR. ``word0``: an int or a DSL Int32."""
+        const = self.swizzled(offset)
+        return word0 + const if (const & self.thread_word_bits) == 0 else word0 ^ const
+
+    def swizzled(self, word: int) -> int:
+        """Shared-memory index of tile word ``word``."""
+        return word ^ sum(((word >> high) & 1) << low for high, low in self.swizzle)
+
+    @property
+    def steps(self) -> int:
+        return 1 << len(self.step)
+
+    @property
+    def inner_tokens(self) -> int:
+        """Tokens a thread makes per step (its chunks per step)."""
+        return 1 << (len(self.inner) - 3)
+
+    def thread_strides(self, part: str):
+        """Per thread-index bit, what it adds to the thread's token ("t"), channel ("c") or bit position ("p")."""
+        if part == "p":
+            return tuple(self.weight(b) for b in self.thread)
+        return tuple(1 << b[1] if b[0] == part else 0 for b in self.thread)
+
+    @property
+    def thread_word_bits(self) -> int:
+        """Bits a thread's swizzled word index may have: a constant word offset disjoint from them is added."""
+        return functools.reduce(lambda a, b: a | self.swizzled(b), (w >> 5 for w in self.thread_strides("p")), 0)
+
+    @property
+    def dynamic_shift(self) -> bool:
+        """Whether some thread bit is a shift bit (then each word read is shifted by the thread's shift)."""
+        return any(w & 31 for w in self.thread_strides("p"))
+
+    def bank_conflicts(self) -> int:
+        """Most distinct words of one warp read that share a bank (1: conflict-free)."""
+        lane_words = [self.weight(b) >> 5 for b in self.thread[:5]]
+        return _conflicts(lane_words, self.swizzle)
+
+
+def _conflicts(lane_words, swizzle) -> int:
+    def swizzled(w):
+        return w ^ sum(((w >> high) & 1) << low for high, low in swizzle)
+
+    words = {sum(w for k, w in enumerate(lane_words) if lane >> k & 1) for lane in range(32)}
+    banks = {}
+    for w in words:
+        banks.setdefault(swizzled(w) % (1 << BANK_BITS), set()).add(w)
+    return max(len(v) for v in banks.values())
+
+
+def _swizzle_for(lane_words, other_words):
+    """(high, bank bit) pairs that spread the lanes' words over distinct banks where possible: each
+    lane word bit >= 5 goes to a free bank bit among 2-4, preferring one no other thread/constant word
+    offset uses (then offsets add, and a read keeps its immediate offset)."""
+    low = {w.bit_length() - 1 for w in lane_words if 0 < w < 32}
+    high = sorted({w.bit_length() - 1 for w in lane_words if w >= 32})
+    other = {b for w in other_words for b in range(BANK_BITS) if w >> b & 1}
+    free = sorted((b for b in SWIZZLE_TARGETS if b not in low), key=lambda b: (b in other, b))
+    return tuple(zip(high, free))
+
+
+@functools.lru_cache(maxsize=None)
+def tile_plan(geom: TileGeometry, layout: str) -> TilePlan:
+    """The :class:`TilePlan` of ``geom`` in ``layout``'s bit order; checks that the explicit position
+    formula (``POSITIONS[layout]``) is bit-linear, on every element of the tile."""
+    position = POSITIONS[layout]
+    dim_bits = geom.head_dim.bit_length() - 1
+    token_w = tuple(position(geom, 1 << i, 0) * geom.bits for i in range(6))
+    channel_w = tuple(position(geom, 0, 1 << j) * geom.bits for j in range(dim_bits))
+    for t in range(TILE_TOKENS):
+        for c in range(geom.head_dim):
+            linear = sum(w for i, w in enumerate(token_w) if t >> i & 1) + sum(
+                w for j, w in enumerate(channel_w) if c >> j & 1)
+            if linear != position(geom, t, c) * geom.bits:
+                raise AssertionError(f"{layout} order of {geom} is not bit-linear at token {t}, channel {c}")
+    weight = {**{("t", i): w for i, w in enumerate(token_w)}, **{("c", j): w for j, w in enumerate(channel_w)}}
+
+    share = 6 + dim_bits - (THREADS.bit_length() - 1)  # coordinate bits of one thread's elements
+    inner = [("c", 0), ("c", 1), ("c", 2)] + [("t", i) for i in range(6) if token_w[i] < 32]
+    while len(inner) > share:  # too many token shift bits: the heaviest become per-thread shifts
+        inner.remove(max(inner[3:], key=weight.get))
+    rest = [("c", j) for j in range(3, dim_bits)] + [("t", i) for i in range(6) if ("t", i) not in inner]
+    const_words = [weight[b] >> 5 for b in inner]
+    best = None
+    for pair in itertools.combinations(rest[3:], 2):  # the two lane bits after channel bits 3-5
+        lanes = rest[:3] + list(pair)
+        others = [b for b in rest if b not in lanes]
+        lane_words = [weight[b] >> 5 for b in lanes]
+        swizzle = _swizzle_for(lane_words, const_words + [weight[b] >> 5 for b in others])
+        rank = _conflicts(lane_words, swizzle)
+        if best is None or rank < best[0]:
+            best = (rank, lanes, others, swizzle)
+    _, lanes, others, swizzle = best
+    thread, step = tuple(lanes + others[:2]), tuple(others[2:])
+    if any(b[0] == "c" for b in step):
+        raise AssertionError(f"a thread's chunks must share their channels: step bits {step}")
+    return TilePlan(layout, geom.bits, geom.head_dim, token_w, channel_w, tuple(inner), thread, step, swizzle)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------------
+
 
 class Dequantize:
-    """One CTA (128 threads) per (64-token tile, kv head, sequence).
+    """One CTA (128 threads) per (``tiles`` consecutive 64-token tiles, kv head, sequence): one tile for
+    head_dim >= 128, two for 64. :class:`TilePlan` maps a tile's work onto the threads.
 
-    1. Stage the tile's packed words in shared memory with vector loads (coalesced).
-    2. Each thread produces 8 consecutive channels of one token per step: gathers the 8 codes by
-       the tile's bit layout (word ``b >> 5``, shift ``b & 31``), applies ``scale*code + offset``
-       in FP32, and writes one 16-byte BF16 vector (a warp writes whole rows: coalesced).
+    1. Load each tile's page-table entry; issue its packed words (16-byte vectors, coalesced) and the
+       thread's (scale, offset) pairs (4 bytes each: one per token, or one per channel and group row),
+       each loaded and converted to FP32 once per thread.
+    2. Store the words to shared memory through the plan's XOR swizzle; one barrier.
+    3. Each thread reads each word it needs once per step (an ``LDS.32``, lanes that share a word
+       broadcast it, conflict-free), takes its codes with a shift and a mask (or a mask and a prescaled
+       scale), ``scale * code + offset`` as one FP32 FMA, and writes 16-byte chunks: a warp's store
+       covers whole 128-byte lines.
     """
 
     def __init__(self, config: DequantizeConfig):
         self.cfg = config
-        geom = config.geometry
-        self.words = geom.words
+        self.plan = config.plan
+        self.words = config.tile_words
+        # tiles per CTA: at least 64 elements per thread, which amortizes the per-thread index math, the
+        # page-table load and the barrier. Not more: the loads of every tile are issued before the barrier,
+        # and their params would hold more than 64 registers (fewer threads per SM)
+        self.tiles = max(1, 128 // config.head_dim)
         self.vec = min(4, self.words // THREADS)  # words per staging load (16 bytes when possible)
         self.stage_steps = self.words // (self.vec * THREADS)
-        self.chunks_per_row = config.head_dim // CHUNK
-        self.out_steps = TILE_TOKENS * self.chunks_per_row // THREADS
-        # The 8 channels of a chunk start at a multiple of 8; the layout's channel digits below 8
-        # never carry into higher ones, so their bit offsets are trace-time constants added to the
-        # chunk's base offset. Checked here against the explicit formula.
-        self.chunk_bits = [tile_position(geom, 0, e) * config.bits for e in range(CHUNK)]
-        for c0 in range(0, config.head_dim, CHUNK):
-            base = tile_position(geom, 0, c0)
-            for e in range(CHUNK):
-                assert tile_position(geom, 0, c0 + e) * config.bits == base * config.bits + self.chunk_bits[e]
+        self.group_shift = config.group.bit_length() - 1
+        # Take a code at bit s as ``word & (mask << s)`` = code * 2^s (exact in FP32) and fold 2^-s into its
+        # scale: FMA(scale * 2^-s, code * 2^s, offset) is FMA(scale, code, offset) bit for bit (the products
+        # are equal and exact; scale * 2^-s >= 2^-55 stays a normal FP32). One FMUL per (scale, shift) pair
+        # instead of one shift per element: used where the thread has fewer such pairs than shifted codes.
+        shifted, pairs = 0, set()
+        for s in range(self.plan.steps):
+            for k in range(self.plan.inner_tokens):
+                for e in range(CHUNK):
+                    token, bit = self.plan.element(s, k, e)
+                    if bit & 31:
+                        shifted += 1
+                        pairs.add((self.param_key(token), e if config.axis is Axis.CHANNEL else 0, bit & 31))
+        self.prescale = len(pairs) < shifted
 
     @cute.jit
     def __call__(
@@ -145,8 +349,10 @@ class Dequantize:
         mOut = cute.make_tensor(
             out, cute.make_ordered_layout((batch, kv_heads, max_pages * page_size, D), row_major4)
         )
-        self.kernel(mCodes, mParams, mPages, mOut, tiles_per_page).launch(
-            grid=[max_pages * tiles_per_page, kv_heads, batch], block=[THREADS, 1, 1], stream=stream
+        tiles = max_pages * tiles_per_page  # of a sequence
+        # tile -> (page index, tile in page) with a multiply-high, not a division per thread
+        self.kernel(mCodes, mParams, mPages, mOut, cute.fast_divmod_create_divisor_v2(tiles_per_page), tiles).launch(
+            grid=[(tiles + self.tiles - 1) // self.tiles, kv_heads, batch], block=[THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -156,58 +362,169 @@ class Dequantize:
         mParams: cute.Tensor,
         mPages: cute.Tensor,
         mOut: cute.Tensor,
-        tiles_per_page: cutlass.Int32,
+        tiles_per_page: cute.FastDivmodDivisorV2,
+        tiles: cutlass.Int32,
     ):
-        cfg = self.cfg
+        plan = self.plan
         tidx, _, _ = cute.arch.thread_idx()
-        tile, head, seq = cute.arch.block_idx()
-        page = mPages[seq, tile // tiles_per_page]
-        tile_in_page = tile % tiles_per_page
+        block, head, seq = cute.arch.block_idx()
 
-        # ---- stage the packed tile in shared memory -------------------------------------------
+        # this thread's share of a tile (TilePlan.thread): its token, its chunk's first channel, and
+        # the bit position of its (token, channel) in the packed stream
+        token0 = _thread_part(plan.thread_strides("t"), tidx)
+        channel0 = _thread_part(plan.thread_strides("c"), tidx)
+        bit0 = _thread_part(plan.thread_strides("p"), tidx)
+
+        # issue every load of the CTA's tiles, then stage the words
         smem = cutlass.memory.SmemAllocator()
-        sCodes = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.words), byte_alignment=16)
-        # ((vec), (words / vec))
-        gWordsV = cute.zipped_divide(mCodes[page, head, tile_in_page, None], (self.vec,))
-        sWordsV = cute.zipped_divide(sCodes, (self.vec,))
-        staged = cute.make_rmem_tensor((self.vec,), cutlass.Int32)
-        for step in cutlass.range_constexpr(self.stage_steps):
-            col = step * THREADS + tidx
-            cute.autovec_copy(gWordsV[None, col], staged)
-            cute.autovec_copy(staged, sWordsV[None, col])
+        # (tile_words, tiles per CTA)
+        sCodes = smem.allocate_tensor(cutlass.Int32, cute.make_layout((self.words, self.tiles)), byte_alignment=16)
+        staged, params = [], []
+        for i in cutlass.range_constexpr(self.tiles):
+            # past the sequence's last tile (a tile count not a multiple of self.tiles): redo the last one,
+            # which writes the same values again, so no branch
+            tile = cutlass.min(block * self.tiles + i, tiles - 1)
+            page_index, tile_in_page = divmod(tile, tiles_per_page)
+            page = mPages[seq, page_index]
+            staged.append(self.load_words(mCodes[page, head, tile_in_page, None], tidx))
+            params.append(self.load_params(mParams[page, head, None, None, None], tile_in_page, token0, channel0))
+        for i in cutlass.range_constexpr(self.tiles):
+            self.store_words(staged[i], sCodes[None, i], tidx)
         cute.arch.sync_threads()
 
-        # ---- gather codes by the tile's bit layout, dequantize, store 8 channels --------------
-        bits_of = bit_layout(cfg.geometry)  # (token, channel) -> bit position in the tile
+        word0 = _swizzled(bit0 >> 5, plan.swizzle)
+        shift0 = bit0 & 31
+        for i in cutlass.range_constexpr(self.tiles):
+            tile = cutlass.min(block * self.tiles + i, tiles - 1)
+            # (tile tokens, D) of this tile
+            gTile = cute.local_tile(mOut[seq, head, None, None], (TILE_TOKENS, self.cfg.head_dim), (tile, 0))
+            scaled = {}  # (param key, channel, shift) -> scale * 2^-shift, for the prescaled codes
+            for s in cutlass.range_constexpr(plan.steps):
+                self.make_step(s, sCodes[None, i], word0, shift0, params[i], scaled, gTile, token0, channel0)
+
+    # ---- 1. loads ---------------------------------------------------------------------------------
+
+    def load_words(self, gWords: cute.Tensor, tidx):
+        """Issue the tile's packed words, ``vec`` consecutive words per thread and load (coalesced)."""
+        # ((vec), (words / vec)): vector v of the tile
+        gWordsV = cute.zipped_divide(gWords, (self.vec,))
+        staged = []
+        for st in range(self.stage_steps):
+            regs = cute.make_rmem_tensor((self.vec,), cutlass.Int32)
+            cute.autovec_copy(gWordsV[None, st * THREADS + tidx], regs)
+            staged.append(regs)
+        return staged
+
+    def store_words(self, staged, sCodes: cute.Tensor, tidx):
+        """Stage the words in shared memory at their swizzled index (the swizzle keeps a vector whole)."""
+        # ((vec), (words / vec))
+        sWordsV = cute.zipped_divide(sCodes, (self.vec,))
+        for st, regs in enumerate(staged):
+            word = (st * THREADS + tidx) * self.vec
+            cute.autovec_copy(regs, sWordsV[None, _swizzled(word, self.plan.swizzle) // self.vec])
+
+    def load_params(self, gParams: cute.Tensor, tile_in_page, token0, channel0):
+        """This thread's (scale, offset) pairs in FP32, each loaded and converted once, keyed by what
+        selects them among the thread's elements: its token offset (token-wise: one pair per token, the
+        group of its chunk) or its group-row offset (channel-wise: 8 pairs, one per chunk channel)."""
+        cfg, plan = self.cfg, self.plan
+        slot0 = tile_in_page * TILE_TOKENS + token0
+        pairs = {}
+        for s in range(plan.steps):
+            for k in range(plan.inner_tokens):
+                token = plan.element(s, k, 0)[0]
+                key = self.param_key(token)
+                if key in pairs:
+                    continue
+                if cutlass.const_expr(cfg.axis is Axis.TOKEN):
+                    # (2): the pair of (slot0 + token, the chunk's group)
+                    pairs[key] = [_load_pair(gParams[slot0 + token, channel0 // cfg.group, None])]
+                else:
+                    # 8 x (2): the pairs of the chunk's channels in one group row; slot0 | token: disjoint bits
+                    row = ((tile_in_page * TILE_TOKENS) >> self.group_shift) + key
+                    if cutlass.const_expr(self.group_shift < 6):  # groups shorter than a tile
+                        row = row + (token0 >> self.group_shift)
+                    pairs[key] = [_load_pair(gParams[row, channel0 + e, None]) for e in range(CHUNK)]
+        return pairs
+
+    # ---- 3. dequantize ----------------------------------------------------------------------------
+
+    def param_key(self, token: int):
+        """Which of the thread's param pairs a token offset uses: its own (token-wise) or its group row's."""
+        return token if self.cfg.axis is Axis.TOKEN else token >> self.group_shift
+
+    def make_step(self, s: int, sCodes: cute.Tensor, word0, shift0, params, scaled, gTile: cute.Tensor, token0,
+                  channel0):
+        """Step ``s``: this thread's ``inner_tokens`` chunks (8 channels of one token each)."""
+        cfg, plan = self.cfg, self.plan
         mask = (1 << cfg.bits) - 1
-        values = cute.make_rmem_tensor((CHUNK,), cfg.out_type)
-        for step in cutlass.range_constexpr(self.out_steps):
-            n = step * THREADS + tidx
-            token = n // self.chunks_per_row
-            c0 = (n % self.chunks_per_row) * CHUNK
-            slot = tile_in_page * TILE_TOKENS + token
-            base = cute.crd2idx((token, c0), bits_of)
-            if cutlass.const_expr(cfg.axis is Axis.TOKEN):
-                group = c0 // cfg.group  # a chunk never straddles a group (G % 8 == 0)
-                scale = mParams[page, head, slot, group, 0].to(cutlass.Float32)
-                offset = mParams[page, head, slot, group, 1].to(cutlass.Float32)
-            for e in cutlass.range_constexpr(CHUNK):
-                bit = base + self.chunk_bits[e]
-                code = (sCodes[bit >> 5] >> (bit & 31)) & mask
-                if cutlass.const_expr(cfg.axis is Axis.CHANNEL):
-                    scale = mParams[page, head, slot // cfg.group, c0 + e, 0].to(cutlass.Float32)
-                    offset = mParams[page, head, slot // cfg.group, c0 + e, 1].to(cutlass.Float32)
+        words = {}  # word offset -> the word, shifted by the thread's shift: each read once per step
+        for k in range(plan.inner_tokens):
+            values = cute.make_rmem_tensor((CHUNK,), cfg.out_type)
+            token = plan.element(s, k, 0)[0]  # the chunk's (its channels differ in bits 0-2 only)
+            for e in range(CHUNK):
+                bit = plan.element(s, k, e)[1]
+                if bit >> 5 not in words:
+                    words[bit >> 5] = self.read_word(sCodes, word0, shift0, bit >> 5)
+                word, shift, key = words[bit >> 5], bit & 31, self.param_key(token)
+                scale, offset = params[key][e if cfg.axis is Axis.CHANNEL else 0]
+                if shift == 0:
+                    code = word & mask
+                elif self.prescale:  # code * 2^shift, and scale * 2^-shift (see __init__)
+                    code = word & (mask << shift)
+                    index = (key, e if cfg.axis is Axis.CHANNEL else 0, shift)
+                    if index not in scaled:
+                        scaled[index] = scale * cutlass.Float32(2.0 ** -shift)
+                    scale = scaled[index]
+                else:
+                    code = (word >> shift) & mask
                 values[e] = (scale * code.to(cutlass.Float32) + offset).to(cfg.out_type)
-            # ((CHUNK), (D / CHUNK))
-            gRow = cute.zipped_divide(mOut[seq, head, tile * TILE_TOKENS + token, None], (CHUNK,))
-            cute.autovec_copy(values, gRow[None, n % self.chunks_per_row])
+            # ((CHUNK), (D / CHUNK)) of the chunk's row
+            gRow = cute.zipped_divide(gTile[token0 + token, None], (CHUNK,))
+            cute.autovec_copy(values, gRow[None, channel0 // CHUNK])
+
+    def read_word(self, sCodes: cute.Tensor, word0, shift0, offset: int):
+        """Word ``offset`` (a constant) past the thread's own word, shifted right by the thread's shift."""
+        plan = self.plan
+        word = cutlass.Uint32(sCodes[plan.word_index(word0, offset)])
+        return word >> cutlass.Uint32(shift0) if cutlass.const_expr(plan.dynamic_shift) else word
 
 
-def compile_dequantize(scheme_or_config, role: str | None = None, arch: str = "sm_90a"):
+def _load_pair(src: cute.Tensor):
+    """(scale, offset) in FP32 of a (2) fp16 tensor: one 4-byte load, two conversions."""
+    raw = cute.make_rmem_tensor((2,), cutlass.Float16)
+    cute.autovec_copy(src, raw)
+    return raw[0].to(cutlass.Float32), raw[1].to(cutlass.Float32)
+
+
+def _thread_part(strides, tidx):
+    """sum over the bits k of the thread index of bit_k * strides[k]: runs of bits whose strides double
+    are one field (``(tidx >> k) & mask`` times a stride). Python ints or a DSL Int32 (the CPU tests
+    run it on ints)."""
+    part, k = 0, 0
+    while k < len(strides):
+        run = 1
+        while k + run < len(strides) and strides[k + run] == strides[k] << run:
+            run += 1
+        if strides[k]:
+            field = (tidx >> k) & ((1 << run) - 1) if k else tidx & ((1 << run) - 1)
+            part = part + field * strides[k]
+        k += run
+    return part
+
+
+def _swizzled(word, swizzle):
+    """``TilePlan.swizzled`` of a DSL Int32 (or an int)."""
+    for high, low in swizzle:
+        word = word ^ ((word >> (high - low)) & (1 << low))
+    return word
+
+
+def compile_dequantize(scheme_or_config, role: str | None = None, arch: str = "sm_90a", layout: str = "hopper"):
     """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``."""
     from ..inspect import compile_for
 
-    cfg = DequantizeConfig.of(scheme_or_config, role)
+    cfg = DequantizeConfig.of(scheme_or_config, role, layout=layout)
     i32 = cutlass.Int32(1)
     return compile_for(
         arch,
@@ -221,20 +538,28 @@ def compile_dequantize(scheme_or_config, role: str | None = None, arch: str = "s
     )
 
 
-def dequantize_pages(codes, params, page_table, scheme, role: str, dtype=None):
+def dequantize_pages(codes, params, page_table, scheme, role: str, dtype=None, layout: str | None = None, out=None):
     """Dense ``dtype`` (BF16 by default, or FP16; a passed DequantizeConfig's own) [batch, kv_heads,
-    max_pages*page_size, D] of a paged packed cache in the Hopper bit order (CUDA tensors).
+    max_pages*page_size, D] of a paged packed cache (CUDA tensors) in ``layout``'s bit order: "hopper"
+    (the default) or "blackwell", the cache arch's ``Arch.layout`` (a passed DequantizeConfig's own).
 
-    Runs on the current torch stream.
+    ``out``: where to write it (a contiguous CUDA tensor of that shape and dtype), else a new tensor.
+    No host sync, so a call can be captured in a CUDA graph. Runs on the current torch stream.
     """
     import torch
 
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
     if dtype is not None and dtype not in names:
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-    if isinstance(scheme, DequantizeConfig) and dtype is not None and names[dtype] != scheme.dtype:
-        raise ValueError(f"dtype={dtype} contradicts the config's dtype={scheme.dtype!r}")
-    cfg = DequantizeConfig.of(scheme, role, names[dtype or torch.bfloat16])
+    if layout is not None and layout not in POSITIONS:
+        raise ValueError(f"layout must be one of {sorted(POSITIONS)} (an arch's packed bit order, Arch.layout), "
+                         f"got {layout!r}")
+    if isinstance(scheme, DequantizeConfig):
+        if dtype is not None and names[dtype] != scheme.dtype:
+            raise ValueError(f"dtype={dtype} contradicts the config's dtype={scheme.dtype!r}")
+        if layout is not None and layout != scheme.layout:
+            raise ValueError(f"layout={layout!r} contradicts the config's layout={scheme.layout!r}")
+    cfg = DequantizeConfig.of(scheme, role, names[dtype or torch.bfloat16], layout or "hopper")
     dtype = getattr(torch, cfg.dtype)
     D, G = cfg.head_dim, cfg.group
     num_pages, kv_heads, tiles_per_page, words = codes.shape
@@ -242,16 +567,19 @@ def dequantize_pages(codes, params, page_table, scheme, role: str, dtype=None):
     batch, max_pages = page_table.shape
     if cfg.axis is Axis.CHANNEL and page_size % G:
         raise ValueError(f"page_size {page_size} must be a multiple of the channel-wise group {G}")
+    shape = (batch, kv_heads, max_pages * page_size, D)
     expected = [
         ("codes", codes, torch.int32, (num_pages, kv_heads, tiles_per_page, cfg.tile_words)),
         ("params", params, torch.float16, (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D), 2)),
         ("page_table", page_table, torch.int32, (batch, max_pages)),
-    ]
-    for name, t, want, shape in expected:
-        if t.dtype != want or tuple(t.shape) != shape or not t.is_cuda or not t.is_contiguous():
-            raise ValueError(f"{name}: need a contiguous CUDA {want} tensor of shape {shape}, got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    out = torch.empty(batch, kv_heads, max_pages * page_size, D, dtype=dtype, device=codes.device)
+    ] + ([("out", out, dtype, shape)] if out is not None else [])
+    for name, t, want, want_shape in expected:
+        if (t.dtype != want or tuple(t.shape) != want_shape or not t.is_cuda or not t.is_contiguous()
+                or t.device != codes.device):
+            raise ValueError(f"{name}: need a contiguous CUDA {want} tensor of shape {want_shape} on codes' device, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=codes.device)
     if out.numel() == 0:
         return out
     arch = device_arch(codes.device)
