@@ -11,7 +11,7 @@ on the H200 (``benchmarks/fused_attention.py``, ``benchmarks/NOTES.md`` section 
 prefix would meet a new shape at every call. So cuDNN only takes shapes from a bounded set, each planned once per
 process (:func:`_cudnn_rows`): blocks of a multiple of ``CUDNN_TOKENS`` keys (the cache's full blocks) with the
 query rows padded to one of four sizes per octave; the rest (a sequence's last block, its 16-bit slots, the
-chunk's own tokens, short chunks) takes FlashAttention-2, which plans nothing.
+chunk's own tokens) takes FlashAttention-2, which plans nothing.
 The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: about two blocks (the next one is
 dequantized while a block's pieces are copied out for the attention), the chunk's query, outputs and its K/V
 repeated per query head, never the whole prefix.
@@ -37,7 +37,6 @@ __all__ = ["Merged", "chunk_attention", "fused_attention"]
 
 CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (fused_attention)
 CUDNN_TOKENS = 8192  # cuDNN attends blocks of a multiple of this many keys: the full blocks, a bounded set of shapes
-CUDNN_MIN_ROWS = 512  # query rows per KV head from which cuDNN was measured faster than FA2 (pieces on both)
 MIN_PIECE = 1024  # tokens: the shortest piece of a block that is its own batch entry
 ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward kernel (head_dim <= 128 on sm_90)
 CTAS_PER_SM = 2  # pieces are added until the grid fills the GPU this many times
@@ -94,12 +93,12 @@ def _pieces(rows: int, kv_heads: int, tokens: int, device: torch.device) -> int:
 
 def _cudnn_rows(q_rows, tokens: int) -> int | None:
     """The padded query rows per KV head with which cuDNN attends a block of ``tokens`` keys, or None (FA2): on a GPU
-    with cuDNN, head_dim 128, ``tokens`` a multiple of ``CUDNN_TOKENS`` and at least ``CUDNN_MIN_ROWS`` rows, rounded
-    up to four sizes per octave (at most 25% more rows). The shapes cuDNN sees are then a bounded set, each planned
-    once per process, whatever the prefix length and the chunk length."""
+    with cuDNN, head_dim 128 and ``tokens`` a multiple of ``CUDNN_TOKENS``, the rows rounded up to four sizes per
+    octave (at most 25% more rows). The shapes cuDNN sees are then a bounded set, each planned once per process,
+    whatever the prefix length and the chunk length."""
     rows, d = q_rows.shape[1:]
     if not (q_rows.is_cuda and d == CUDNN_HEAD_DIM and torch.backends.cudnn.is_available()
-            and tokens % CUDNN_TOKENS == 0 and rows >= CUDNN_MIN_ROWS):
+            and tokens % CUDNN_TOKENS == 0):
         return None
     return padded_rows(rows)
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from test_cache_chunk import assert_within_the_rule
 
 import foscar.chunk_attention as chunk_attention
-from foscar.chunk_attention import CUDNN_MIN_ROWS, CUDNN_TOKENS, Merged, padded_rows
+from foscar.chunk_attention import CUDNN_TOKENS, Merged, padded_rows
 
 SM_SCALE = 0.1
 
@@ -96,12 +96,11 @@ def test_padded_query_rows_are_attended_then_dropped(rng, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [130, 1000])
+@pytest.mark.parametrize("tokens", [5, 130, 1000])
 def test_full_blocks_take_cudnn_with_padded_rows_the_rest_fa2(tokens, monkeypatch):
-    """On the GPU: a block of CUDNN_TOKENS keys and >= CUDNN_MIN_ROWS rows goes to cuDNN (rows padded), a shorter
-    block, the slots and the chunk's own tokens to FA2; every element within the rule against float64."""
+    """On the GPU: a block of CUDNN_TOKENS keys goes to cuDNN (query rows padded), a shorter block and the chunk's own
+    tokens to FA2 (rows as they are); every element within the rule against float64."""
     kv_heads, group, d = 2, 4, 128
-    assert tokens * group >= CUDNN_MIN_ROWS
     calls = []
     fused = chunk_attention.fused_attention
     monkeypatch.setattr(chunk_attention, "fused_attention",
@@ -115,5 +114,5 @@ def test_full_blocks_take_cudnn_with_padded_rows_the_rest_fa2(tokens, monkeypatc
     blocks = [(k[:, :CUDNN_TOKENS], v[:, :CUDNN_TOKENS]), (k[:, CUDNN_TOKENS:n], v[:, CUDNN_TOKENS:n])]
     out, lse = chunk_attention.chunk_attention(q, k[:, n:], v[:, n:], blocks, SM_SCALE)
     assert {rows for cudnn, rows, _ in calls if cudnn} == {padded_rows(tokens * group)}
-    assert any(not cudnn and keys == 3000 for cudnn, _, keys in calls)  # the shorter block
+    assert (False, tokens * group) in {(cudnn, rows) for cudnn, rows, _ in calls}  # the shorter block
     assert_within_the_rule(out, lse, q.cpu(), k.float().cpu(), v.float().cpu(), SM_SCALE, tokens)
