@@ -876,7 +876,7 @@ class PagedKVCache:
         quantized, ps, d = self.quantized_tokens(n), self.page_size, self.scheme.head_dim
         per_block = max(1, BLOCK_BYTES // (2 * self.kv_heads * ps * d * torch.finfo(dtype).bits // 8))
         unit = CUDNN_TOKENS // ps  # full blocks of a multiple of CUDNN_TOKENS: shapes cuDNN plans once (chunk_attention)
-        per_block = max(unit, per_block // unit * unit)
+        per_block = per_block // unit * unit if per_block >= unit else per_block
         pages = -(-quantized // ps)
         for first in range(0, pages, per_block):
             # a copy: the kernel takes 16-byte aligned pointers, which a slice of a row need not be
