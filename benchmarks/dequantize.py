@@ -155,6 +155,8 @@ def main(argv=None):
         parser.error(f"--batches must be positive integers, got {args.batches!r}")
     if args.tokens < PAGE or args.tokens % PAGE:
         parser.error(f"--tokens must be a positive multiple of {PAGE}, got {args.tokens}")
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.dequantize needs a CUDA GPU")
     rows = [row for method in methods for batch in batches for layout in layouts

@@ -83,7 +83,7 @@ def measure(kv_heads: int, tokens: int, rows_list, reps: int):
             print(f"rows {rows} {name}: {us:.1f} us ({tflops:.0f} TFLOPS)", flush=True)
         for name, fn in (("fa2", flash), ("cudnn", cudnn)):
             us = new_shape_us(fn, kv_heads, tokens, rows, min(reps, 5))
-            rows_out.append({"rows": rows, "kernel": f"{name} new shape", "us": us, "tflops": float("nan")})
+            rows_out.append({"rows": rows, "kernel": f"{name} new shape", "us": us, "tflops": None})
             print(f"rows {rows} {name} on a new shape: {us:.0f} us", flush=True)
     return rows_out
 
@@ -105,7 +105,8 @@ def main(argv=None):
     data = measure(args.kv_heads, args.tokens, rows, args.reps)
     meta = run_meta("benchmarks.fused_attention", argv, _versions())
     lines = ["| rows per head | kernel | us | TFLOPS |", "|---|---|---|---|"]
-    lines += [f"| {r['rows']} | {r['kernel']} | {r['us']:.1f} | {r['tflops']:.0f} |" for r in data]
+    tflops = ["-" if r["tflops"] is None else f"{r['tflops']:.0f}" for r in data]  # none for a new shape's call
+    lines += [f"| {r['rows']} | {r['kernel']} | {r['us']:.1f} | {t} |" for r, t in zip(data, tflops)]
     text = "\n".join(lines)
     write(args.out, args.tag, "A block's fused attention: FA2 vs cuDNN", meta, data, text,
           f"{args.kv_heads} KV heads, {args.tokens} tokens, head_dim 128, BF16; mean of {args.reps} eager calls. ")

@@ -27,8 +27,8 @@ SHAPES = [("qwen3-8b", 8, 32768), ("qwen3-8b", 1, 131072), ("qwen3-8b", 64, 8192
 
 
 def measure(methods, tokens_list, reps, rollback=0, path="cache"):
-    """Rows ``(model, batch, context, method, tokens, us, ratio to one token)``; a count the kernel cannot
-    take (gqa x tokens > 16) is a row with its reason."""
+    """Rows ``(model, batch, context, method, tokens, us, ratio to one token)``; a count the cache cannot take
+    (past one launch and its rollback margin; ``decode_paged`` takes any) is a row with its reason."""
     rows = []
     for model, batch, context in SHAPES:
         hq, kvh, d = MODELS[model]

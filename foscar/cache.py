@@ -871,8 +871,9 @@ class PagedKVCache:
 
     def _cached_blocks(self, layer, seq, n, dtype):
         """What sequence ``seq`` of ``n`` tokens holds, as blocks ``(k, v) [kv_heads, T, D]`` in ``dtype`` for
-        ``chunk_attention``: its packed pages dequantized ``BLOCK_BYTES`` at a time (the dequantize kernel on a
-        GPU cache, in its arch's bit order; the torch dequantizer on a CPU cache), then its 16-bit slots."""
+        ``chunk_attention``: its packed pages dequantized at most ``BLOCK_BYTES`` at a time, whole multiples of
+        ``CUDNN_TOKENS`` tokens where a block holds that many (the dequantize kernel on a GPU cache, in its arch's
+        bit order; the torch dequantizer on a CPU cache), then its 16-bit slots."""
         quantized, ps, d = self.quantized_tokens(n), self.page_size, self.scheme.head_dim
         per_block = max(1, BLOCK_BYTES // (2 * self.kv_heads * ps * d * torch.finfo(dtype).bits // 8))
         unit = CUDNN_TOKENS // ps  # full blocks of a multiple of CUDNN_TOKENS: shapes cuDNN plans once (chunk_attention)

@@ -35,7 +35,7 @@ import torch
 
 __all__ = ["Merged", "chunk_attention", "fused_attention"]
 
-CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (fused_attention)
+CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (_cudnn_rows)
 CUDNN_TOKENS = 8192  # cuDNN attends blocks of a multiple of this many keys: the full blocks, a bounded set of shapes
 MIN_PIECE = 1024  # tokens: the shortest piece of a block that is its own batch entry
 ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward kernel (head_dim <= 128 on sm_90)
@@ -128,6 +128,8 @@ def _attend_pieces(q_rows, k, v, sm_scale: float, merged: Merged, cudnn: bool) -
     kv_heads, rows, d = q_rows.shape
     tokens = k.shape[1]
     pieces = _pieces(rows, kv_heads, tokens, q_rows.device)
+    if cudnn:  # a power of two divides a block of a multiple of CUDNN_TOKENS: no leftover shape for cuDNN to plan
+        pieces = 1 << (pieces.bit_length() - 1)
     span = tokens // pieces
     if pieces > 1:
         # (pieces, kv_heads, span, D): piece i holds tokens i*span .. (i+1)*span - 1 of every head
@@ -140,7 +142,7 @@ def _attend_pieces(q_rows, k, v, sm_scale: float, merged: Merged, cudnn: bool) -
     rest = slice(pieces * span, tokens) if pieces > 1 else slice(0, tokens)
     if rest.stop > rest.start:
         k_rest, v_rest = (x[None, :, rest].contiguous() for x in (k, v))
-        out, lse = fused_attention(q_rows[None], k_rest, v_rest, sm_scale, causal=False, cudnn=cudnn)
+        out, lse = fused_attention(q_rows[None], k_rest, v_rest, sm_scale, causal=False, cudnn=cudnn and pieces == 1)
         merged.add(out[0], lse[0])
 
 

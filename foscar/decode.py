@@ -60,13 +60,14 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
     batch, q_heads, dim = q.shape[0], q.shape[-2], q.shape[-1]
     tokens = q.shape[1] if q.dim() == 4 else 1
     if batch < 1 or tokens < 1:
-        raise ValueError(f"q must hold at least one sequence, got shape {list(q.shape)}")
+        raise ValueError(f"q must hold at least one sequence and one query token, got shape {list(q.shape)}")
     if q.device.type == "meta":
         raise ValueError("q is a meta tensor (a shape without data): decode needs real tensors")
     if dim != scheme.head_dim:
         raise ValueError(f"q's head_dim {dim} must equal Scheme.head_dim {scheme.head_dim}")
     device = q.device
-    _tensor("q", q, scheme.q_dtype, ("batch", "tokens", "q_heads", dim)[4 - q.dim():], None)
+    _tensor("q", q, scheme.q_dtype, ("batch", "tokens", "q_heads", dim) if q.dim() == 4 else ("batch", "q_heads", dim),
+            None)
     if not isinstance(k_codes, torch.Tensor) or k_codes.dim() != 4:
         raise ValueError("k_codes must be a 4-d int32 tensor [num_pages, kv_heads, page_size // 64, tile_words]")
     num_pages, kv_heads = k_codes.shape[:2]
@@ -98,7 +99,8 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
 
     ``q`` is ``[batch, q_heads, head_dim]``, one query token per sequence, or ``[batch, tokens, q_heads,
     head_dim]``: the sequences' last ``tokens`` tokens (speculative verification: the draft, already
-    quantized into the pages), each attending its sequence up to itself (causal); ``lengths`` count them.
+    quantized into the pages), each attending its sequence up to itself (causal); ``lengths`` count them and must
+    be at least ``tokens`` (checked on the host unless ``check_pages=False`` or under CUDA-graph capture).
     One launch takes ``gqa_ratio x tokens <= 16`` query rows per KV head (``Arch.max_query_tokens``); more
     tokens run as several launches, the earlier tokens' over the sequences cut short (``lengths - later``).
     ``out`` (q's shape and dtype) and ``lse`` (fp32, q's shape but head_dim) may be given to write in
@@ -133,6 +135,8 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
         out, lse = arch.run_decode(q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme,
                                    num_splits, out, lse)
         return (out, lse) if return_lse else out
+    for launch_tokens in {step, tokens % step} - {0}:  # compile first: a failed call leaves out and lse unwritten
+        arch.compile_decode(scheme, page_size, num_splits > 1, launch_tokens)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
     for first in range(0, tokens, step):

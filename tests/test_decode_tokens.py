@@ -69,8 +69,9 @@ def test_one_launch_refuses_more_tokens_than_a_query_tile_holds():
 GPU_CASES = [  # scheme, lengths, tokens, num_splits
     (INT2_KT, [65, 700, 4], 4, None),  # 65: token 0 sees nothing of the second tile; 4: every token sees itself first
     (INT2_KT, [129, 1000], 4, 3),  # the last split holds one tile, where some columns see no token
-    (INT2_KT, [300, 64, 2000], 8, 2),  # two launches of 4 tokens; 64: the earlier launch's sequence ends a tile
+    (INT2_KT, [300, 68, 2000], 8, 2),  # two launches of 4 tokens; 68: the earlier launch's sequence ends a tile
     (INT4_KC, [1100, 17], 8, None),  # gqa 2: 16 columns in one launch
+    (INT2_KT, [500, 1], 1, 3),  # a 4-d q of one token: the single-token kernel
     (INT4_KC, [513, 31], 16, 64),  # two launches; empty splits
     (Scheme.make(2, "channel", 128, "channel", 128, 64, 1, torch.float16), [257, 20], 16, 5),  # gqa 1
 ]

@@ -31,6 +31,7 @@ CASES = [  # (bits, head_dim, role, axis, group)
     (4, 128, "v", "channel", 32),
     (8, 128, "k", "channel", 128),
     (8, 64, "v", "token", 64),
+    (4, 256, "k", "channel", 256),  # a group row per 4 tiles (a 256-token page)
 ]
 CONFIGS = [DequantizeConfig(*case, layout=layout) for layout in LAYOUTS for case in CASES]
 
@@ -208,8 +209,8 @@ CPU_COMPILES = [DequantizeConfig(*case, layout=layout) for layout in LAYOUTS
 def test_both_orders_compile_with_one_read_per_word_and_store_per_chunk(cfg, arch):
     """Each layout compiles for each arch (no GPU) into the planned instruction stream: 16-byte staging loads and
     stores, one LDS per word a thread reads, one STG.128 per 8-channel chunk, no local memory, and at most 8
-    SASS instructions per output element (D=128: 10.6-15.0 before the plan, 5.3-6.6 with it; nvidia-cutlass-dsl
-    4.8.1)."""
+    SASS instructions per output element, at most 7 at D=128 (10.6-15.0 before the plan, 5.3-6.6 with it;
+    nvidia-cutlass-dsl 4.8.1)."""
     from foscar.inspect import artifacts
     from foscar.kernels import compile_dequantize
     from foscar.kernels.dequantize import THREADS, Dequantize
@@ -225,7 +226,7 @@ def test_both_orders_compile_with_one_read_per_word_and_store_per_chunk(cfg, arc
     assert sum(n for op, n in mix.items() if op.startswith("LDS")) == reads
     assert mix["STG.E.128"] == elements // 8
     assert mix["LDL"] == mix["STL"] == 0 and art.resources().local_bytes == 0
-    assert sum(mix.values()) <= 8 * elements, sum(mix.values()) / elements
+    assert sum(mix.values()) <= (7 if cfg.head_dim == 128 else 8) * elements, sum(mix.values()) / elements
 
 
 def test_layout_is_validated_naming_the_argument():

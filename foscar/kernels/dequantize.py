@@ -241,7 +241,8 @@ def tile_plan(geom: TileGeometry, layout: str) -> TilePlan:
     formula (``POSITIONS[layout]``) is bit-linear, on every element of the tile."""
     position = POSITIONS[layout]
     dim_bits = geom.head_dim.bit_length() - 1
-    token_w = tuple(position(geom, 1 << i, 0) * geom.bits for i in range(6))
+    token_bits = TILE_TOKENS.bit_length() - 1
+    token_w = tuple(position(geom, 1 << i, 0) * geom.bits for i in range(token_bits))
     channel_w = tuple(position(geom, 0, 1 << j) * geom.bits for j in range(dim_bits))
     for t in range(TILE_TOKENS):
         for c in range(geom.head_dim):
@@ -250,12 +251,17 @@ def tile_plan(geom: TileGeometry, layout: str) -> TilePlan:
             if linear != position(geom, t, c) * geom.bits:
                 raise AssertionError(f"{layout} order of {geom} is not bit-linear at token {t}, channel {c}")
     weight = {**{("t", i): w for i, w in enumerate(token_w)}, **{("c", j): w for j, w in enumerate(channel_w)}}
+    # distinct powers of two (linear and one-to-one): word offsets and shifts of disjoint bits add without carries
+    if sorted(weight.values()) != sorted(geom.bits << k for k in range(len(weight))):
+        raise AssertionError(f"{layout} order of {geom}: coordinate weights are not distinct powers of two")
+    if dim_bits < 6 or THREADS != 128:
+        raise AssertionError("the plan puts channel bits 3-5 on the lanes and 7 thread bits: head_dim >= 64, 128 threads")
 
-    share = 6 + dim_bits - (THREADS.bit_length() - 1)  # coordinate bits of one thread's elements
-    inner = [("c", 0), ("c", 1), ("c", 2)] + [("t", i) for i in range(6) if token_w[i] < 32]
+    share = token_bits + dim_bits - (THREADS.bit_length() - 1)  # coordinate bits of one thread's elements
+    inner = [("c", 0), ("c", 1), ("c", 2)] + [("t", i) for i in range(token_bits) if token_w[i] < 32]
     while len(inner) > share:  # too many token shift bits: the heaviest become per-thread shifts
         inner.remove(max(inner[3:], key=weight.get))
-    rest = [("c", j) for j in range(3, dim_bits)] + [("t", i) for i in range(6) if ("t", i) not in inner]
+    rest = [("c", j) for j in range(3, dim_bits)] + [("t", i) for i in range(token_bits) if ("t", i) not in inner]
     const_words = [weight[b] >> 5 for b in inner]
     best = None
     for pair in itertools.combinations(rest[3:], 2):  # the two lane bits after channel bits 3-5
@@ -268,8 +274,8 @@ def tile_plan(geom: TileGeometry, layout: str) -> TilePlan:
             best = (rank, lanes, others, swizzle)
     _, lanes, others, swizzle = best
     thread, step = tuple(lanes + others[:2]), tuple(others[2:])
-    if any(b[0] == "c" for b in step):
-        raise AssertionError(f"a thread's chunks must share their channels: step bits {step}")
+    if any(b[0] == "c" or weight[b] < 32 for b in step):  # a step's codes lie in other words than the last step's
+        raise AssertionError(f"a step bit must be a token word bit (shared channels, each word read once): {step}")
     return TilePlan(layout, geom.bits, geom.head_dim, token_w, channel_w, tuple(inner), thread, step, swizzle)
 
 
@@ -282,12 +288,12 @@ class Dequantize:
     """One CTA (128 threads) per (``tiles`` consecutive 64-token tiles, kv head, sequence): one tile for
     head_dim >= 128, two for 64. :class:`TilePlan` maps a tile's work onto the threads.
 
-    1. Load each tile's page-table entry; issue its packed words (16-byte vectors, coalesced) and the
+    1. Load each tile's page-table entry; issue its packed words (vectors of up to 16 bytes, coalesced) and the
        thread's (scale, offset) pairs (4 bytes each: one per token, or one per channel and group row),
        each loaded and converted to FP32 once per thread.
     2. Store the words to shared memory through the plan's XOR swizzle; one barrier.
     3. Each thread reads each word it needs once per step (an ``LDS.32``, lanes that share a word
-       broadcast it, conflict-free), takes its codes with a shift and a mask (or a mask and a prescaled
+       broadcast it; conflict-free but for the Blackwell INT8 K tile, 2-way), takes its codes with a shift and a mask (or a mask and a prescaled
        scale), ``scale * code + offset`` as one FP32 FMA, and writes 16-byte chunks: a warp's store
        covers whole 128-byte lines.
     """
@@ -520,11 +526,14 @@ def _swizzled(word, swizzle):
     return word
 
 
-def compile_dequantize(scheme_or_config, role: str | None = None, arch: str = "sm_90a", layout: str = "hopper"):
-    """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``."""
+def compile_dequantize(scheme_or_config, role: str | None = None, arch: str = "sm_90a", layout: str | None = None):
+    """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``. ``layout``: the packed
+    bit order (default: a config's own, else "hopper")."""
     from ..inspect import compile_for
 
-    cfg = DequantizeConfig.of(scheme_or_config, role, layout=layout)
+    cfg = DequantizeConfig.of(scheme_or_config, role, layout=layout or "hopper")
+    if layout is not None and cfg.layout != layout:
+        raise ValueError(f"layout={layout!r} contradicts the config's layout={cfg.layout!r}")
     i32 = cutlass.Int32(1)
     return compile_for(
         arch,
