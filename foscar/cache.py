@@ -876,7 +876,7 @@ class PagedKVCache:
         bit order; the torch dequantizer on a CPU cache), then its 16-bit slots."""
         quantized, ps, d = self.quantized_tokens(n), self.page_size, self.scheme.head_dim
         per_block = max(1, BLOCK_BYTES // (2 * self.kv_heads * ps * d * torch.finfo(dtype).bits // 8))
-        unit = CUDNN_TOKENS // ps  # full blocks of a multiple of CUDNN_TOKENS: shapes cuDNN plans once (chunk_attention)
+        unit = CUDNN_TOKENS // ps  # full blocks of a multiple of CUDNN_TOKENS: cuDNN plans them once (chunk_attention)
         per_block = per_block // unit * unit if per_block >= unit else per_block
         pages = -(-quantized // ps)
         for first in range(0, pages, per_block):

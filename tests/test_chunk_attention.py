@@ -100,8 +100,8 @@ def test_padded_query_rows_are_attended_then_dropped(rng, monkeypatch):
     monkeypatch.setattr(chunk_attention, "_cudnn_rows", lambda q_rows, length: padded_rows(q_rows.shape[1]))
     rows_seen = []
     fused = chunk_attention.fused_attention
-    monkeypatch.setattr(chunk_attention, "fused_attention",
-                        lambda q, k, v, s, causal, cudnn=False: rows_seen.append(q.shape[2]) or fused(q, k, v, s, causal))
+    monkeypatch.setattr(chunk_attention, "fused_attention", lambda q, k, v, s, causal, cudnn=False:
+                        rows_seen.append(q.shape[2]) or fused(q, k, v, s, causal))
     k = torch.randn(kv_heads, 900 + tokens, d, generator=rng).to(torch.bfloat16)
     v = torch.randn(kv_heads, 900 + tokens, d, generator=rng).to(torch.bfloat16)
     q = torch.randn(tokens, kv_heads * group, d, generator=rng).to(torch.bfloat16)

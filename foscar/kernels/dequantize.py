@@ -255,7 +255,7 @@ def tile_plan(geom: TileGeometry, layout: str) -> TilePlan:
     if sorted(weight.values()) != sorted(geom.bits << k for k in range(len(weight))):
         raise AssertionError(f"{layout} order of {geom}: coordinate weights are not distinct powers of two")
     if dim_bits < 6 or THREADS != 128:
-        raise AssertionError("the plan puts channel bits 3-5 on the lanes and 7 thread bits: head_dim >= 64, 128 threads")
+        raise AssertionError("the plan puts channel bits 3-5 on the lanes, 7 thread bits: head_dim >= 64, 128 threads")
 
     share = token_bits + dim_bits - (THREADS.bit_length() - 1)  # coordinate bits of one thread's elements
     inner = [("c", 0), ("c", 1), ("c", 2)] + [("t", i) for i in range(token_bits) if token_w[i] < 32]
@@ -293,7 +293,8 @@ class Dequantize:
        each loaded and converted to FP32 once per thread.
     2. Store the words to shared memory through the plan's XOR swizzle; one barrier.
     3. Each thread reads each word it needs once per step (an ``LDS.32``, lanes that share a word
-       broadcast it; conflict-free but for the Blackwell INT8 K tile, 2-way), takes its codes with a shift and a mask (or a mask and a prescaled
+       broadcast it; conflict-free but for the Blackwell INT8 K tile, 2-way),
+       takes its codes with a shift and a mask (or a mask and a prescaled
        scale), ``scale * code + offset`` as one FP32 FMA, and writes 16-byte chunks: a warp's store
        covers whole 128-byte lines.
     """
