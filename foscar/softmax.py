@@ -14,12 +14,28 @@ from cutlass import Float32
 
 from .device import LN2, LOG2E, NEG_INF, fsel
 
-__all__ = ["finite_reference", "rescale_factor", "normalize", "lse_weight", "merged_lse"]
+__all__ = ["finite_reference", "fast_exp2", "online_update", "rescale_factor", "normalize", "lse_weight", "merged_lse"]
 
 
 def finite_reference(m):
     """``m``, or 0 where ``m`` is -inf (no valid score): exp2(x - reference) is then 0, never NaN."""
     return fsel(m == Float32(NEG_INF), Float32(0.0), m)
+
+
+def fast_exp2(x):
+    """``2^x`` by the fast-math path (``ex2.approx``), Blackwell's and the merges' exp2."""
+    return cute.math.exp2(x, fastmath=True)
+
+
+def online_update(m_run, tile_max, exp2, may_be_empty: bool = True):
+    """One online-softmax step of a running max, as both decode kernels take it: ``(m_new, alpha, reference)``,
+    the new max, the factor ``exp2(m_run - reference)`` that rescales what was summed against ``m_run``, and the
+    reference the tile's P is taken against: ``m_new``, or 0 where that is -inf when ``may_be_empty`` (a column
+    that has seen no token yet; else the caller guarantees a finite max). ``exp2``: the arch's (Hopper's
+    ``cute.arch.exp2``, Blackwell's :func:`fast_exp2`)."""
+    m_new = cute.arch.fmax(m_run, tile_max)
+    reference = finite_reference(m_new) if may_be_empty else m_new
+    return m_new, exp2(m_run - reference), reference
 
 
 def rescale_factor(m_old, m_new, fastmath: bool = True):

@@ -91,7 +91,7 @@ from ..query_rows import KvHead, Output, QueryRows
 from ..jit import half_type
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import Channel, PackedPages, bulk_copy_g2s
-from ..softmax import finite_reference, normalize
+from ..softmax import fast_exp2, normalize, online_update
 from ..quantize import check_page_size
 from ..scheme import Scheme
 from . import pipeline as pl
@@ -743,11 +743,8 @@ class BlackwellDecodeKernel:
             if t == 0:
                 sm.sAlpha[sm_.p_unscale(sp, j)] = cfg.v_a_inv / pscale[j]  # exact: powers of two
         for r in cutlass.range_constexpr(N):
-            m_new = cute.arch.fmax(m_run[r], max4(sm.sRed, sm_.red_row(red, r)))
-            m_use = finite_reference(m_new)
-            alpha = cute.math.exp2(m_run[r] - m_use, fastmath=True)
-            m_run[r] = m_new
-            p = cute.math.exp2(sc[r] - m_use, fastmath=True)
+            m_run[r], alpha, m_use = online_update(m_run[r], max4(sm.sRed, sm_.red_row(red, r)), fast_exp2)
+            p = fast_exp2(sc[r] - m_use)
             l_run[r] = l_run[r] * alpha + p
             if t == 0:
                 sm.sAlpha[sm_.alpha(sp, r)] = alpha

@@ -79,7 +79,7 @@ from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..pipeline import Channel, PackedPages, Ring, TileSpan, bulk_copy_g2s
 from ..query_rows import KvHead, Output, QueryRows
 from ..scheme import Scheme
-from ..softmax import finite_reference, normalize
+from ..softmax import finite_reference, normalize, online_update
 from ..window_tiles import BLOCK
 from .folds import hooks_for, q_index
 from ..warp_mma import WarpMma
@@ -583,9 +583,7 @@ class HopperDecodeKernel:
             for t in range(1, 2 * token_blocks):
                 mx = cute.arch.fmax(mx, sc[((t // 2) * mma.NB + nb) * 4 + e + 2 * (t % 2)])
             mx = reduce_over_rows(mx, cute.arch.fmax)
-            m_new = cute.arch.fmax(m_run[cs], mx)
-            alpha[cs] = cute.arch.exp2(m_run[cs] - (finite_reference(m_new) if may_be_empty else m_new))
-            m_run[cs] = m_new
+            m_run[cs], alpha[cs], _ = online_update(m_run[cs], mx, cute.arch.exp2, may_be_empty)
             l_run[cs] = l_run[cs] * alpha[cs]
         moved = alpha[0] != Float32(1.0)
         for cs in range(1, mma.NS):
