@@ -94,10 +94,8 @@ class Arch:
         """Raise a ValueError naming ``q`` if the cache decode cannot take ``tokens`` query tokens per
         sequence (:meth:`max_query_tokens`); compiles nothing."""
         self.can_implement(scheme, page_size)
-        limit, why = self.max_query_tokens(scheme)
-        if type(tokens) is not int or not 1 <= tokens <= limit:
-            raise ValueError(f"q: {tokens!r} query tokens per sequence: the {self.name} cache decode of {scheme.name} "
-                             f"takes 1..{limit} ({why}; PagedKVCache.attend_chunk takes more)")
+        self._kernels().check_launch_tokens(scheme, tokens, f"cache decode of {scheme.name}",
+                                            "PagedKVCache.attend_chunk takes more")
 
     def run_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, lengths, sm_scale, scheme: Scheme,
                    num_splits: int = 1, out=None, lse=None):

@@ -185,12 +185,13 @@ class KernelSet:
         return MAX_QUERY_COLUMNS // scheme.gqa_ratio, (f"a query tile holds {MAX_QUERY_COLUMNS} columns per KV "
                                                        f"head: gqa_ratio={scheme.gqa_ratio} x tokens")
 
-    def check_launch_tokens(self, scheme: Scheme, tokens: int, what: str) -> None:
-        """A ValueError naming ``q`` if one ``what`` launch cannot take ``tokens`` query tokens per sequence."""
+    def check_launch_tokens(self, scheme: Scheme, tokens: int, what: str, more: str = "") -> None:
+        """A ValueError naming ``q`` if one ``what`` launch cannot take ``tokens`` query tokens per sequence;
+        ``more``: where more go."""
         limit, why = self.max_query_tokens(scheme)
         if type(tokens) is not int or not 1 <= tokens <= limit:
             raise ValueError(f"q: {tokens!r} query tokens per sequence: the {self.arch} {what} takes 1..{limit} "
-                             f"({why})")
+                             f"({why}{'; ' + more if more else ''})")
 
     def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1, **options):
         """The compiled decode launch of ``foscar.cache.PagedKVCache`` for ``tokens`` query tokens per
