@@ -140,6 +140,15 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def block_pages(kv_heads: int, page_size: int, head_dim: int, dtype) -> int:
+    """Pages of one block of ``PagedKVCache.attend_chunk``'s prefix (K and V in ``dtype``): at most ``BLOCK_BYTES``,
+    rounded down to a multiple of ``CUDNN_TOKENS`` tokens where it holds that many (full blocks are then shapes
+    cuDNN plans once, ``foscar.chunk_attention``); at least one page."""
+    per_block = max(1, BLOCK_BYTES // (2 * kv_heads * page_size * head_dim * torch.finfo(dtype).bits // 8))
+    unit = CUDNN_TOKENS // page_size
+    return per_block // unit * unit if per_block >= unit else per_block
+
+
 class PagedKVCache:
     """Paged KV cache of ``num_layers`` layers for up to ``max_seqs`` sequences (module docstring).
 
@@ -874,10 +883,8 @@ class PagedKVCache:
         ``chunk_attention``: its packed pages dequantized at most ``BLOCK_BYTES`` at a time, whole multiples of
         ``CUDNN_TOKENS`` tokens where a block holds that many (the dequantize kernel on a GPU cache, in its arch's
         bit order; the torch dequantizer on a CPU cache), then its 16-bit slots."""
-        quantized, ps, d = self.quantized_tokens(n), self.page_size, self.scheme.head_dim
-        per_block = max(1, BLOCK_BYTES // (2 * self.kv_heads * ps * d * torch.finfo(dtype).bits // 8))
-        unit = CUDNN_TOKENS // ps  # full blocks of a multiple of CUDNN_TOKENS: cuDNN plans them once (chunk_attention)
-        per_block = per_block // unit * unit if per_block >= unit else per_block
+        quantized, ps = self.quantized_tokens(n), self.page_size
+        per_block = block_pages(self.kv_heads, ps, self.scheme.head_dim, dtype)
         pages = -(-quantized // ps)
         for first in range(0, pages, per_block):
             # a copy: the kernel takes 16-byte aligned pointers, which a slice of a row need not be

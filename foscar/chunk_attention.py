@@ -11,7 +11,8 @@ on the H200 (``benchmarks/fused_attention.py``, ``benchmarks/NOTES.md`` section 
 prefix would meet a new shape at every call. So cuDNN only takes shapes from a bounded set, each planned once per
 process (:func:`_cudnn_rows`): blocks of a multiple of ``CUDNN_TOKENS`` keys (the cache's full blocks) with the
 query rows padded to one of four sizes per octave; the rest (a sequence's last block, its 16-bit slots, the
-chunk's own tokens) takes FlashAttention-2, which plans nothing.
+chunk's own tokens; every block of a model whose ``BLOCK_BYTES`` hold fewer than ``CUDNN_TOKENS`` tokens, e.g. 32
+KV heads of head_dim 256) takes FlashAttention-2, which plans nothing.
 The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: about two blocks (the next one is
 dequantized while a block's pieces are copied out for the attention), the chunk's query, outputs and its K/V
 repeated per query head, never the whole prefix.

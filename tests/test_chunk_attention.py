@@ -131,3 +131,24 @@ def test_full_blocks_take_cudnn_with_padded_rows_the_rest_fa2(tokens, monkeypatc
     assert {rows for cudnn, rows, _ in calls if cudnn} == {padded_rows(tokens * group)}
     assert (False, tokens * group) in {(cudnn, rows) for cudnn, rows, _ in calls}  # the shorter block
     assert_within_the_rule(out, lse, q.cpu(), k.float().cpu(), v.float().cpu(), SM_SCALE, tokens)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 6, 8, 32])
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_full_blocks_are_whole_multiples_of_cudnn_tokens_within_block_bytes(kv_heads, page_size, head_dim,
+                                                                           monkeypatch):
+    """The cache's full prefix blocks are shapes cuDNN plans once: a multiple of CUDNN_TOKENS tokens where BLOCK_BYTES
+    of K and V hold that many (else the blocks are smaller, and FA2 takes them), never past BLOCK_BYTES; a
+    BLOCK_BYTES smaller than a page keeps one page."""
+    import foscar.cache as cache
+
+    pages = cache.block_pages(kv_heads, page_size, head_dim, torch.bfloat16)
+    token_bytes = 2 * kv_heads * head_dim * 2
+    assert pages * page_size * token_bytes <= cache.BLOCK_BYTES
+    if CUDNN_TOKENS * token_bytes <= cache.BLOCK_BYTES:
+        assert pages * page_size % CUDNN_TOKENS == 0
+    else:
+        assert pages == cache.BLOCK_BYTES // (page_size * token_bytes)
+    monkeypatch.setattr(cache, "BLOCK_BYTES", 1)
+    assert cache.block_pages(kv_heads, page_size, head_dim, torch.bfloat16) == 1
