@@ -2,7 +2,7 @@
 block by block, for ``PagedKVCache.attend_chunk`` on a kernel cache.
 
 The cached tokens come as blocks of K/V in the query's dtype (the cache dequantizes one block of packed pages at a
-time, ``foscar.cache.BLOCK_BYTES`` of K and V); each block is fully visible to every query token and is attended by
+time, at most ``foscar.cache.BLOCK_BYTES`` of K and V: ``foscar.cache.block_pages``); each block is fully visible to every query token and is attended by
 a fused attention that keeps its scores on chip and returns each row's log-sum-exp (:func:`fused_attention`: cuDNN's
 or FlashAttention-2 through torch on a GPU, the CPU's flash kernel on the CPU). The chunk's own tokens follow, causal.
 
@@ -13,6 +13,7 @@ process (:func:`_cudnn_rows`): blocks of a multiple of ``CUDNN_TOKENS`` keys (th
 query rows padded to one of four sizes per octave; the rest (a sequence's last block, its 16-bit slots, the
 chunk's own tokens; every block of a model whose ``BLOCK_BYTES`` hold fewer than ``CUDNN_TOKENS`` tokens, e.g. 32
 KV heads of head_dim 256) takes FlashAttention-2, which plans nothing.
+
 The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: about two blocks (the next one is
 dequantized while a block's pieces are copied out for the attention), the chunk's query, outputs and its K/V
 repeated per query head, never the whole prefix.
