@@ -13,6 +13,9 @@ Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, on
   one copy as a concatenation would be) over them. Extra memory: the whole prefix in BF16.
 * ``foscar-attend-chunk``: ``PagedKVCache.attend_chunk`` on a kernel cache (``foscar.chunk_attention``: the packed
   pages dequantized a block at a time into a fused attention, merged by LSE).
+* ``foscar-attend-chunk, growing prefix``: the same, each call after a one-token append, as in serving, where the
+  prefix is one step longer at every call: the last block and the slots are new shapes each time (what a fused
+  attention that plans per shape would pay at every call; ``foscar.chunk_attention`` keeps cuDNN off them).
 
 ``single_prefill_with_kv_cache`` of the pinned FlashInfer dies with SIGFPE on a 100K-token K/V on the H200
 (2026-12-02); the batch wrappers are what engines call for chunked prefill anyway.
@@ -38,6 +41,7 @@ from .records import run_meta, write
 
 SINK, WINDOW = 64, 256
 PAGE = 64  # tokens per page of the BF16 baseline's cache, as benchmarks.decode's FlashInfer rows
+GROWTH = 1024  # tokens the growing-prefix rows may append in one run
 
 
 def timed(fn, reps: int):
@@ -64,11 +68,30 @@ def timed(fn, reps: int):
     return statistics.median(times), extra, first[0].elapsed_time(first[1]) * 1e3
 
 
+def growing_us(cache, seq, fn, reps: int, generator) -> float:
+    """Median microseconds of ``fn()``, each call after appending one random token to ``seq`` (not timed)."""
+    kv_heads, d = cache.kv_heads, cache.scheme.head_dim
+    times = []
+    for _ in range(reps):
+        k = torch.randn(1, kv_heads, 1, d, device="cuda", dtype=torch.bfloat16, generator=generator)
+        cache.append(0, [seq], k, torch.randn_like(k))
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return statistics.median(times)
+
+
 def foscar_prefix(scheme, kv_heads, prefix, generator):
     """A one-layer PagedKVCache holding one sequence of ``prefix`` random tokens, and its id."""
     from foscar.cache import PagedKVCache
 
-    cache = PagedKVCache(scheme, 1, kv_heads, num_pages=-(-prefix // 128) + 2, max_seqs=1, max_seq_len=prefix + 8192,
+    # room for the growing-prefix rows' one-token appends
+    cache = PagedKVCache(scheme, 1, kv_heads, num_pages=-(-(prefix + GROWTH) // 128) + 2, max_seqs=1,
+                         max_seq_len=prefix + GROWTH + 8192,
                          sink=SINK, window=WINDOW)
     seq = cache.allocate()
     for start in range(0, prefix, 8192):
@@ -137,7 +160,8 @@ def measure(method: str, prefix: int, chunks, reps: int):
         k_new, v_new = k_all[:, prefix:].contiguous(), v_all[:, prefix:].contiguous()
         bf16 = functools.partial(flashinfer_paged(flashinfer, workspace, k_all, v_all, chunk, q_heads), q)
         del k_all, v_all
-        ragged = flashinfer_ragged(flashinfer, workspace, prefix + chunk, chunk, q_heads, kv_heads, d)
+        # (the cache's prefix: the growing rows of earlier chunk sizes appended a few tokens to it)
+        ragged = flashinfer_ragged(flashinfer, workspace, cache.seq_len(seq) + chunk, chunk, q_heads, kv_heads, d)
 
         def oscar():
             gathered = []
@@ -157,6 +181,10 @@ def measure(method: str, prefix: int, chunks, reps: int):
                          "first_us": first})
             print(f"prefix {prefix} chunk {chunk} {name}: {us:.0f} us (first call {first:.0f}), +{extra:.0f} MiB",
                   flush=True)
+        us = growing_us(cache, seq, foscar, reps, gen)
+        rows.append({"prefix": prefix, "chunk": chunk, "method": "foscar-attend-chunk, growing prefix", "us": us,
+                     "extra_mib": None, "first_us": None})
+        print(f"prefix {prefix}+ chunk {chunk} foscar-attend-chunk, growing prefix: {us:.0f} us", flush=True)
     return rows
 
 
@@ -164,10 +192,13 @@ def table(rows) -> str:
     lines = ["| prefix | chunk | method | us | vs flashinfer-bf16 | extra MiB | first call us |",
              "|---|---|---|---|---|---|---|"]
     base = {(r["prefix"], r["chunk"]): r["us"] for r in rows if r["method"] == "flashinfer-bf16"}
+    def number(x):
+        return "-" if x is None else f"{x:.0f}"
+
     for r in rows:
         lines.append(f"| {r['prefix']} | {r['chunk']} | {r['method']} | {r['us']:.0f} | "
-                     f"{r['us'] / base[r['prefix'], r['chunk']]:.2f}x | {r['extra_mib']:.0f} | "
-                     f"{r.get('first_us', float('nan')):.0f} |")
+                     f"{r['us'] / base[r['prefix'], r['chunk']]:.2f}x | {number(r['extra_mib'])} | "
+                     f"{number(r.get('first_us'))} |")
     return "\n".join(lines)
 
 
@@ -185,6 +216,9 @@ def main(argv=None):
         parser.error(f"--chunks must be 1..8192 tokens each, got {args.chunks!r}")
     if args.prefix < SINK + WINDOW + 256:
         parser.error(f"--prefix must leave packed pages (at least {SINK + WINDOW + 256} tokens), got {args.prefix}")
+    if not 1 <= args.reps * len(chunks) <= GROWTH:
+        parser.error(f"--reps x chunk sizes must lie in 1..{GROWTH} (the growing rows append one token per rep), got "
+                     f"{args.reps} x {len(chunks)}")
     if scheme_of(args.method) is None or args.method.endswith("+sw"):
         parser.error(f"--method: {args.method!r} is not <format>-k<t|c><group>")
     if not torch.cuda.is_available():
