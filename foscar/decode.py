@@ -112,6 +112,10 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
     sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
     if layout is not None and layout not in packed_layouts():
         raise ValueError(f"layout must be None or one of {packed_layouts()}, got {layout!r}")
+    if out is not None:
+        _tensor("out", out, q.dtype, tuple(q.shape), q.device)
+    if lse is not None:
+        _tensor("lse", lse, torch.float32, tuple(q.shape[:-1]), q.device)
     if q.device.type != "cuda":
         raise ValueError(f"q must be a CUDA tensor to run the kernel, got device {q.device}")
     arch = arch_of_device(q.device)
@@ -119,10 +123,6 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
         raise ValueError(f"layout: the cache is packed for {layout!r} but this {arch.name} device reads {arch.layout!r} "
                          f"(quantize with layout={arch.layout!r})")
     arch.can_implement(scheme, page_size)  # a variant the kernel cannot build fails here, before compiling
-    if out is not None:
-        _tensor("out", out, q.dtype, tuple(q.shape), q.device)
-    if lse is not None:
-        _tensor("lse", lse, torch.float32, tuple(q.shape[:-1]), q.device)
     if num_splits is None:
         props = torch.cuda.get_device_properties(q.device)
         num_splits = plan_splits(q.shape[0], k_codes.shape[1], page_table.shape[1] * page_size,

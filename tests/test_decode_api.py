@@ -51,6 +51,13 @@ def _call(args, **change):
         (lambda a: dict(sm_scale=float("nan")), ValueError, "sm_scale"),
         (lambda a: dict(q=None), TypeError, "q must be a torch.Tensor"),
         (lambda a: dict(layout="ampere"), ValueError, "layout must be"),
+        (lambda a: dict(out=torch.empty_like(a["q"])[:, :4]), ValueError, "out must have shape"),
+        (lambda a: dict(out=torch.empty_like(a["q"]).float()), TypeError, "out must have dtype"),
+        (lambda a: dict(lse=torch.empty(a["q"].shape, dtype=torch.float32)), ValueError, "lse must have shape"),
+        (lambda a: dict(q=torch.stack([a["q"]] * 2, 1), out=torch.empty_like(a["q"])), ValueError,
+         "out must have shape"),  # a 4-d q: out takes its shape
+        (lambda a: dict(q=torch.stack([a["q"]] * 2, 1), lse=torch.empty(a["q"].shape[:-1])), ValueError,
+         "lse must have shape"),
     ],
 )
 def test_bad_arguments_are_named(case, change, exc, match):
