@@ -99,6 +99,23 @@ def copies_for(nbytes: int) -> int:
     return max(1, math.ceil(WORKING_SET / max(nbytes, 1)))
 
 
+def event_times(fn, reps: int, before=None) -> list[float]:
+    """Microseconds of ``reps`` eager calls of ``fn()``, each between CUDA events on an idle stream (no warm-up);
+    ``before()``, untimed, precedes each call (e.g. an append that grows the cache)."""
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return times
+
+
 def time_layers(layer_fns, reps: int = 30) -> float:
     """Median microseconds per layer: one CUDA graph runs every layer once; replay it ``reps`` times."""
     stream = torch.cuda.Stream()

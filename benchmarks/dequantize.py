@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from .decode import MODELS, _versions, copies_for, scheme_of, time_layers
+from .decode import MODELS, _versions, copies_for, event_times, scheme_of, time_layers
 from .records import run_meta, write
 
 PAGE = 128  # tokens per page, the cache's default
@@ -40,16 +40,7 @@ PATHS = ("kernel", "kernel-eager", "torch", "bf16-copy")
 def eager_us(fn, reps: int) -> float:
     """Median microseconds of ``fn()`` called from Python between CUDA events, after a warm-up call."""
     fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times)
+    return statistics.median(event_times(fn, reps))
 
 
 def packed_caches(scheme, batch: int, tokens: int, layout: str):

@@ -36,7 +36,7 @@ import sys
 
 import torch
 
-from .decode import MODELS, _versions, import_flashinfer, scheme_of
+from .decode import MODELS, _versions, event_times, import_flashinfer, scheme_of
 from .records import run_meta, write
 
 SINK, WINDOW = 64, 256
@@ -56,14 +56,7 @@ def timed(fn, reps: int):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
+    times = event_times(fn, reps)
     extra = (torch.cuda.max_memory_allocated() - base) / 2**20
     return statistics.median(times), extra, first[0].elapsed_time(first[1]) * 1e3
 
@@ -71,18 +64,12 @@ def timed(fn, reps: int):
 def growing_us(cache, seq, fn, reps: int, generator) -> float:
     """Median microseconds of ``fn()``, each call after appending one random token to ``seq`` (not timed)."""
     kv_heads, d = cache.kv_heads, cache.scheme.head_dim
-    times = []
-    for _ in range(reps):
+
+    def append_one():
         k = torch.randn(1, kv_heads, 1, d, device="cuda", dtype=torch.bfloat16, generator=generator)
         cache.append(0, [seq], k, torch.randn_like(k))
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times)
+
+    return statistics.median(event_times(fn, reps, before=append_one))
 
 
 def foscar_prefix(scheme, kv_heads, prefix, generator):

@@ -75,6 +75,7 @@ from .kernels.dequantize import dequantize_pages
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups
+from .query_rows import launches
 from .scheme import PARAM_DTYPE, Scheme
 from .work_list import CTAS_PER_SM, plan_splits
 
@@ -752,8 +753,8 @@ class PagedKVCache:
         q = self._rotate(q).contiguous()  # the kernels read q densely (a q sliced from a fused QKV is not)
         rows = q.view(q.shape[0], tokens, *q.shape[-2:])
         step = self._tokens_per_launch()
-        parts = [self._attend_tokens(layer, ids, index, rows[:, first:first + step].contiguous(), sm_scale,
-                                     tokens - min(tokens, first + step)) for first in range(0, tokens, step)]
+        parts = [self._attend_tokens(layer, ids, index, rows[:, first:last].contiguous(), sm_scale, later)
+                 for first, last, later in launches(tokens, step)]
         out, lse = (torch.cat(x, dim=1) if len(x) > 1 else x[0] for x in zip(*parts))
         out, lse = out.view(q.shape).to(q.dtype), lse.view(q.shape[:-1])
         return (out, lse) if return_lse else out

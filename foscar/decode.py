@@ -15,6 +15,7 @@ import types
 import torch
 
 from .archs import arch_of_device, get_arch, packed_layouts
+from .query_rows import launches
 from .quantize import QuantizedKV, check_page_size
 from .scheme import PARAM_DTYPE, Scheme
 from .work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, plan_splits
@@ -139,10 +140,9 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
         arch.compile_decode(scheme, page_size, num_splits > 1, launch_tokens)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
-    for first in range(0, tokens, step):
-        last = min(first + step, tokens)
+    for first, last, later in launches(tokens, step):
         o_part, lse_part = arch.run_decode(q[:, first:last].contiguous(), k_codes, k_params, v_codes, v_params,
-                                           page_table, lengths - (tokens - last), sm_scale, scheme, num_splits)
+                                           page_table, lengths - later, sm_scale, scheme, num_splits)
         out[:, first:last] = o_part
         lse[:, first:last] = lse_part
     return (out, lse) if return_lse else out

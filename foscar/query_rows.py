@@ -23,7 +23,7 @@ from cutlass import Int32, Int64
 
 from .device import output_offsets
 
-__all__ = ["QueryRows", "MAX_QUERY_COLUMNS", "KvHead", "Output"]
+__all__ = ["QueryRows", "MAX_QUERY_COLUMNS", "KvHead", "Output", "launches"]
 
 MAX_QUERY_COLUMNS = 16  # gqa x tokens columns a query tile holds (two n8 MMA blocks)
 
@@ -65,6 +65,13 @@ class QueryRows:
         """The causal mask within a tile whose first ``valid`` rows precede the sequence's end: column ``col``
         attends rows ``< row_bound`` (:meth:`sees` shifted to the tile; a padding column past ``R``, ``valid``)."""
         return valid - cutlass.max(self.tokens - 1 - col // self.gqa, 0)
+
+
+def launches(tokens: int, step: int):
+    """``(first, last, later)`` of each launch of ``step`` query tokens that ``tokens`` (the sequences' last ones) are
+    cut into, in order: tokens ``first..last-1`` attend the sequences as they were before their ``later`` last
+    tokens (``lengths - later``), the same causal view a single launch gives them."""
+    return [(first, min(first + step, tokens), tokens - min(first + step, tokens)) for first in range(0, tokens, step)]
 
 
 # Frozen dataclasses, like ``foscar.pipeline``'s bundles: a kernel may call their methods inside runtime loops
