@@ -77,12 +77,14 @@ def check_float64(cache, layer, ids, offsets, before, q, k, v, out, lse):
     rule (``assert_within_the_rule``)."""
     for seq, start, end in zip(ids, offsets, offsets[1:]):
         new_k, new_v = (x[start:end].transpose(0, 1).cpu() for x in (rotated(cache, k), v))
-        if end - start <= cache.max_query_tokens():
+        chunk = end - start > cache.max_query_tokens()
+        if not chunk:
             k_all, v_all = (x.cpu() for x in cache.dense(layer, seq))
         else:
             k_all, v_all = (torch.cat([x.cpu(), y.float()], 1) for x, y in zip(before[seq], (new_k, new_v)))
         assert_within_the_rule(out[start:end], lse[start:end], rotated(cache, q[start:end]).cpu(), k_all, v_all,
-                               SM_SCALE, (seq, end - start))
+                               SM_SCALE, (seq, end - start),
+                               rounded_partials=chunk and cache._dequantized is None)  # foscar.chunk_attention's
 
 
 def run_mixed_step(batched, single, ids, lens, rng, indptr_type):
