@@ -901,9 +901,20 @@ class PagedKVCache:
                                     self.v_params[layer], table, torch.tensor([held], device=self.device),
                                     self.arch.layout)
                 yield tuple(x[0, :, :held].to(dtype) for x in block.dequantize())
-        n_dev = torch.tensor([n], device=self.device)
-        slots = self._valid_slots(n_dev, self._quantized_tokens_dev(n_dev))[0].nonzero()[:, 0]
-        yield self.k_bf16[layer, seq][:, slots], self.v_bf16[layer, seq][:, slots]
+        runs = self._slot_runs(n)
+        if runs:
+            yield tuple(torch.cat([x[layer, seq][:, run] for run in runs], 1) for x in (self.k_bf16, self.v_bf16))
+
+    def _slot_runs(self, n: int) -> list[slice]:
+        """The 16-bit slots that hold tokens of a sequence of ``n`` tokens (``_valid_slots``' on the host), as at most
+        three runs: the sink's, then the ring's from its oldest token, wrapping once. Slices, not an index tensor: no
+        host sync, no copy to the GPU."""
+        recent = max(0, n - self.sink - self.quantized_tokens(n))
+        oldest = self.quantized_tokens(n) % self.ring
+        end = oldest + recent
+        runs = [slice(0, min(self.sink, n)), slice(self.sink + oldest, self.sink + min(end, self.ring)),
+                slice(self.sink, self.sink + max(0, end - self.ring))]
+        return [run for run in runs if run.stop > run.start]
 
     def _chunk_softmax(self, q, k, v, first, cached, plan, sm_scale):
         """fp32 attention of new tokens ``first .. first + l - 1`` (``q [B, l, Hq, D]``, rotated) over the cached

@@ -14,14 +14,13 @@ query rows padded to one of four sizes per octave; the rest (a sequence's last b
 chunk's own tokens; every block of a model whose ``BLOCK_BYTES`` hold fewer than ``CUDNN_TOKENS`` tokens, e.g. 32
 KV heads of head_dim 256) takes FlashAttention-2, which plans nothing.
 
-The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: about two blocks (the next one is
-dequantized while a block's pieces are copied out for the attention), the chunk's query, outputs and its K/V
-repeated per query head, never the whole prefix.
+The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: one block, the partials held for
+a merge (``HELD_BYTES``), the chunk's query, outputs and its K/V repeated per query head, never the whole prefix.
 
 Shapes: a query head ``h`` of KV head ``h // gqa``; for the cached blocks, which every token sees, the ``gqa``
 heads of a KV head fold into the rows of one attention (``[kv_heads, gqa * L, D]``, row ``g * L + t``), so the
 block's K/V are read once per KV head. A chunk too short to fill the GPU with its rows splits a block into
-``pieces`` (a batch of one attention) whose partials merge first.
+``pieces``, strided views of it given to one attention as a batch.
 
 This is the dequantize-then-attend algebra with a bounded working set, not a folded kernel: the values of a block
 are written once and read back. It rounds the dequantized values, and each block's output, to the query's dtype,
@@ -31,7 +30,6 @@ as a BF16 (FP16) PyTorch computation on the same cache rounds its values and P.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +40,7 @@ CUDNN_TOKENS = 8192  # cuDNN attends blocks of a multiple of this many keys: the
 MIN_PIECE = 1024  # tokens: the shortest piece of a block that is its own batch entry
 ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward kernel (head_dim <= 128 on sm_90)
 CTAS_PER_SM = 2  # pieces are added until the grid fills the GPU this many times
+HELD_BYTES = 64 << 20  # FP32 bytes of partial outputs Merged holds before it merges them (its working memory)
 
 
 def fused_attention(q, k, v, sm_scale: float, causal: bool, cudnn: bool = False):
@@ -61,22 +60,48 @@ def fused_attention(q, k, v, sm_scale: float, causal: bool, cudnn: bool = False)
     return out, lse.reshape(out.shape[:-1])
 
 
-@dataclass
 class Merged:
-    """The running merge of partial attentions of the same query rows: ``out`` fp32 ``[..., rows, D]`` and
-    ``lse`` fp32 ``[..., rows]``; every partial attends a non-empty set of tokens (a finite lse)."""
+    """Partial attentions of the same query rows merged by their LSE, in FP32. A partial is a batch ``out
+    [P, *rows, D]`` (any float dtype), ``lse [P, *rows]`` of ``P`` attentions over disjoint tokens, each non-empty
+    (a finite lse). Partials are held and merged together, when they hold ``HELD_BYTES`` and at :meth:`result`:
+    a few torch ops per merge rather than a dozen per partial, since the host's work per op bounds a short chunk
+    (``benchmarks/NOTES.md`` section 26)."""
 
-    out: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
+    def __init__(self):
+        self.out: torch.Tensor | None = None  # fp32 [*rows, D]: the partials merged so far
+        self.lse: torch.Tensor | None = None  # fp32 [*rows]
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._held_bytes = 0
 
     def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        out, lse = out.float(), lse.float()
+        self._held.append((out, lse.float()))
+        self._held_bytes += 4 * out.numel()  # what its weighted FP32 copy takes in the merge
+        if self._held_bytes >= HELD_BYTES:
+            self._merge()
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out fp32 [*rows, D], lse fp32 [*rows])`` of everything added."""
+        if self._held:
+            self._merge()
+        return self.out, self.lse
+
+    def _merge(self) -> None:
+        lse = torch.cat(([] if self.lse is None else [self.lse[None]]) + [lse for _, lse in self._held])
+        total = torch.logsumexp(lse, 0)
+        weights = (lse - total).exp_()[..., None]  # [N, *rows, 1]: each attention's share of the softmax
         if self.out is None:
-            self.out, self.lse = out.clone(), lse  # merged into in place: never the caller's tensor
-            return
-        total = torch.logaddexp(self.lse, lse)
-        self.out.mul_((self.lse - total).exp_()[..., None]).addcmul_(out, (lse - total).exp_()[..., None])
-        self.lse = total
+            first, self.out = 0, torch.zeros(total.shape + self._held[0][0].shape[-1:], device=total.device)
+        else:
+            first = 1
+            self.out.mul_(weights[0])
+        for out, _ in self._held:
+            share = weights[first:first + out.shape[0]]
+            if out.shape[0] == 1:
+                self.out.addcmul_(out[0], share[0])
+            else:
+                self.out.add_((out * share).sum(0))
+            first += out.shape[0]
+        self.lse, self._held, self._held_bytes = total, [], 0
 
 
 @functools.cache
@@ -93,14 +118,13 @@ def _pieces(rows: int, kv_heads: int, tokens: int, device: torch.device) -> int:
     return max(1, min(wanted, tokens // MIN_PIECE))
 
 
-def _cudnn_rows(q_rows, tokens: int) -> int | None:
-    """The padded query rows per KV head with which cuDNN attends a block of ``tokens`` keys, or None (FA2): on a GPU
-    with cuDNN, head_dim 128 and ``tokens`` a multiple of ``CUDNN_TOKENS``, the rows rounded up to four sizes per
+def _cudnn_rows(rows: int, k) -> int | None:
+    """The padded query rows per KV head with which cuDNN attends a block ``k [kv_heads, T, D]``, or None (FA2): on
+    a GPU with cuDNN, head_dim 128 and ``T`` a multiple of ``CUDNN_TOKENS``, ``rows`` rounded up to four sizes per
     octave (at most 25% more rows). The shapes cuDNN sees are then a bounded set, each planned once per process,
     whatever the prefix length and the chunk length."""
-    rows, d = q_rows.shape[1:]
-    if not (q_rows.is_cuda and d == CUDNN_HEAD_DIM and torch.backends.cudnn.is_available()
-            and tokens % CUDNN_TOKENS == 0):
+    if not (k.is_cuda and k.shape[2] == CUDNN_HEAD_DIM and torch.backends.cudnn.is_available()
+            and k.shape[1] % CUDNN_TOKENS == 0):
         return None
     return padded_rows(rows)
 
@@ -112,40 +136,26 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _attend_block(q_rows, k, v, sm_scale: float, merged: Merged) -> None:
-    """Merge the attention of ``q_rows [kv_heads, rows, D]`` over one fully visible block ``k, v [kv_heads, T, D]``."""
-    kv_heads, rows, d = q_rows.shape
-    tokens = k.shape[1]
-    padded = _cudnn_rows(q_rows, tokens)
-    if padded is not None:  # zero rows past ``rows``: attended, then dropped
-        block = Merged()
-        _attend_pieces(torch.nn.functional.pad(q_rows, (0, 0, 0, padded - rows)), k, v, sm_scale, block, cudnn=True)
-        merged.add(block.out[:, :rows], block.lse[:, :rows])
-        return
-    _attend_pieces(q_rows, k, v, sm_scale, merged, cudnn=False)
-
-
-def _attend_pieces(q_rows, k, v, sm_scale: float, merged: Merged, cudnn: bool) -> None:
-    """:func:`_attend_block`'s attention: the block cut into ``_pieces`` (a batch) and the rest."""
-    kv_heads, rows, d = q_rows.shape
-    tokens = k.shape[1]
-    pieces = _pieces(rows, kv_heads, tokens, q_rows.device)
+def _attend_block(queries, rows: int, k, v, sm_scale: float, merged: Merged) -> None:
+    """Merge the attention of the chunk's ``rows`` query rows per KV head (``queries(rows, pieces)``: them as a batch
+    ``[pieces, kv_heads, rows, D]``) over one fully visible block ``k, v [kv_heads, T, D]``: cut into ``_pieces``
+    (views: the fused attention takes the pieces' strides), any rest its own attention."""
+    kv_heads, tokens = k.shape[:2]
+    padded = _cudnn_rows(rows, k)
+    cudnn = padded is not None
+    pieces = _pieces(rows, kv_heads, tokens, k.device)
     if cudnn:  # a power of two divides a block of a multiple of CUDNN_TOKENS: no leftover shape for cuDNN to plan
         pieces = 1 << (pieces.bit_length() - 1)
     span = tokens // pieces
-    if pieces > 1:
-        # (pieces, kv_heads, span, D): piece i holds tokens i*span .. (i+1)*span - 1 of every head
-        k_pieces = k[:, :pieces * span].unflatten(1, (pieces, span)).transpose(0, 1).contiguous()
-        v_pieces = v[:, :pieces * span].unflatten(1, (pieces, span)).transpose(0, 1).contiguous()
-        q_pieces = q_rows.expand(pieces, -1, -1, -1).contiguous()
-        out, lse = fused_attention(q_pieces, k_pieces, v_pieces, sm_scale, causal=False, cudnn=cudnn)
-        total = torch.logsumexp(lse, dim=0)
-        merged.add((out.float() * (lse - total).exp_()[..., None]).sum(0), total)
-    rest = slice(pieces * span, tokens) if pieces > 1 else slice(0, tokens)
-    if rest.stop > rest.start:
-        k_rest, v_rest = (x[None, :, rest].contiguous() for x in (k, v))
-        out, lse = fused_attention(q_rows[None], k_rest, v_rest, sm_scale, causal=False, cudnn=cudnn and pieces == 1)
-        merged.add(out[0], lse[0])
+    # (pieces, kv_heads, span, D): piece i holds tokens i*span .. (i+1)*span - 1 of every head
+    k_pieces, v_pieces = (x[:, :pieces * span].unflatten(1, (pieces, span)).transpose(0, 1) for x in (k, v))
+    out, lse = fused_attention(queries(padded or rows, pieces), k_pieces, v_pieces, sm_scale, causal=False,
+                               cudnn=cudnn)
+    merged.add(out[:, :, :rows], lse[:, :, :rows])  # padded rows (cuDNN's zeros) dropped
+    if pieces * span < tokens:
+        k_rest, v_rest = (x[None, :, pieces * span:] for x in (k, v))
+        out, lse = fused_attention(queries(rows, 1), k_rest, v_rest, sm_scale, causal=False)
+        merged.add(out, lse)
 
 
 def chunk_attention(q, k_new, v_new, blocks, sm_scale: float):
@@ -157,13 +167,20 @@ def chunk_attention(q, k_new, v_new, blocks, sm_scale: float):
     group = q_heads // kv_heads
     q_by_head = q.transpose(0, 1).contiguous()  # [Hq, L, D]
     q_rows = q_by_head.view(kv_heads, group * tokens, d)  # the gqa heads of a KV head as rows g*L + t
+
+    @functools.cache
+    def queries(rows: int, pieces: int):  # [pieces, kv_heads, rows, D]: q_rows, zero rows past the chunk's
+        padded = torch.nn.functional.pad(q_rows, (0, 0, 0, rows - group * tokens))
+        return padded.expand(pieces, -1, -1, -1).contiguous()
+
     merged = Merged()
     for k, v in blocks:
         if k.shape[1]:
-            _attend_block(q_rows, k, v, sm_scale, merged)
+            _attend_block(queries, group * tokens, k, v, sm_scale, merged)
         del k, v  # before the next block is dequantized
     own_k, own_v = (x.repeat_interleave(group, dim=0)[None] for x in (k_new, v_new))  # [1, Hq, L, D]
     out, lse = fused_attention(q_by_head[None], own_k, own_v, sm_scale, causal=True)
-    merged.add(out[0].reshape(kv_heads, group * tokens, d), lse[0].reshape(kv_heads, group * tokens))
-    out = merged.out.reshape(q_heads, tokens, d).transpose(0, 1).to(q.dtype)
-    return out, merged.lse.reshape(q_heads, tokens).transpose(0, 1).contiguous()
+    merged.add(out.reshape(1, kv_heads, group * tokens, d), lse.reshape(1, kv_heads, group * tokens))
+    out, lse = merged.result()
+    return (out.reshape(q_heads, tokens, d).transpose(0, 1).to(q.dtype),
+            lse.reshape(q_heads, tokens).transpose(0, 1).contiguous())

@@ -395,3 +395,15 @@ def test_truncate_then_decode_on_a_kernel_cache(scheme, rng):
             cache.append(0, [0], k[:, :, t:t + 1], v[:, :, t:t + 1])
     for x, y in zip(cut.dense(0, 0), fresh.dense(0, 0)):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("sink, window", [(16, 128), (0, 128), (5, 256)])
+def test_slot_runs_are_the_valid_slots_as_slices(sink, window):
+    """``_slot_runs(n)`` (the chunk path's 16-bit slots, slices with no host sync) covers exactly the slots
+    ``_valid_slots`` marks for every length, each once, through flushes and the ring's wrap."""
+    cache = make_cache(sink=sink, window=window)
+    for n in range(0, 1400, 7):
+        n_dev = torch.tensor([n])
+        valid = cache._valid_slots(n_dev, cache._quantized_tokens_dev(n_dev))[0].nonzero()[:, 0].tolist()
+        covered = [j for run in cache._slot_runs(n) for j in range(run.start, run.stop)]
+        assert sorted(covered) == valid, n

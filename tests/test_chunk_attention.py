@@ -51,9 +51,27 @@ def test_merging_partials_equals_one_softmax(rng):
     merged = Merged()
     for a, b in ((0, 20), (20, 21), (21, 50)):
         lse = torch.logsumexp(scores[:, a:b], -1)
-        merged.add(torch.softmax(scores[:, a:b], -1) @ values[a:b], lse)
-    assert torch.allclose(merged.out.double(), torch.softmax(scores, -1) @ values, atol=1e-6)
-    assert torch.allclose(merged.lse.double(), torch.logsumexp(scores, -1), atol=1e-6)
+        merged.add((torch.softmax(scores[:, a:b], -1) @ values[a:b])[None], lse[None])
+    out, lse = merged.result()
+    assert torch.allclose(out.double(), torch.softmax(scores, -1) @ values, atol=1e-6)
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("held_bytes", [1, 10**9])
+def test_merging_batches_of_partials_in_any_grouping_equals_one_softmax(held_bytes, rng, monkeypatch):
+    """Partials given as batches (pieces) and merged as they come (``HELD_BYTES`` = 1) or all at the end give the
+    softmax over all keys."""
+    monkeypatch.setattr(chunk_attention, "HELD_BYTES", held_bytes)
+    scores = torch.randn(2, 3, 60, generator=rng, dtype=torch.float64) * 4
+    values = torch.randn(60, 8, generator=rng, dtype=torch.float64)
+    merged = Merged()
+    for cuts in ([0, 10, 25], [25, 26], [26, 40, 50, 60]):  # a batch of len(cuts) - 1 attentions
+        parts = [(torch.softmax(scores[..., a:b], -1) @ values[a:b], torch.logsumexp(scores[..., a:b], -1))
+                 for a, b in zip(cuts, cuts[1:])]
+        merged.add(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]))
+    out, lse = merged.result()
+    assert torch.allclose(out.double(), torch.softmax(scores, -1) @ values, atol=1e-6)
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-6)
 
 
 @settings(max_examples=25, deadline=None)
@@ -98,7 +116,7 @@ def test_padded_rows_are_four_sizes_per_octave_at_most_a_quarter_more():
 def test_padded_query_rows_are_attended_then_dropped(rng, monkeypatch):
     """The cuDNN path's padding (zero query rows past the chunk's) on the CPU's flash kernel: the same attention."""
     kv_heads, group, d, tokens = 2, 3, 64, 7  # 21 rows per KV head -> 24
-    monkeypatch.setattr(chunk_attention, "_cudnn_rows", lambda q_rows, length: padded_rows(q_rows.shape[1]))
+    monkeypatch.setattr(chunk_attention, "_cudnn_rows", lambda rows, k: padded_rows(rows))
     rows_seen = []
     fused = chunk_attention.fused_attention
     monkeypatch.setattr(chunk_attention, "fused_attention", lambda q, k, v, s, causal, cudnn=False:
