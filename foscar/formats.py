@@ -10,6 +10,11 @@ lie (the group axis and size are the fold case's, ``foscar.folds``):
   code into an MMA operand value ``a*c + b``, or an :class:`Unsupported` reason, which
   ``foscar.archs.Arch.can_implement`` reports before anything compiles.
 
+What the kernels implement bounds what a format may say: each arch's decode kernel builds one construction per
+width (:func:`kernel_construction`), and every kernel (decode, dequantize, append) computes ``scale * code +
+offset``. A format that names another construction or dequantizes otherwise (:func:`affine_mismatch`) is refused
+before compiling, with the reason; its host path (quantize, references) still runs.
+
 A format is registered under its name (:func:`register_format`); ``Scheme.make(format=...)``,
 ``k_format=`` / ``v_format=`` take a registered name or any instance, and every consumer (quantize,
 append, dequantize, cache pools, decode validation, the references and both arch kernels) reads the
@@ -40,7 +45,7 @@ import torch
 
 __all__ = ["Format", "MinMaxFormat", "Int2", "Int4", "INT2", "INT4", "Unsupported", "Construction", "FORMATS",
            "register_format", "as_format", "int_widths", "hopper_fp16", "BLACKWELL_FP4",
-           "BLACKWELL_FP8", "PARAM_DTYPE", "PACKABLE_BITS"]
+           "BLACKWELL_FP8", "PARAM_DTYPE", "PACKABLE_BITS", "kernel_construction", "affine_mismatch"]
 
 
 PARAM_DTYPE = torch.float16  # scale and offset storage: 4 bytes per group, as in the byte arithmetic
@@ -91,6 +96,42 @@ def hopper_fp16(bits: int) -> Construction:
 BLACKWELL_FP4 = Construction("fp4e2m1-c/2", "float4_e2m1fn", Fraction(1, 2), Fraction(0))
 BLACKWELL_FP8 = Construction("fp8e4m3-c/512", "float8_e4m3fn", Fraction(1, 512), Fraction(0))
 BLACKWELL_UNSIGNED = {2: BLACKWELL_FP4, 4: BLACKWELL_FP8}
+
+
+def kernel_construction(arch: str, bits: int) -> Construction | None:
+    """The construction ``arch``'s decode kernel builds from ``bits``-bit codes (None: it builds none). The kernels
+    implement exactly this one per width: a format whose :meth:`Format.construction` names another is refused
+    before compiling (``foscar.launch.KernelSet.can_implement``), never folded with the wrong ``a`` and ``b``."""
+    if arch == HOPPER_ARCH:
+        return hopper_fp16(bits)
+    if arch == BLACKWELL_ARCH:
+        return BLACKWELL_UNSIGNED.get(bits)
+    return None
+
+
+@functools.cache
+def affine_mismatch(fmt: "Format") -> str | None:
+    """Where ``fmt.dequantize`` is not ``scale * code + offset``, the value every kernel computes (the decode
+    folds, the dequantize and append kernels): a one-line reason naming a code where they differ; None where
+    they agree on every code (float64 probe with a few scales and offsets, relative tolerance 1e-6)."""
+    codes = torch.arange(fmt.levels, dtype=torch.float64)[:, None]
+    scale = torch.tensor([[0.0, 0.5, -1.25, 3.0e-3]], dtype=torch.float64)
+    offset = torch.tensor([[1.0, -2.5, 0.75, 0.0]], dtype=torch.float64)
+    want = codes * scale + offset
+    try:
+        got = torch.as_tensor(fmt.dequantize(codes, scale, offset), dtype=torch.float64)
+    except Exception as err:  # noqa: BLE001 - any failure of user code is the reason
+        return f"{fmt.name}.dequantize(codes, scale, offset) raised {type(err).__name__}: {err}"
+    bad = ~torch.isclose(got.expand_as(want), want, rtol=1e-6, atol=1e-9) if got.shape in (want.shape, ()) else None
+    if bad is None:
+        return f"{fmt.name}.dequantize returned shape {tuple(got.shape)} for codes/scale/offset broadcasting to " \
+               f"{tuple(want.shape)}"
+    if bad.any():
+        c, g = (int(i) for i in bad.nonzero()[0])
+        return (f"the kernels dequantize scale * code + offset, {fmt.name}.dequantize does not (code {c}, scale "
+                f"{float(scale[0, g])}, offset {float(offset[0, g])}: {float(got.expand_as(want)[c, g])}, kernels "
+                f"{float(want[c, g])})")
+    return None
 
 
 class Format(abc.ABC):
@@ -194,13 +235,12 @@ class MinMaxFormat(Format):
         return codes * scale + offset
 
     def construction(self, arch):
-        if arch == HOPPER_ARCH:
-            return hopper_fp16(self.bits)
+        built = kernel_construction(arch, self.bits)
+        if built is not None:
+            return built
         if arch == BLACKWELL_ARCH:
-            if self.bits not in BLACKWELL_UNSIGNED:
-                raise Unsupported(f"{self.name}: the sm_100a kernel's tcgen05 kind::f8f6f4 MMA holds codes of at "
-                                  f"most 4 bits exactly (FP4 E2M1, FP8 E4M3), not {self.bits}-bit codes")
-            return BLACKWELL_UNSIGNED[self.bits]
+            raise Unsupported(f"{self.name}: the sm_100a kernel's tcgen05 kind::f8f6f4 MMA holds codes of at "
+                              f"most 4 bits exactly (FP4 E2M1, FP8 E4M3), not {self.bits}-bit codes")
         raise Unsupported(f"{self.name}: no operand construction for arch {arch!r}")
 
 

@@ -35,7 +35,7 @@ from .jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
 from .kernels.combine import combine_splits
 from .kernels.quantize import granule_of
 from .kernels.sink_window import check_sink_window, sink_window_attend, window_ctas
-from .formats import Unsupported
+from .formats import Unsupported, affine_mismatch, kernel_construction
 from .query_rows import MAX_QUERY_COLUMNS
 from .scheme import Axis, Scheme
 from .work_list import MAX_SPLITS, grid_ctas
@@ -99,9 +99,17 @@ class KernelSet:
                              f"1..{self.max_gqa_ratio} query heads per KV head")
         for name, quant in (("k", scheme.k), ("v", scheme.v)):
             try:
-                quant.format.construction(self.arch)
+                construction = quant.format.construction(self.arch)
             except Unsupported as err:
                 raise Unsupported(f"Scheme.{name}.format: {err}") from None
+            built = kernel_construction(self.arch, quant.bits)
+            if construction != built:
+                raise Unsupported(f"Scheme.{name}.format: {quant.format.name} asks for {construction.name} operands; "
+                                  f"the {self.arch} kernel builds {built.name if built else 'none'} from "
+                                  f"{quant.bits}-bit codes")
+            mismatch = affine_mismatch(quant.format)
+            if mismatch:
+                raise Unsupported(f"Scheme.{name}.format: {mismatch}")
             if quant.group < self.min_group:
                 raise ValueError(f"Scheme.{name}.group={quant.group}: the {self.arch} kernel needs groups of at "
                                  f"least {self.min_group}")

@@ -6,6 +6,7 @@ one-launch decode against float64 (fresh random inputs, poisoned outputs, every 
 coverage matrix takes them through the registry (foscar.testing.coverage_matrix)."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from user_formats import INT8, Int8
 
 from foscar import Scheme
 from foscar.archs import BLACKWELL, HOPPER
-from foscar.formats import FORMATS, Format, MinMaxFormat, register_format
+from foscar.formats import FORMATS, Construction, Format, MinMaxFormat, Unsupported, affine_mismatch, register_format
 from foscar.quantize import dequantize_groups, quantize_groups, quantize_kv
 from foscar.reference import attend_dequantized, attend_folded
 from foscar.scheme import HOPPER_FP16, TensorQuant
@@ -88,6 +89,62 @@ def test_blackwell_refuses_8_bit_codes_before_compiling(scheme):
     with pytest.raises(ValueError, match="Scheme.k.format"):
         scheme.plan("sm_100a")
     assert compile_count() == before
+
+
+class CentredInt4(MinMaxFormat):
+    """Asks the Hopper kernel for operands ``c/16 - 1/2``: a construction that kernel does not build."""
+
+    name, bits = "centred4", 4
+
+    def construction(self, arch):
+        if arch == "sm_90a":
+            return Construction("fp16-c/16-1/2", "float16", Fraction(1, 16), Fraction(-1, 2))
+        return super().construction(arch)
+
+
+class CubedInt4(MinMaxFormat):
+    """Dequantizes ``scale * (code - 8)^3 + offset``: not the affine value the kernels compute."""
+
+    name, bits = "cubed4", 4
+
+    def dequantize(self, codes, scale, offset):
+        return (codes - 8) ** 3 * scale + offset
+
+
+def _scheme_of(fmt):
+    return Scheme.make(format=fmt, k="token", k_group=128, v="token", v_group=128, head_dim=128, gqa_ratio=4)
+
+
+def test_a_construction_the_kernel_does_not_build_is_refused_before_compiling():
+    """A format may only name the construction an arch's kernel builds from its width: another one would be folded
+    with the wrong a and b and give wrong values silently. Blackwell, whose construction it keeps, takes it."""
+    from foscar.jit import compile_count
+
+    before = compile_count()
+    with pytest.raises(Unsupported) as err:
+        HOPPER.can_implement(_scheme_of(CentredInt4()), 128)
+    assert str(err.value) == ("Scheme.k.format: centred4 asks for fp16-c/16-1/2 operands; the sm_90a kernel builds "
+                              "fp16-c/16 from 4-bit codes")
+    BLACKWELL.can_implement(_scheme_of(CentredInt4()), 128)
+    assert compile_count() == before
+
+
+def test_a_dequantize_that_is_not_affine_is_refused_by_every_kernel():
+    """Every kernel computes scale * code + offset; a format that means something else is refused (decode on both
+    arches, the dequantize and append kernels), naming a code where the two differ. Affine formats pass."""
+    from foscar.kernels.dequantize import DequantizeConfig
+    from foscar.kernels.quantize import QuantizeConfig
+
+    scheme = _scheme_of(CubedInt4())
+    assert "cubed4.dequantize does not (code 0, scale 0.5, offset -2.5: -258.5, kernels -2.5)" in affine_mismatch(
+        CubedInt4())
+    for arch in (HOPPER, BLACKWELL):
+        with pytest.raises(Unsupported, match=r"^Scheme\.k\.format: the kernels dequantize scale \* code \+ offset"):
+            arch.can_implement(scheme, 128)
+    for config in (DequantizeConfig, QuantizeConfig):
+        with pytest.raises(ValueError, match=r"^Scheme\.v\.format: the kernels dequantize"):
+            config.of(scheme, "v")
+    assert all(affine_mismatch(fmt) is None for fmt in FORMATS.values())
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)

@@ -44,6 +44,7 @@ import cutlass.cute as cute
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
 from ..layouts.blackwell import bw_tile_position
 from ..layouts.fragment import TILE_TOKENS, TileGeometry, tile_position
+from ..formats import affine_mismatch
 from ..scheme import Axis, Scheme, params_shape
 
 __all__ = ["DequantizeConfig", "Dequantize", "TilePlan", "tile_plan", "POSITIONS", "compile_dequantize",
@@ -90,6 +91,9 @@ class DequantizeConfig:
         if not isinstance(scheme_or_config, Scheme) or role not in ("k", "v"):
             raise TypeError("pass a DequantizeConfig, or a Scheme and role='k' or 'v'")
         quant = scheme_or_config.k if role == "k" else scheme_or_config.v
+        mismatch = affine_mismatch(quant.format)
+        if mismatch:
+            raise ValueError(f"Scheme.{role}.format: {mismatch}")
         return cls(quant.bits, scheme_or_config.head_dim, role, quant.axis, quant.group, dtype, layout)
 
     @property

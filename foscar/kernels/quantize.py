@@ -47,7 +47,7 @@ import cutlass.cute as cute
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
 from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
-from ..formats import MinMaxFormat
+from ..formats import MinMaxFormat, affine_mismatch
 from ..scheme import Axis, Scheme, params_shape
 
 __all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "bw_word_code_coords", "WORD_CODE_COORDS",
@@ -142,6 +142,9 @@ class QuantizeConfig:
         if not isinstance(quant.format, MinMaxFormat):
             raise ValueError(f"Scheme.{role}.format: the append kernel rounds as foscar.formats.MinMaxFormat does; "
                              f"{quant.format.name} is not a MinMaxFormat")
+        mismatch = affine_mismatch(quant.format)
+        if mismatch:
+            raise ValueError(f"Scheme.{role}.format: {mismatch}")
         src = str(scheme.q_dtype).removeprefix("torch.")
         return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src, layout)
 
