@@ -25,12 +25,12 @@ entries point at, so every page index a kernel may read is valid. BF16 parts
 owns a list of page indices, used at the same index in every layer's pool.
 
 Decode (:meth:`PagedKVCache.attend`) is one launch on Hopper (two for head_dim 256 with channel-wise K groups
-of 256 tokens, whose window tiles do not fit the ring: ``foscar.hopper.fused.fuses_window``) and no torch op
+of 256 tokens, whose window tiles do not fit the ring: ``foscar.hopper.cache_decode.fuses_window``) and no torch op
 but the optional rotation of q (``Arch.run_cache_decode``): the FOSCAR kernel over the quantized pages and the
 16-bit sink + window slots, reading this cache's page table, lengths and 16-bit slots in place, the slots as
 16-slot tiles of the same ring (each read once per KV head), each sequence cut into parts by its length on the
 device (``foscar.work_list``: a long sequence among short ones gets more CTAs, no host sync), the parts merged
-by log-sum-exp in the same launch (``foscar.hopper.fused``; the pages are packed in the bit order of the
+by log-sum-exp in the same launch (``foscar.hopper.cache_decode``; the pages are packed in the bit order of the
 cache's arch, ``foscar.archs``; the GPU path -- append kernel and cache decode -- is Hopper's, and a cache
 whose arch lacks it says so when built). Blackwell's (compile-verified) is two launches: the quantized splits,
 then ``foscar.kernels.sink_window``, which attends the 16-bit part and merges. Append (:meth:`append`) of one

@@ -12,7 +12,7 @@ Barriers of stage ``s`` (``full[s]``, ``empty[s]``):
   complete the transaction bytes. Consumers wait on its phase parity. (Hopper's cache decode, whose
   stages may instead hold a 16-bit window tile copied by 32 lanes' ``cp.async``, counts 32 arrivals:
   each lane's ``cp.async.mbarrier.arrive.noinc``, or a packed tile's producer arriving for all 32;
-  ``foscar.hopper.fused``.)
+  ``foscar.hopper.cache_decode``.)
 * ``empty[s]``: arrival count = the threads that read stage ``s`` (Hopper: the one warp that owns
   the tile; Blackwell: the two warpgroups that read it). Each arrives after its last shared-memory
   read; the producer waits before overwriting the stage. A fresh barrier counts as completed for

@@ -1,6 +1,6 @@
 """The 16-bit sink + window slots of ``foscar.cache.PagedKVCache`` as Tensor Core operands, 16 slots
 at a time: what both of their consumers share, the Hopper cache-decode kernel (window tiles in its
-ring, ``foscar.hopper.fused``) and the separate window kernel (``foscar.kernels.sink_window``).
+ring, ``foscar.hopper.cache_decode``) and the separate window kernel (``foscar.kernels.sink_window``).
 
 Swap-AB ``mma.sync.m16n8k16`` in the window's 16-bit type (BF16 or FP16), FP32 accumulate
 (``foscar.hopper.mma.WarpMma``), per block of 16 slots:

@@ -363,7 +363,7 @@ CACHE_VARIANTS = [VARIANTS[i] for i in (0, 2, 3, 9, 12, 18)]  # both bit widths 
 @pytest.mark.sass
 @pytest.mark.parametrize("variant", CACHE_VARIANTS, ids=[_ids(v) for v in CACHE_VARIANTS])
 def test_cache_decode_compiles_for_sm100a(variant):
-    """PagedKVCache's decode launch on Blackwell (foscar.blackwell.fused): the decode CTA's roles
+    """PagedKVCache's decode launch on Blackwell (foscar.blackwell.cache_decode): the decode CTA's roles
     unchanged (the same MMAs, bulk copies and commits as the split-output decode kernel), the
     sequence read in place (64-bit loads of its row and token count), no spills. Compile-verified
     only: no Blackwell GPU runs it here."""

@@ -1,4 +1,4 @@
-"""The cache decode (foscar.hopper.fused: packed tiles, the 16-bit sink/window tiles and the split merge in
+"""The cache decode (foscar.hopper.cache_decode: packed tiles, the 16-bit sink/window tiles and the split merge in
 one launch, or two where the window tiles do not fit the ring; and foscar.kernels.sink_window, the
 Blackwell path's window launch) against the float64
 attention over what the cache holds (``PagedKVCache.dense``), every element, tolerance 2x a BF16 torch computation's error.

@@ -131,12 +131,12 @@ def test_every_ring_stage_belongs_to_one_consumer_warp():
 
 
 def test_every_cache_variant_gets_a_ring():
-    """PagedKVCache's decode config (foscar/hopper/fused.py) for every variant the kernel takes over
+    """PagedKVCache's decode config (foscar/hopper/cache_decode.py) for every variant the kernel takes over
     head_dim x K axis and group x GQA at the page sizes a group allows: its ring keeps the one-owner rule
     and fits; the window tiles share it everywhere but head_dim 256 with channel-wise K groups of 256
     tokens (a warp's run of 4 window-sized stages, 16 in all, exceeds shared memory), which is two launches."""
     from foscar.archs import HOPPER
-    from foscar.hopper.fused import cache_decode_config, fuses_window
+    from foscar.hopper.cache_decode import cache_decode_config, fuses_window
     from foscar.hopper.kernel import default_consumers
 
     two_launch = []
@@ -203,7 +203,7 @@ CACHE_VARIANTS = [  # (scheme, page size): the cache decode's window tiles over 
 @pytest.mark.sass
 @pytest.mark.parametrize("scheme,page_size", CACHE_VARIANTS, ids=[f"{s.name}-p{p}" for s, p in CACHE_VARIANTS])
 def test_cache_decode_fuses_window_tiles(scheme, page_size):
-    """PagedKVCache's decode (foscar/hopper/fused.py) is one launch: the packed tiles' bulk copies and
+    """PagedKVCache's decode (foscar/hopper/cache_decode.py) is one launch: the packed tiles' bulk copies and
     FP16 MMAs, and the 16-bit window tiles through the same ring -- cp.async copies of 16 slots' K and
     V rows per producer lane's share, each lane arriving by cp.async.mbarrier.arrive.noinc, and D/16 MMAs
     each for S^T and O^T in the window's type per n8 block -- then the in-launch merge (the counting

@@ -1,12 +1,12 @@
 """The Blackwell decode kernels as the shared host path (``foscar.launch``) takes them: the decode kernel
-(``foscar.blackwell.kernel``) and the cache decode (``foscar.blackwell.fused``: the quantized splits'
+(``foscar.blackwell.kernel``) and the cache decode (``foscar.blackwell.cache_decode``: the quantized splits'
 partials, then the window kernel, ``foscar.kernels.sink_window``). The pages must be in the Blackwell word
 order (``foscar.layouts.blackwell``). Compiles on any machine; never run here (no Blackwell GPU)."""
 
 from __future__ import annotations
 
 from ..launch import KernelSet
-from .fused import BlackwellCacheDecodeKernel
+from .cache_decode import BlackwellCacheDecodeKernel
 from .kernel import BlackwellConfig, BlackwellDecodeKernel
 
 __all__ = ["BlackwellKernels", "KERNELS"]

@@ -1,6 +1,6 @@
 """The Hopper decode kernels as the shared host path (``foscar.launch``) takes them: the decode kernel
-(``foscar.hopper.kernel``) and the cache decode (``foscar.hopper.fused``: one launch whose work list fills
-the GPU, or, where :func:`~foscar.hopper.fused.fuses_window` says no, the quantized splits' partials, then
+(``foscar.hopper.kernel``) and the cache decode (``foscar.hopper.cache_decode``: one launch whose work list fills
+the GPU, or, where :func:`~foscar.hopper.cache_decode.fuses_window` says no, the quantized splits' partials, then
 the window kernel), compiled with ``consumers`` consumer warpgroups per CTA (``default_consumers(scheme,
 tokens)`` unless a benchmark asks for another count; part of the compile key)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..launch import KernelSet
 from ..scheme import Scheme
-from .fused import HopperCacheDecodeKernel, cache_decode_config, fuses_window
+from .cache_decode import HopperCacheDecodeKernel, cache_decode_config, fuses_window
 from .kernel import DecodeConfig, HopperDecodeKernel, default_consumers
 
 __all__ = ["HopperKernels", "KERNELS"]

@@ -45,7 +45,7 @@ Structure: warp-specialized. Warpgroup 0 is the producer: lane 0 of each of its 
 4th tile of the CTA and issues 1-D bulk copies (``cp.async.bulk``, TMA engine) of the tile's K
 codes, V codes, K params and V params into a ``STAGES``-deep shared-memory ring guarded by
 mbarriers (foscar/pipeline.py; the cache decode's 16-bit window tiles, before them, are copied by
-all 32 lanes of each producer warp: foscar.hopper.fused);
+all 32 lanes of each producer warp: foscar.hopper.cache_decode);
 the page-table entries come in 32 at a time, one per lane of the producer warp.
 Warpgroups 1..NC hold NW = 4*NC consumer warps: warp w takes runs w, w+NW, ... of TPG
 consecutive tiles (TPG = G/64 for channel-wise K groups of G >= 128 tokens, so the scaled Q^T is
@@ -209,7 +209,7 @@ class DecodeConfig:
         self.STAGE_WORDS = self.V_PARAMS + self.VPW
         self.TILE_BYTES = 4 * self.STAGE_WORDS  # what a packed tile's copies bring
         # a stage may instead hold a window tile (``window``: foscar.window_tiles.WindowOperands of the
-        # 16-bit sink + window slots, foscar.hopper.fused): BLOCK slots' padded K rows | V rows
+        # 16-bit sink + window slots, foscar.hopper.cache_decode): BLOCK slots' padded K rows | V rows
         self.window = window
         # arrivals that complete a stage's fill: the producer's one (its bulk copies complete the bytes),
         # or, with window tiles, one per producer lane (a window tile's lanes arrive when their cp.async
@@ -373,7 +373,7 @@ class HopperDecodeKernel:
                 ring_first=None):
         """Producer warp ``pw``'s tiles of ``tiles``, from ``head``'s pages into the ring. ``ring_first``:
         the local tile (ring position) of the first packed tile, when other tiles come first
-        (``foscar.hopper.fused``); else 0."""
+        (``foscar.hopper.cache_decode``); else 0."""
         cfg = self.cfg
         P = PRODUCER_WARPS
         SUB = cfg.SUB
@@ -433,7 +433,7 @@ class HopperDecodeKernel:
     def attend_tiles(self, mma: WarpMma, warp: Int32, ring: Ring, q_ptr: cute.Pointer, head: KvHead, tiles: TileSpan,
                      scale_log2: Float32, window=None):
         """Consumer warp ``warp``'s tiles of ``tiles`` (``window``'s, if given, before the packed ones:
-        ``foscar.hopper.fused``); then every warp's (O, m, l) in the merge area over the ring, which this
+        ``foscar.hopper.cache_decode``); then every warp's (O, m, l) in the merge area over the ring, which this
         returns."""
         cfg = self.cfg
         qv = self.load_query(mma, q_ptr, head)
