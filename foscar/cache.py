@@ -74,7 +74,7 @@ from .chunk_attention import CUDNN_TOKENS, chunk_attention
 from .kernels.dequantize import dequantize_pages
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
-from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups
+from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups, stack_params
 from .query_rows import launches
 from .scheme import PARAM_DTYPE, Scheme
 from .work_list import CTAS_PER_SM, plan_splits
@@ -282,10 +282,10 @@ class PagedKVCache:
     def _planned_bytes(self) -> dict[str, int]:
         """Bytes of each part the constructor allocates (all layers), by the arguments that size it."""
         layers, heads, d, ps = self.num_layers, self.kv_heads, self.scheme.head_dim, self.page_size
-        page = 0  # one page of one layer and KV head: K and V codes and (scale, offset) params
+        page = 0  # one page of one layer and KV head: K and V codes and fp16 params
         for role, quant in (("k", self.scheme.k), ("v", self.scheme.v)):
             rows, cols = quant.params_shape(ps, d)
-            page += ps // TILE_TOKENS * TileGeometry(role, quant.bits, d).words * 4 + rows * cols * 2 * 2
+            page += ps // TILE_TOKENS * TileGeometry(role, quant.bits, d).words * 4 + rows * cols * quant.param_fields * 2
         rows = self.max_seqs + self.max_seqs % 2
         return {
             "the page pool (num_pages)": layers * (self.num_pages + 1) * heads * page,
@@ -300,8 +300,8 @@ class PagedKVCache:
         words = TileGeometry(role, quant.bits, d).words
         codes = torch.zeros(self.num_layers, pool, self.kv_heads, ps // TILE_TOKENS, words, dtype=torch.int32,
                             device=self.device)
-        params = torch.zeros(self.num_layers, pool, self.kv_heads, *quant.params_shape(ps, d), 2, dtype=PARAM_DTYPE,
-                             device=self.device)
+        params = torch.zeros(self.num_layers, pool, self.kv_heads, *quant.params_shape(ps, d), quant.param_fields,
+                             dtype=PARAM_DTYPE, device=self.device)
         return codes, params
 
     # ------------------------------------------------------------------ sizes and accounting
@@ -715,7 +715,7 @@ class PagedKVCache:
         codes[page[:, None], :, tiles] = words.transpose(1, 2)
         first = quant.params_shape(slot.long(), d)[0]  # the granule's first params row
         rows = first[:, None] + torch.arange(quant.params_shape(t, d)[0], device=src.device)[None, :]
-        params[page[:, None], :, rows] = torch.stack([scale, offset], dim=-1).transpose(1, 2)
+        params[page[:, None], :, rows] = stack_params(scale, offset, quant).transpose(1, 2)
         tokens = (page * self.page_size + slot.long())[:, None] + torch.arange(t, device=src.device)[None, :]
         values = dequantize_groups(c, scale, offset, quant)  # [N, kvh, T, D]
         self._dequantized[role][layer].index_copy_(1, tokens.reshape(-1), values.transpose(0, 1).reshape(kvh, n * t, d))

@@ -78,7 +78,7 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
         tile_words = 64 * dim * quant.bits // 32  # K and V may differ in width
         _tensor(name, t, torch.int32, (num_pages, kv_heads, page_size // 64, tile_words), device)
     for name, t, quant in (("k_params", k_params, scheme.k), ("v_params", v_params, scheme.v)):
-        _tensor(name, t, PARAM_DTYPE, (num_pages, kv_heads, *quant.params_shape(page_size, dim), 2), device)
+        _tensor(name, t, PARAM_DTYPE, (num_pages, kv_heads, *quant.params_shape(page_size, dim), quant.param_fields), device)
     _tensor("page_table", page_table, torch.int32, (batch, "max_pages"), device)
     _tensor("lengths", lengths, torch.int32, (batch,), device)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -111,9 +111,13 @@ def kernel_construction(arch: str, bits: int) -> Construction | None:
 
 @functools.cache
 def affine_mismatch(fmt: "Format") -> str | None:
-    """Where ``fmt.dequantize`` is not ``scale * code + offset``, the value every kernel computes (the decode
-    folds, the dequantize and append kernels): a one-line reason naming a code where they differ; None where
-    they agree on every code (float64 probe with a few scales and offsets, relative tolerance 1e-6)."""
+    """Where ``fmt`` is not what every kernel computes (the decode folds, the dequantize and append kernels):
+    ``scale * code + offset`` from a (scale, offset) pair per group. A one-line reason (scale-only params, or a
+    code where ``fmt.dequantize`` differs); None where they agree on every code (float64 probe with a few scales
+    and offsets, relative tolerance 1e-6)."""
+    if fmt.param_fields != 2:
+        return (f"{fmt.name} stores its scale only (param_fields={fmt.param_fields}); the kernels read (scale, "
+                "offset) pairs")
     codes = torch.arange(fmt.levels, dtype=torch.float64)[:, None]
     scale = torch.tensor([[0.0, 0.5, -1.25, 3.0e-3]], dtype=torch.float64)
     offset = torch.tensor([[1.0, -2.5, 0.75, 0.0]], dtype=torch.float64)
@@ -141,6 +145,9 @@ class Format(abc.ABC):
 
     name: ClassVar[str] = ""
     bits: ClassVar[int] = 0
+    # fp16 params stored per group: 2 = (scale, offset); 1 = the scale only (``quantize`` returns offset None and
+    # ``dequantize`` receives None: half the params bytes; host paths only, the kernels read pairs)
+    param_fields: ClassVar[int] = 2
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -154,6 +161,9 @@ class Format(abc.ABC):
         if type(cls.bits) is not int or cls.bits not in PACKABLE_BITS:
             raise TypeError(f"format {cls.__name__}: bits must be one of {PACKABLE_BITS} (codes per packed word), "
                             f"got {cls.bits!r}")
+        if cls.param_fields not in (1, 2):
+            raise TypeError(f"format {cls.__name__}: param_fields must be 1 (scale) or 2 (scale, offset), got "
+                            f"{cls.param_fields!r}")
         if not isinstance(cls.name, str) or not cls.name.replace("-", "").replace("_", "").isalnum():
             raise TypeError(f"format {cls.__name__}: name must be a short identifier, got {cls.name!r}")
 
@@ -166,11 +176,13 @@ class Format(abc.ABC):
     def quantize(self, grouped: torch.Tensor, mask: torch.Tensor, name: str):
         """``(codes, scale, offset)`` of float32 ``grouped [..., a, gl, b, gd]`` (one group = gl x gd
         elements, ``mask`` the valid ones): codes float32 integers of ``grouped``'s shape (0 where
-        invalid), scale and offset fp16 ``[..., a, 1, b, 1]``. ``name`` ("k", "v") for errors."""
+        invalid), scale and offset fp16 ``[..., a, 1, b, 1]`` (offset None where ``param_fields`` is 1).
+        ``name`` ("k", "v") for errors."""
 
     @abc.abstractmethod
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """The values ``codes`` stand for, given their groups' ``scale`` and ``offset`` (broadcast)."""
+        """The values ``codes`` stand for, given their groups' ``scale`` and ``offset`` (broadcast; None where
+        ``param_fields`` is 1)."""
 
     # ------------------------------------------------------------------ per arch
     @abc.abstractmethod

@@ -23,7 +23,8 @@ import torch
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .scheme import Axis, Scheme, TensorQuant
 
-__all__ = ["PAGE_SIZES", "QuantizedKV", "quantize_groups", "dequantize_groups", "quantize_kv", "smallest_page_size"]
+__all__ = ["PAGE_SIZES", "QuantizedKV", "quantize_groups", "dequantize_groups", "quantize_kv", "smallest_page_size",
+           "stack_params", "split_params"]
 
 PAGE_SIZES = (64, 128, 256)
 
@@ -69,7 +70,17 @@ def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | N
     codes, scale, offset = quant.format.quantize(quant.grouped(xf), quant.grouped(mask), name)
     codes = codes.to(torch.uint8).reshape(x.shape)
     pshape = (*x.shape[:-2], *quant.params_shape(length, dim))
-    return codes, scale.reshape(pshape), offset.reshape(pshape)
+    return codes, scale.reshape(pshape), None if offset is None else offset.reshape(pshape)
+
+
+def stack_params(scale, offset, quant: TensorQuant):
+    """The stored params ``[..., param_fields]`` of ``scale`` and ``offset`` (None for a scale-only format)."""
+    return torch.stack([scale] if quant.param_fields == 1 else [scale, offset], dim=-1)
+
+
+def split_params(params, quant: TensorQuant):
+    """``(scale, offset)`` of stored params ``[..., param_fields]`` (offset None for a scale-only format)."""
+    return params[..., 0], (params[..., 1] if quant.param_fields == 2 else None)
 
 
 def dequantize_groups(codes, scale, offset, quant: TensorQuant, dtype=torch.float32):
@@ -77,12 +88,15 @@ def dequantize_groups(codes, scale, offset, quant: TensorQuant, dtype=torch.floa
     if codes.dim() < 2:
         raise ValueError(f"codes must have shape [..., tokens, channels], got {tuple(codes.shape)}")
     want = (*codes.shape[:-2], *quant.params_shape(*codes.shape[-2:]))
+    if (offset is None) != (quant.param_fields == 1):
+        raise ValueError(f"offset must be None exactly for a scale-only format ({quant.format.name}: param_fields="
+                         f"{quant.param_fields}), got {'None' if offset is None else 'a tensor'}")
     for name, t in (("scale", scale), ("offset", offset)):
-        if tuple(t.shape) != want:
+        if t is not None and tuple(t.shape) != want:
             raise ValueError(f"{name} must have shape {list(want)} for codes {list(codes.shape)} and {quant}, got {list(t.shape)}")
     grouped = quant.grouped(codes.to(dtype))
     # params [..., rows, cols] broadcast over the group's two in-group modes
-    s, z = (t.to(dtype)[..., :, None, :, None] for t in (scale, offset))
+    s, z = (None if t is None else t.to(dtype)[..., :, None, :, None] for t in (scale, offset))
     return quant.format.dequantize(grouped, s, z).reshape(codes.shape)
 
 
@@ -125,9 +139,9 @@ class QuantizedKV:
         d = self.scheme.head_dim
         tiles = PACKERS[self.layout][1](codes[table], geom)  # [batch, max_pages, kvh, tiles, 64, D]
         tiles = tiles.permute(0, 2, 1, 3, 4, 5).reshape(batch, self.kv_heads, self.max_tokens, d)
-        p = params[table].movedim(2, 1)  # [batch, kvh, max_pages, rows, cols, 2]
-        p = p.reshape(batch, self.kv_heads, max_pages * p.shape[3], p.shape[4], 2)
-        return tiles, p[..., 0], p[..., 1], quant
+        p = params[table].movedim(2, 1)  # [batch, kvh, max_pages, rows, cols, param_fields]
+        p = p.reshape(batch, self.kv_heads, max_pages * p.shape[3], p.shape[4], quant.param_fields)
+        return tiles, *split_params(p, quant), quant
 
     def dequantize(self, dtype=torch.float32):
         """Dense ``(k, v)`` ``[batch, kv_heads, max_tokens, D]``; tokens past a length are zero."""
@@ -216,9 +230,9 @@ def quantize_kv(k, v, scheme: Scheme, page_size: int | None = None, lengths=None
         geom = TileGeometry(role, quant.bits, dim)
         tiles = codes.reshape(batch, kv_heads, max_pages, page_size // TILE_TOKENS, TILE_TOKENS, dim)
         words = PACKERS[layout][0](tiles, geom).permute(0, 2, 1, 3, 4)  # [batch, max_pages, kvh, tiles, words]
-        params = torch.stack([scale, offset], dim=-1)  # [batch, kvh, rows, cols, 2]
+        params = stack_params(scale, offset, quant)  # [batch, kvh, rows, cols, param_fields]
         rows_per_page = params.shape[2] // max_pages
-        params = params.reshape(batch, kv_heads, max_pages, rows_per_page, params.shape[3], 2).permute(0, 2, 1, 3, 4, 5)
+        params = params.reshape(batch, kv_heads, max_pages, rows_per_page, *params.shape[3:]).permute(0, 2, 1, 3, 4, 5)
         fields[f"{role}_codes"] = words.reshape(batch * max_pages, kv_heads, *words.shape[3:]).contiguous()
         fields[f"{role}_params"] = params.reshape(batch * max_pages, kv_heads, *params.shape[3:]).contiguous()
     page_table = torch.arange(batch * max_pages, dtype=torch.int32, device=k.device).reshape(batch, max_pages)

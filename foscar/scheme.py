@@ -86,8 +86,14 @@ class TensorQuant:
         return self.format.levels
 
     def params_shape(self, tokens: int, dim: int) -> tuple[int, int]:
-        """Rows x pairs of the (scale, offset) params of ``tokens`` x ``dim`` values (:func:`params_shape`)."""
+        """Rows x groups of the params of ``tokens`` x ``dim`` values (:func:`params_shape`); each group stores
+        ``param_fields`` fp16 values, the params tensors' last dim."""
         return params_shape(self.axis, self.group, tokens, dim)
+
+    @property
+    def param_fields(self) -> int:
+        """fp16 params per group: 2 (scale, offset) or 1 (scale; ``Format.param_fields``)."""
+        return self.format.param_fields
 
     def grouped(self, x):
         """View ``x [..., L, D]`` as ``[..., groups_l, gl, groups_d, gd]`` (one group = gl x gd)."""
@@ -232,5 +238,6 @@ class Scheme:
         return FoldingPlan(self, arch, *cases)
 
     def bytes_per_element(self) -> float:
-        """Bytes read per cached K or V element: codes plus the fp16 (scale, offset) share."""
-        return (self.k.bits + self.v.bits) / 16 + (4 / self.k.group + 4 / self.v.group) / 2
+        """Bytes read per cached K or V element: codes plus the fp16 params' share."""
+        params = 2 * self.k.param_fields / self.k.group + 2 * self.v.param_fields / self.v.group
+        return (self.k.bits + self.v.bits) / 16 + params / 2
