@@ -45,7 +45,8 @@ HELD_BYTES = 64 << 20  # FP32 bytes of partial outputs Merged holds before it me
 
 def fused_attention(q, k, v, sm_scale: float, causal: bool, cudnn: bool = False):
     """``(out [B, H, L, D] in q's dtype, lse [B, H, L] fp32, natural log of the scaled scores)`` of
-    ``q [B, H, L, D]`` over ``k, v [B, H, T, D]`` (same heads, contiguous).
+    ``q [B, H, L, D]`` over ``k, v [B, H, T, D]`` (same heads; the last dim contiguous, other strides free: a
+    block's pieces come as strided views).
 
     On a GPU, FlashAttention-2, or with ``cudnn`` cuDNN's fused attention, which measured about twice as fast at
     head_dim 128 where compute-bound (``benchmarks/NOTES.md`` section 22) but plans each new shape once (the
@@ -80,7 +81,8 @@ class Merged:
             self._merge()
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out fp32 [*rows, D], lse fp32 [*rows])`` of everything added."""
+        """``(out fp32 [*rows, D], lse fp32 [*rows])`` of everything added (the merged state itself: a later
+        :meth:`add` changes it in place)."""
         if self._held:
             self._merge()
         return self.out, self.lse
@@ -90,7 +92,8 @@ class Merged:
         total = torch.logsumexp(lse, 0)
         weights = (lse - total).exp_()[..., None]  # [N, *rows, 1]: each attention's share of the softmax
         if self.out is None:
-            first, self.out = 0, torch.zeros(total.shape + self._held[0][0].shape[-1:], device=total.device)
+            first = 0
+            self.out = torch.zeros(total.shape + self._held[0][0].shape[-1:], dtype=torch.float32, device=total.device)
         else:
             first = 1
             self.out.mul_(weights[0])
@@ -143,7 +146,7 @@ def _attend_block(queries, rows: int, k, v, sm_scale: float, merged: Merged) -> 
     kv_heads, tokens = k.shape[:2]
     padded = _cudnn_rows(rows, k)
     cudnn = padded is not None
-    pieces = _pieces(rows, kv_heads, tokens, k.device)
+    pieces = _pieces(padded or rows, kv_heads, tokens, k.device)
     if cudnn:  # a power of two divides a block of a multiple of CUDNN_TOKENS: no leftover shape for cuDNN to plan
         pieces = 1 << (pieces.bit_length() - 1)
     span = tokens // pieces
@@ -170,6 +173,8 @@ def chunk_attention(q, k_new, v_new, blocks, sm_scale: float):
 
     @functools.cache
     def queries(rows: int, pieces: int):  # [pieces, kv_heads, rows, D]: q_rows, zero rows past the chunk's
+        if rows == group * tokens and pieces == 1:
+            return q_rows[None]
         padded = torch.nn.functional.pad(q_rows, (0, 0, 0, rows - group * tokens))
         return padded.expand(pieces, -1, -1, -1).contiguous()
 
@@ -178,6 +183,7 @@ def chunk_attention(q, k_new, v_new, blocks, sm_scale: float):
         if k.shape[1]:
             _attend_block(queries, group * tokens, k, v, sm_scale, merged)
         del k, v  # before the next block is dequantized
+    queries.cache_clear()
     own_k, own_v = (x.repeat_interleave(group, dim=0)[None] for x in (k_new, v_new))  # [1, Hq, L, D]
     out, lse = fused_attention(q_by_head[None], own_k, own_v, sm_scale, causal=True)
     merged.add(out.reshape(1, kv_heads, group * tokens, d), lse.reshape(1, kv_heads, group * tokens))

@@ -118,9 +118,10 @@ def affine_mismatch(fmt: "Format") -> str | None:
     if fmt.param_fields != 2:
         return (f"{fmt.name} stores its scale only (param_fields={fmt.param_fields}); the kernels read (scale, "
                 "offset) pairs")
-    codes = torch.arange(fmt.levels, dtype=torch.float64)[:, None]
-    scale = torch.tensor([[0.0, 0.5, -1.25, 3.0e-3]], dtype=torch.float64)
-    offset = torch.tensor([[1.0, -2.5, 0.75, 0.0]], dtype=torch.float64)
+    # grouped shapes [a, gl, b, gd] (Format.quantize's): a = one code per row, b = four groups; params exact in fp16
+    codes = torch.arange(fmt.levels, dtype=torch.float64)[:, None, None, None].expand(-1, 1, 4, 1)
+    scale = torch.tensor([0.0, 0.5, -1.25, 2.0**-9], dtype=torch.float64)[None, None, :, None]
+    offset = torch.tensor([1.0, -2.5, 0.75, 0.0], dtype=torch.float64)[None, None, :, None]
     want = codes * scale + offset
     try:
         got = torch.as_tensor(fmt.dequantize(codes, scale, offset), dtype=torch.float64)
@@ -131,10 +132,10 @@ def affine_mismatch(fmt: "Format") -> str | None:
         return f"{fmt.name}.dequantize returned shape {tuple(got.shape)} for codes/scale/offset broadcasting to " \
                f"{tuple(want.shape)}"
     if bad.any():
-        c, g = (int(i) for i in bad.nonzero()[0])
+        c, _, g, _ = (int(i) for i in bad.nonzero()[0])
         return (f"the kernels dequantize scale * code + offset, {fmt.name}.dequantize does not (code {c}, scale "
-                f"{float(scale[0, g])}, offset {float(offset[0, g])}: {float(got.expand_as(want)[c, g])}, kernels "
-                f"{float(want[c, g])})")
+                f"{float(scale[0, 0, g, 0])}, offset {float(offset[0, 0, g, 0])}: "
+                f"{float(got.expand_as(want)[c, 0, g, 0])}, kernels {float(want[c, 0, g, 0])})")
     return None
 
 
