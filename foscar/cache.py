@@ -77,7 +77,8 @@ from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups, stack_params
 from .query_rows import launches
 from .scheme import PARAM_DTYPE, Scheme
-from .work_list import CTAS_PER_SM, plan_splits
+from .split_merge import counter_words
+from .work_list import CTAS_PER_SM, MAX_SPLITS, plan_splits
 
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
 
@@ -268,9 +269,9 @@ class PagedKVCache:
         self._index_cache: dict[tuple, torch.Tensor] = {}  # device index of each batch of seq_ids (insertion order)
         self._captured_ids: set[tuple] = set()  # batches a captured graph reads: their indexes stay
         self._plan: tuple[tuple, _AttendPlan] | None = None  # the last torch-path attend's (key, plan)
-        # the attend launch's per-(sequence, KV head) completion counters (foscar.split_merge):
+        # the attend launch's per-(sequence, KV head) and per-group completion counters (foscar.split_merge):
         # zero between launches, shared by the layers (their launches are ordered on the stream)
-        self._counters = torch.zeros(max_seqs * kv_heads, dtype=torch.int32, device=dev)
+        self._counters = torch.zeros(counter_words(max_seqs * kv_heads, MAX_SPLITS), dtype=torch.int32, device=dev)
         self._heads = torch.arange(kv_heads, device=dev)
         self._granule_steps = torch.arange(granule, device=dev)
         self._page_steps = torch.arange(page_size, device=dev)
@@ -292,7 +293,7 @@ class PagedKVCache:
             "the 16-bit sink + window (max_seqs, sink, window)": 2 * layers * self.max_seqs * heads *
                                                                  (self.sink + self.ring) * d * 2,
             "the page table (max_seqs x max_seq_len)": self.max_seqs * self.max_pages * 4,
-            "lengths and counters (max_seqs)": layers * rows * 8 + self.max_seqs * heads * 4,
+            "lengths and counters (max_seqs)": layers * rows * 8 + counter_words(self.max_seqs * heads, MAX_SPLITS) * 4,
         }
 
     def _pool(self, role, quant, pool):

@@ -38,6 +38,7 @@ from .kernels.sink_window import check_sink_window, sink_window_attend, window_c
 from .formats import Unsupported, affine_mismatch, kernel_construction
 from .query_rows import MAX_QUERY_COLUMNS
 from .scheme import Axis, Scheme
+from .split_merge import counter_words
 from .work_list import MAX_SPLITS, grid_ctas
 
 __all__ = ["KernelSet", "POINTERS", "SCALARS", "decode_args"]
@@ -267,8 +268,8 @@ class KernelSet:
 
 def _check_cache_launch(num_splits: int, counters, heads: int, budget: int):
     """A cache decode's launch values (raises a ValueError naming the argument): ``num_splits``, the
-    CTA ``budget`` of a work list (``foscar.work_list``) and the completion ``counters`` (int32, one
-    per (sequence, KV head): ``heads`` of them)."""
+    CTA ``budget`` of a work list (``foscar.work_list``) and the completion ``counters`` (int32: one
+    per (sequence, KV head), ``heads`` of them, then the merge's group counters: ``split_merge.counter_words``)."""
     if heads < 1:
         raise ValueError(f"batch must hold at least one sequence (batch * kv_heads = {heads})")
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -276,6 +277,7 @@ def _check_cache_launch(num_splits: int, counters, heads: int, budget: int):
     if type(budget) is not int or not 1 <= budget <= 1 << 16:
         raise ValueError(f"budget must be an int in [1, 65536] (CTAs of a wave: PagedKVCache.cta_budget), "
                          f"got {budget!r}")
-    if counters.dtype != torch.int32 or counters.numel() < heads:
-        raise ValueError(f"counters: need int32 with >= batch * kv_heads = {heads} elements, got "
-                         f"{counters.dtype} with {counters.numel()}")
+    need = counter_words(heads, MAX_SPLITS)
+    if counters.dtype != torch.int32 or counters.numel() < need:
+        raise ValueError(f"counters: need int32 with >= {need} elements (split_merge.counter_words of batch * "
+                         f"kv_heads = {heads}), got {counters.dtype} with {counters.numel()}")

@@ -8,6 +8,13 @@ the final output (the exact merge of ``foscar.kernels.combine``) and sets the co
 the next launch (or CUDA-graph replay) finds it zeroed. No combine launch, no host sync: the
 counters are a persistent workspace zeroed once when allocated.
 
+Work-list partials (:meth:`SplitMerge.merge_items`) merge in two levels past ``TWO_LEVELS_PAST`` parts: the last
+CTA of each group of ``GROUP`` consecutive parts merges its group into the group's first partial (fp32, in place),
+and the last group's merging CTA merges the groups. One CTA alone reading 64 partials (256 KB at 8 query rows x 128
+channels) reads in 8 rounds of loads; two levels read in 1 + 1 but pay a second fence, count and lse round
+(benchmarks/NOTES.md section 28: 1.2-1.6 us faster at 64 parts, 2 us slower at 16). The group counters follow the
+(sequence, KV head) counters: :func:`counter_words` sizes the workspace.
+
 Memory ordering (PTX memory model, the "last block" pattern of the CUDA reduction samples):
 every thread fences (gpu scope) after its partial stores, the CTA's threads meet at a barrier,
 one thread does the counting atomic (acq_rel, gpu scope); the last CTA's threads fence again
@@ -24,11 +31,19 @@ from cutlass.pipeline import NamedBarrier
 from .device import NEG_INF, at, fsel, store
 from .softmax import lse_weight, merged_lse
 
-__all__ = ["SplitMerge", "PartialSum", "VEC", "BATCH"]
+__all__ = ["SplitMerge", "PartialSum", "VEC", "BATCH", "GROUP", "TWO_LEVELS_PAST", "counter_words"]
 
 
 VEC = 4  # fp32 channels a thread loads at once (16 bytes)
 BATCH = 8  # partials a thread loads before it uses the first
+GROUP = 8  # work-list parts one first-level merge takes (one BATCH of loads per thread)
+TWO_LEVELS_PAST = 2 * GROUP  # parts up to this merge in one level (see the module docstring)
+
+
+def counter_words(heads: int, max_parts: int) -> int:
+    """Int32 completion counters for ``heads`` (sequence, KV head)s of at most ``max_parts`` parts each: one per
+    (sequence, KV head), then ``ceil(max_parts / GROUP)`` group counters each."""
+    return heads * (1 + -(-max_parts // GROUP))
 
 
 class PartialSum:
@@ -62,8 +77,9 @@ class SplitMerge:
     barrier ``barrier_id``: ``arrive`` (am I last?) and ``merge`` (the R query columns x D channels of one
     (sequence, KV head), ``query``: ``foscar.query_rows.QueryRows``, from any number of partials)."""
 
-    def __init__(self, head_dim: int, query, threads: int, barrier_id: int, out_dtype):
+    def __init__(self, head_dim: int, query, threads: int, barrier_id: int, out_dtype, max_parts: int = GROUP):
         rows = query.R
+        self.groups_per_head = -(-max_parts // GROUP)  # group counters per (sequence, KV head): counter_words
         self.D, self.R, self.query = head_dim, rows, query
         self.threads = threads
         self.warps = threads // 32
@@ -107,23 +123,52 @@ class SplitMerge:
                                  cute.make_layout((cols, total, D), stride=((total * D, token_rows * D), D, 1))),
                 cute.make_tensor(lse_part + row0 * total, cute.make_layout((cols, total), stride=((total, token_rows), 1))))
 
-    def item_major(self, o_part: cute.Pointer, lse_part: cute.Pointer, item0: Int32, total: Int32):
+    def item_major(self, o_part: cute.Pointer, lse_part: cute.Pointer, item0: Int32, total: Int32, step: int = 1):
         """The same for partials held per work item (``foscar.work_list``): ``o [items, R, D]``,
-        ``lse [items, R]``, this (sequence, KV head)'s ``total`` items from ``item0`` on."""
+        ``lse [items, R]``, ``total`` items ``item0, item0 + step, ...``."""
         D, R = self.D, self.R
         first = item0.to(Int64) * R
-        return (cute.make_tensor(o_part + first * D, cute.make_ordered_layout((R, total, D), (1, 2, 0))),
-                cute.make_tensor(lse_part + first, cute.make_ordered_layout((R, total), (0, 1))))
+        if cutlass.const_expr(step == 1):
+            return (cute.make_tensor(o_part + first * D, cute.make_ordered_layout((R, total, D), (1, 2, 0))),
+                    cute.make_tensor(lse_part + first, cute.make_ordered_layout((R, total), (0, 1))))
+        return (cute.make_tensor(o_part + first * D, cute.make_layout((R, total, D), stride=(D, step * R * D, 1))),
+                cute.make_tensor(lse_part + first, cute.make_layout((R, total), stride=(1, step * R))))
+
+    @cute.jit
+    def merge_items(self, scratch: cute.Pointer, flag: cute.Pointer, counters: cute.Pointer, heads: Int32,
+                    head: Int32, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer, lse: cute.Pointer,
+                    item0: Int32, part: Int32, parts: Int32, row0, kv_heads: Int32, tc: Int32):
+        """After this CTA wrote work item ``item0 + part``'s partial: count it, and merge where it was the last
+        (see the module docstring). ``head``: the (sequence, KV head)'s index of ``heads`` (its counter;
+        its group counters follow all ``heads`` counters); the rest as :meth:`merge`."""
+        if parts <= TWO_LEVELS_PAST:
+            if self.arrive(counters + head, flag, parts, tc):
+                self.merge(scratch, lambda: self.item_major(o_part, lse_part, item0, parts), out, lse, row0, kv_heads,
+                           parts, tc)
+        else:
+            group, groups = part // GROUP, (parts + GROUP - 1) // GROUP
+            first = item0 + group * GROUP
+            members = cutlass.min(parts - group * GROUP, GROUP)
+            group_counter = counters + (heads + head * self.groups_per_head + group)
+            if self.arrive(group_counter, flag, members, tc):
+                at0 = first.to(Int64) * self.R
+                self.merge(scratch, lambda: self.item_major(o_part, lse_part, first, members), o_part + at0 * self.D,
+                           lse_part + at0, Int64(0), kv_heads, members, tc, partial=True)
+                if self.arrive(counters + head, flag, groups, tc):
+                    self.merge(scratch, lambda: self.item_major(o_part, lse_part, item0, groups, GROUP), out, lse,
+                               row0, kv_heads, groups, tc)
 
     @cute.jit
     def merge(self, scratch: cute.Pointer, partials, out: cute.Pointer, lse: cute.Pointer, row0, kv_heads: Int32,
-              total: Int32, tc: Int32):
+              total: Int32, tc: Int32, partial: bool = False):
         """Column ``r``'s ``out[row, d]`` (``out_dtype``) and ``lse[row]`` (``row = row0 + query.offset(r,
         kv_heads)``, ``row0`` Int64: column 0's) from the ``total`` partials of the R columns:
         ``partials()`` gives them as ``o_rows (R, total, D)``,
         ``lse_rows (R, total)`` (:meth:`row_major`, :meth:`item_major`), built after the acquire fence.
         Two rounds: each row's max lse and weight sum (a warp per row, its lanes over the partials),
-        then 4 output channels per thread (``PartialSum``: a batch of partials' loads in flight)."""
+        then 4 output channels per thread (``PartialSum``: a batch of partials' loads in flight).
+        ``partial``: write a work item's fp32 partial instead (``out [R, D]``, ``lse [R]``), which may be one of
+        the partials read: each thread rewrites only the channels it read, and the lses once all are read."""
         cute.arch.fence_acq_rel_gpu()  # acquire: the other CTAs' partials, not stale lines
         D, R = self.D, self.R
         w = cute.make_tensor(cute.recast_ptr(scratch, dtype=Float32), cute.make_layout((self.scratch_words,)))
@@ -155,13 +200,19 @@ class SplitMerge:
                                         total)
             weights = w[self.L + r]
             inv = fsel(weights > Float32(0.0), cute.arch.rcp_approx(weights), Float32(0.0))
-            result = cute.make_rmem_tensor((VEC,), self.out_dtype)
-            result.store((acc.load() * inv).to(self.out_dtype))
-            if cutlass.const_expr(self.query.tokens == 1):
+            out_dtype = Float32 if cutlass.const_expr(partial) else self.out_dtype
+            result = cute.make_rmem_tensor((VEC,), out_dtype)
+            result.store((acc.load() * inv).to(out_dtype))
+            if cutlass.const_expr(partial or self.query.tokens == 1):
                 # ((VEC), (R * D / VEC))
                 cute.autovec_copy(result, cute.zipped_divide(out_rows, (VEC,))[None, unit])
             else:  # the column's row: (VEC,) at channel VEC * vec
                 dst = out + cute.assume((row0 + offset(r, kv_heads)) * D + vec * VEC, divby=VEC)
                 cute.autovec_copy(result, cute.make_tensor(dst, cute.make_layout((VEC,))))
-            if vec == 0:
-                store(lse, row0 + offset(r, kv_heads), merged_lse(w[self.M + r], weights))
+            if cutlass.const_expr(not partial):
+                if vec == 0:
+                    store(lse, row0 + offset(r, kv_heads), merged_lse(w[self.M + r], weights))
+        if cutlass.const_expr(partial):
+            self._barrier()  # every thread has read the lses
+            for r in cutlass.range(tc, R, self.threads, unroll=1):
+                store(lse, r, merged_lse(w[self.M + r], w[self.L + r]))

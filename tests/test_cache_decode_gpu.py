@@ -132,6 +132,42 @@ def test_one_launch_decode_batch_wider_than_the_block(budget, rng):
     assert not cache._counters.any()
 
 
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_one_launch_decode_merges_many_parts_in_two_levels(kv_heads, rng):
+    """Sequences cut into 3 to 64 parts: in one level up to split_merge.TWO_LEVELS_PAST (9, 13), in two past it
+    (35: a last group of 3; 64: 8 full groups: the groups' last CTAs merge their groups in place, then the last
+    group's merges the groups): against float64, every element; every counter, the group counters too, left zero."""
+    from foscar.split_merge import GROUP, TWO_LEVELS_PAST
+
+    scheme, page_size = Scheme.make(2, "token", 128, "token", 128, 128, 4), 128
+    lengths = [64 * 256 + SINK + WINDOW + 300, 9 * 256 + SINK + WINDOW, 13 * 256 + SINK + WINDOW + 77,
+               3 * 256 + SINK + WINDOW, 35 * 256 + SINK + WINDOW + 5]
+    cache = PagedKVCache(scheme, 1, kv_heads, num_pages=sum(-(-n // page_size) for n in lengths) + 4,
+                         max_seqs=len(lengths), max_seq_len=max(lengths), page_size=page_size, sink=SINK,
+                         window=WINDOW, device="cuda")
+    cache.cta_budget = 1000  # each sequence up to its cap: quantized tokens / 256 parts, at most 64
+    caps = [cache.quantized_tokens(n) // 256 for n in lengths]
+    assert max(caps) >= 8 * GROUP and any(GROUP < c <= TWO_LEVELS_PAST for c in caps)
+    assert any(c > TWO_LEVELS_PAST and c % GROUP for c in caps)
+    ids = [cache.allocate() for _ in lengths]
+    d, dtype = scheme.head_dim, scheme.q_dtype
+    for seq, n in zip(ids, lengths):
+        k = torch.randn(1, kv_heads, n, d, generator=rng) + 2 * torch.randn(d, generator=rng)
+        cache.append(0, [seq], k.to("cuda", dtype), torch.randn(1, kv_heads, n, d, generator=rng).to("cuda", dtype))
+    order = ids[::-1]
+    q = torch.randn(len(order), kv_heads * scheme.gqa_ratio, d, generator=rng).to("cuda", dtype)
+    poison_attend_buffers(cache, len(order), q, False)
+    for _ in range(2):  # the counters left zero serve the next launch
+        out, lse = cache.attend(0, order, q, sm_scale=d**-0.5, return_lse=True)
+        torch.cuda.synchronize()
+        ref, ref_lse, low = reference(cache, 0, order, q, d**-0.5, dtype)
+        tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
+        err = float((out.double() - ref).abs().max())
+        assert math.isfinite(err) and err <= tol, (err, tol)
+        assert float((lse.double() - ref_lse).abs().max()) <= max(tol, 1e-3)
+        assert not cache._counters.any()
+
+
 @pytest.mark.parametrize("budget", [1, 5, 132])
 @pytest.mark.parametrize("case", [0, 3, 7], ids=lambda i: CASES[i][0].name)
 def test_one_launch_decode_batch_of_one(case, budget, rng):

@@ -10,6 +10,8 @@ import foscar.launch
 from foscar import Scheme
 from foscar.archs import ARCHS, BLACKWELL, HOPPER
 from foscar.launch import decode_args
+from foscar.split_merge import counter_words
+from foscar.work_list import MAX_SPLITS
 
 # the kernels' parameter names that differ from the host's argument names
 HOST_NAMES = {"q_ptr": "q", "kc_ptr": "k_codes", "kp_ptr": "k_params", "vc_ptr": "v_codes", "vp_ptr": "v_params",
@@ -51,9 +53,9 @@ def test_cache_launch_values_are_checked_before_compiling(monkeypatch, arch, sch
     q = torch.zeros(2, kv_heads * scheme.gqa_ratio, d, dtype=torch.bfloat16)
     k_codes = torch.zeros(1, kv_heads, page_size // 64, 8, dtype=torch.int32)  # [pages, kv_heads, tiles, words]
     window = torch.zeros(4, kv_heads, 448, d, dtype=torch.bfloat16)
-    counters = torch.zeros(8, dtype=torch.int32)
+    counters = torch.zeros(counter_words(4, MAX_SPLITS), dtype=torch.int32)
     cases = [(dict(num_splits=0), "num_splits must be in"), (dict(num_splits=65), "num_splits must be in"),
-             (dict(counters=counters[:3]), r"counters: need int32 with >= batch \* kv_heads = 4"),
+             (dict(counters=counters[:-1]), r"counters: need int32 with >= 36 elements .*batch \* kv_heads = 4"),
              (dict(counters=counters.float()), "counters: need int32"),
              (dict(budget=0), "budget must be an int in"), (dict(budget=2.0), "budget must be an int in"),
              (dict(q=q[:0]), "batch must hold at least one sequence")]

@@ -92,7 +92,8 @@ class CacheLayer:
     lse_part: cute.Pointer
     out: cute.Pointer  # [B, Hq, D] q dtype
     lse: cute.Pointer  # fp32 [B, Hq]
-    counters: cute.Pointer  # int32 [>= B * kv_heads], zero (left zero)
+    counters: cute.Pointer  # int32 [>= split_merge.counter_words(B * kv_heads, MAX_SPLITS)], zero (left zero)
+    heads: Int32  # B * kv_heads: the (sequence, KV head) counters before the group counters
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         self.work = WorkList(cfg.threads, MAX_SPLITS)
         self.tile_units = max(1, cfg.TILE_BYTES // 256)  # a packed tile's work (WorkList units: 256 bytes)
         self.tiles_per_part = MIN_TOKENS_PER_SPLIT // TILE_TOKENS
-        self.merger = SplitMerge(cfg.D, cfg.rows, cfg.NW * 32, HopperDecodeBarrier.CONSUMERS, cfg.q_dtype)
+        self.merger = SplitMerge(cfg.D, cfg.rows, cfg.NW * 32, HopperDecodeBarrier.CONSUMERS, cfg.q_dtype, MAX_SPLITS)
 
     def cache_storage(self):
         if self.cfg.window is None:  # two launches: the window kernel merges
@@ -245,7 +246,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         lse_part: cute.Pointer,  # fp32 one launch: [grid_ctas, R]; two: [B, Hq, parts]
         out: cute.Pointer,  # [B, Hq, D] q dtype
         lse: cute.Pointer,  # fp32 [B, Hq]
-        counters: cute.Pointer,  # int32 [>= B * kv_heads], zero (left zero)
+        counters: cute.Pointer,  # int32 [>= split_merge.counter_words(B * kv_heads, MAX_SPLITS)], zero (left zero)
         batch: Int32,
         kv_heads: Int32,
         max_pages: Int32,
@@ -287,7 +288,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         stage_ring = self.ring_of(storage)  # (``ring``: the window's slots)
         self.init_ring_barriers(stage_ring, tidx)
         layer = CacheLayer(q_ptr, PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages), k_win, v_win, o_part,
-                           lse_part, out, lse, counters)
+                           lse_part, out, lse, counters, batch * kv_heads)
         slots = WindowSlots(sink, ring, window)
         if cutlass.const_expr(cfg.window is None):  # two launches: the grid is (split, KV head, sequence)
             split, h, b = cute.arch.block_idx()
@@ -367,9 +368,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         else:
             self.merge_and_store(merge, Output(layer.o_part, layer.lse_part, True, part.part, part.n_parts,
                                                part.out_index), head, tc)
-            if self.merger.arrive(layer.counters + (head.b * head.kv_heads + head.h), storage.last.data_ptr(),
-                                  part.n_parts, tc):
-                partials = lambda: self.merger.item_major(layer.o_part, layer.lse_part, part.item0,  # noqa: E731
-                                                          part.n_parts)
-                self.merger.merge(storage.merge_scratch.data_ptr(), partials, layer.out, layer.lse, q_row0,
-                                  head.kv_heads, part.n_parts, tc)
+            self.merger.merge_items(storage.merge_scratch.data_ptr(), storage.last.data_ptr(), layer.counters,
+                                    layer.heads, head.b * head.kv_heads + head.h, layer.o_part, layer.lse_part,
+                                    layer.out, layer.lse, part.item0, part.part, part.n_parts, q_row0, head.kv_heads,
+                                    tc)
