@@ -179,9 +179,9 @@ class FoldCase:
         return self.tile_rows * self.per_row * self.param_fields // 2
 
     def param_element(self, group, words: int = 0):
-        """fp16 element of the first param of the tile's ``group``-th group in params starting ``words`` int32 words
-        into an area (host ints or device ints; the same expression as before scale-only formats where the params
-        hold pairs)."""
+        """fp16 element of the first param of the ``group``-th group of params that start ``words`` int32 words into
+        an area (host or device ints). Pairs keep the expression the kernels always traced, so their code is
+        unchanged."""
         if self.param_fields == 2:
             return 2 * (words + group) if words else group * 2
         return 2 * words + group if words else group

@@ -195,7 +195,7 @@ def append_mismatch(fmt: Format) -> str | None:
         return (f"{fmt.name} declares no append_rule (foscar.formats.AppendRule): the append kernel quantizes on the "
                 "device by that rule")
     gen = torch.Generator().manual_seed(0)
-    grouped = torch.randn(6, 16, 4, 8, generator=gen) * torch.tensor([1.0, 3.0, 1e-3, 40.0])[:, None]
+    grouped = torch.randn(6, 16, 4, 8, generator=gen) * torch.tensor([1e-3, 3.0, 1.0, 40.0])[:, None]  # tiny, ...
     grouped[:, :, 1] = grouped[:, :, 1].abs() + 0.5  # one-signed groups
     grouped[:, :, 2] = 0.25  # constant groups
     grouped[3, 5, 3, 2] = -700.0  # an outlier
