@@ -288,7 +288,7 @@ def test_decode_matches_float64_on_the_gpu(scheme):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 def test_cache_appends_and_attends_through_the_kernels(scheme, rng):
-    """The append kernel writes scale-only pages (dense() -- the dequantize kernel -- is the host quantizer's
+    """The append kernel writes scale-only pages (dense(), the torch dequantizer over them, is the host quantizer's
     values exactly) and the cache decode attends them with the 16-bit sink + window, every element against float64
     over what the cache holds."""
     from test_cache import expected_dense
