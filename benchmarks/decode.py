@@ -341,7 +341,7 @@ def import_user_formats(spec: str):
 def scheme_of(method: str):
     """The Scheme a FOSCAR method names (Qwen3-8B geometry; the sweep sets head_dim and GQA per model):
     ``<format>-k<t|c><group>`` (K token- or channel-wise, V token-wise in groups of 128) for any
-    registered format (``foscar.formats``: int2, int4, and what ``--user-formats`` registers, e.g. int8),
+    registered format (``foscar.formats``: int2, int4, and what ``--user-formats`` registers, e.g. int8, sym-int4),
     or ``k<K>v<V>-k<t|c><group>`` for K and V of two formats (``<K>``, ``<V>``: a bit width of an
     ``int<bits>`` format, or a format name); a trailing ``+sw`` is the cache decode's BF16 sink + window.
     None for a name of another shape (a baseline)."""
@@ -494,7 +494,8 @@ def main(argv=None):
     parser.add_argument("--tag", default="decode")
     parser.add_argument("--user-formats", default=None, metavar="FILE_OR_MODULE",
                         help="import it first: the code formats it registers (foscar.formats) become methods, "
-                             "e.g. --user-formats tests/user_formats.py --methods int8-kt128,k8v4-kc128")
+                             "e.g. --user-formats tests/user_formats.py --methods int8-kt128,k8v4-kc128,"
+                             "sym-int4-kt128,ksym-int4v4-kc128")
     parser.add_argument("--reps", type=int, default=None, help="graph replays per row (default 30; 10 with --quick)")
     args = parser.parse_args(argv)
     if args.user_formats:

@@ -27,6 +27,28 @@ def output_offsets(split_output: bool, hq, split, num_splits, head_dim: int):
     return hq * head_dim, hq
 
 
+def group_scale(ptr, fold):
+    """The fp16 params of the group at ``ptr`` (a tensor of ``fold.param_fields``) and its scale in fp32."""
+    import cutlass.cute as cute
+
+    fields = cute.make_tensor(ptr, cute.make_layout((fold.param_fields,)))
+    return fields, fields[0].to(Float32)
+
+
+def group_offset(fields, scale, fold):
+    """The group's offset in fp32 (``fields, scale``: :func:`group_scale`'s): the stored one, or
+    ``fold.offset_per_scale * scale`` of a scale-only format (a trace-time constant, no branch)."""
+    if fold.param_fields == 2:
+        return fields[1].to(Float32)
+    return scale * Float32(float(fold.offset_per_scale))
+
+
+def group_params(ptr, fold):
+    """(scale, offset) in fp32 of the group whose params start at fp16 ``ptr``."""
+    fields, scale = group_scale(ptr, fold)
+    return scale, group_offset(fields, scale, fold)
+
+
 def reduce_over_rows(x, combine):
     """Combine ``x`` over the 8 lanes of a warp that hold one accumulator column (lane bits 2..4):
     the rows of an mma accumulator fragment. ``combine``: e.g. ``cute.arch.fmax`` or ``+``."""

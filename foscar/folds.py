@@ -21,16 +21,18 @@ tensor and every consumer reads it: the reference below (:meth:`KFold.scores`,
 arch kernels' device hooks (``foscar.hopper.folds``, ``foscar.blackwell.folds``), which are
 registered against these classes so that no kernel body branches on the case.
 
-Params layout (fp16 (scale, offset) pairs per (page, kv_head)): token-wise ``[page_size, D/G]``
-(one row per token, one pair per channel block), channel-wise ``[page_size/G, D]`` (one row per
-token group, one pair per channel). Both are ``rows x per_row`` pairs, with ``tokens_per_row``
-tokens sharing a row; a 64-token tile reads ``tile_rows`` consecutive rows.
+Params layout (per (page, kv_head), ``param_fields`` fp16 values per group: (scale, offset), or the scale of a
+scale-only format, whose offset is ``offset_per_scale * scale``): token-wise ``[page_size, D/G]`` (one row per
+token, one group per channel block), channel-wise ``[page_size/G, D]`` (one row per token group, one group per
+channel). Both are ``rows x per_row`` groups, with ``tokens_per_row`` tokens sharing a row; a 64-token tile reads
+``tile_rows`` consecutive rows.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -80,7 +82,9 @@ def register(cls):
 
 def fold_case(tensor: str, quant, head_dim: int, construction) -> "FoldCase":
     """The registered case of ``tensor`` ("k" or "v") quantized as ``quant`` (a TensorQuant)."""
-    return FOLD_CASES[(tensor, quant.axis.value)](quant.group, quant.bits, head_dim, construction)
+    ratio = quant.format.offset_per_scale
+    return FOLD_CASES[(tensor, quant.axis.value)](quant.group, quant.bits, head_dim, construction,
+                                                  None if ratio is None else Fraction(ratio))
 
 
 class HookRegistry:
@@ -108,7 +112,9 @@ class HookRegistry:
 
 @dataclass(frozen=True)
 class FoldCase:
-    """One tensor's fold: group size and bits, head_dim, and the operand construction ``a*c + b``."""
+    """One tensor's fold: group size and bits, head_dim, the operand construction ``a*c + b``, and where a group's
+    offset comes from: stored next to its scale (``offset_per_scale`` None), or ``offset_per_scale * scale`` of a
+    scale-only format (``foscar.formats.Format.offset_per_scale``), whose params hold the scale only."""
 
     tensor: ClassVar[str] = ""  # "k" | "v"
     axis: ClassVar[str] = ""  # "token" | "channel"
@@ -119,6 +125,7 @@ class FoldCase:
     bits: int
     head_dim: int
     construction: object  # foscar.scheme.Construction
+    offset_per_scale: Fraction | None = None
 
     # ---------------------------------------------------------------------------------- geometry
     @property
@@ -162,9 +169,26 @@ class FoldCase:
         return TILE_TOKENS if self.token_wise else self.tile_groups
 
     @property
+    def param_fields(self) -> int:
+        """fp16 values stored per group: 2 (scale, offset) or 1 (the scale of a scale-only format)."""
+        return 2 if self.offset_per_scale is None else 1
+
+    @property
     def tile_param_words(self) -> int:
-        """int32 words (one fp16 (scale, offset) pair each) of a tile's params."""
-        return self.tile_rows * self.per_row
+        """int32 words of a tile's params (a word holds one (scale, offset) pair, or two scales)."""
+        return self.tile_rows * self.per_row * self.param_fields // 2
+
+    def param_element(self, group, words: int = 0):
+        """fp16 element of the first param of the ``group``-th group of params that start ``words`` int32 words into
+        an area (host or device ints). Pairs keep the expression the kernels always traced, so their code is
+        unchanged."""
+        if self.param_fields == 2:
+            return 2 * (words + group) if words else group * 2
+        return 2 * words + group if words else group
+
+    def offsets(self, scale, offset):
+        """The groups' offsets (host tensors): ``offset`` as stored, or ``offset_per_scale * scale``."""
+        return offset if self.offset_per_scale is None else scale * float(self.offset_per_scale)
 
     @property
     def tile_code_words(self) -> int:
@@ -180,8 +204,8 @@ class FoldCase:
         return page_size // self.tokens_per_row
 
     def params_row(self, head, slot0, page_size: int):
-        """Index of the first (scale, offset) pair of the tile at ``slot0`` (a multiple of 64) of
-        (page, kv_head) ``head`` (host ints or device Int64)."""
+        """Index of the first group of the tile at ``slot0`` (a multiple of 64) of (page, kv_head) ``head`` (host
+        ints or device Int64); its fp16 element is ``param_fields`` times it."""
         row = slot0 if self.tokens_per_row == 1 else slot0 // self.tokens_per_row
         return (head * self.rows_per_page(page_size) + row) * self.per_row
 

@@ -12,8 +12,12 @@ lie (the group axis and size are the fold case's, ``foscar.folds``):
 
 What the kernels implement bounds what a format may say: each arch's decode kernel builds one construction per
 width (:func:`kernel_construction`), and every kernel (decode, dequantize, append) computes ``scale * code +
-offset``. A format that names another construction or dequantizes otherwise (:func:`affine_mismatch`) is refused
-before compiling, with the reason; its host path (quantize, references) still runs.
+offset``, the offset stored next to the scale (``param_fields = 2``) or, for a scale-only format (``param_fields =
+1``: half the params bytes), its fixed multiple ``offset_per_scale * scale`` (symmetric INT4: ``-8 * scale``),
+derived in registers. The append kernel quantizes by the format's :class:`AppendRule`. A format that names another
+construction, dequantizes otherwise (:func:`affine_mismatch`) or whose rule differs from its host quantizer
+(:func:`append_mismatch`) is refused before compiling, with the reason; its host path (quantize, references) still
+runs.
 
 A format is registered under its name (:func:`register_format`); ``Scheme.make(format=...)``,
 ``k_format=`` / ``v_format=`` take a registered name or any instance, and every consumer (quantize,
@@ -43,9 +47,10 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["Format", "MinMaxFormat", "Int2", "Int4", "INT2", "INT4", "Unsupported", "Construction", "FORMATS",
-           "register_format", "as_format", "int_widths", "hopper_fp16", "BLACKWELL_FP4",
-           "BLACKWELL_FP8", "PARAM_DTYPE", "PACKABLE_BITS", "kernel_construction", "affine_mismatch"]
+__all__ = ["Format", "MinMaxFormat", "Int2", "Int4", "INT2", "INT4", "Unsupported", "Construction", "AppendRule",
+           "FORMATS", "register_format", "as_format", "int_widths", "hopper_fp16", "BLACKWELL_FP4",
+           "BLACKWELL_FP8", "PARAM_DTYPE", "PACKABLE_BITS", "kernel_construction", "affine_mismatch",
+           "append_mismatch"]
 
 
 PARAM_DTYPE = torch.float16  # scale and offset storage: 4 bytes per group, as in the byte arithmetic
@@ -112,19 +117,19 @@ def kernel_construction(arch: str, bits: int) -> Construction | None:
 @functools.cache
 def affine_mismatch(fmt: "Format") -> str | None:
     """Where ``fmt`` is not what every kernel computes (the decode folds, the dequantize and append kernels):
-    ``scale * code + offset`` from a (scale, offset) pair per group. A one-line reason (scale-only params, or a
-    code where ``fmt.dequantize`` differs); None where they agree on every code (float64 probe with a few scales
-    and offsets, relative tolerance 1e-6)."""
-    if fmt.param_fields != 2:
-        return (f"{fmt.name} stores its scale only (param_fields={fmt.param_fields}); the kernels read (scale, "
-                "offset) pairs")
+    ``scale * code + offset`` per group, the offset stored next to the scale or, for a scale-only format, the fixed
+    multiple ``offset_per_scale * scale``. A one-line reason (a code where ``fmt.dequantize`` differs); None where
+    they agree on every code (float64 probe with a few scales and offsets, relative tolerance 1e-6)."""
     # grouped shapes [a, gl, b, gd] (Format.quantize's): a = one code per row, b = four groups; params exact in fp16
     codes = torch.arange(fmt.levels, dtype=torch.float64)[:, None, None, None].expand(-1, 1, 4, 1)
     scale = torch.tensor([0.0, 0.5, -1.25, 2.0**-9], dtype=torch.float64)[None, None, :, None]
-    offset = torch.tensor([1.0, -2.5, 0.75, 0.0], dtype=torch.float64)[None, None, :, None]
+    if fmt.param_fields == 2:
+        offset = stored = torch.tensor([1.0, -2.5, 0.75, 0.0], dtype=torch.float64)[None, None, :, None]
+    else:
+        offset, stored = scale * float(fmt.offset_per_scale), None
     want = codes * scale + offset
     try:
-        got = torch.as_tensor(fmt.dequantize(codes, scale, offset), dtype=torch.float64)
+        got = torch.as_tensor(fmt.dequantize(codes, scale, stored), dtype=torch.float64)
     except Exception as err:  # noqa: BLE001 - any failure of user code is the reason
         return f"{fmt.name}.dequantize(codes, scale, offset) raised {type(err).__name__}: {err}"
     bad = ~torch.isclose(got.expand_as(want), want, rtol=1e-6, atol=1e-9) if got.shape in (want.shape, ()) else None
@@ -139,6 +144,74 @@ def affine_mismatch(fmt: "Format") -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class AppendRule:
+    """How the cache's append kernel (``foscar.kernels.quantize``) quantizes a whole group on the device, step by
+    step in float32 as a host quantizer does (:meth:`emulate` runs the same steps in torch; :func:`append_mismatch`
+    holds them against the format's own ``quantize``):
+
+    * ``range``: ``"minmax"`` (``lo, hi`` = the group's min and max) or ``"absmax"`` (``lo = 0``, ``hi`` = max |x|);
+    * ``scale = fp16((hi - lo) / steps)`` (IEEE float32 division); ``offset = fp16(lo)`` where the format stores one;
+    * ``code = clamp(roundeven((x - offset) / scale) + shift, 0, 2^bits - 1)`` with the stored fp16 values widened
+      to float32 (no subtraction for a scale-only format); a group with ``scale == 0`` has codes 0."""
+
+    range: str
+    steps: int
+    shift: int = 0
+
+    RANGES: ClassVar[tuple[str, ...]] = ("minmax", "absmax")
+
+    def __post_init__(self):
+        if self.range not in self.RANGES:
+            raise ValueError(f"AppendRule.range must be one of {self.RANGES}, got {self.range!r}")
+        if type(self.steps) is not int or self.steps < 1:
+            raise ValueError(f"AppendRule.steps must be a positive int, got {self.steps!r}")
+        if type(self.shift) is not int:
+            raise ValueError(f"AppendRule.shift must be an int, got {self.shift!r}")
+
+    def emulate(self, grouped: torch.Tensor, bits: int, param_fields: int):
+        """``(codes, scale, offset)`` of float32 ``grouped [..., a, gl, b, gd]`` (every element valid, as in the
+        kernel), in the kernel's steps; offset None where ``param_fields`` is 1."""
+        if self.range == "minmax":
+            lo, hi = grouped.amin(dim=(-3, -1), keepdim=True), grouped.amax(dim=(-3, -1), keepdim=True)
+        else:
+            hi = grouped.abs().amax(dim=(-3, -1), keepdim=True)
+            lo = torch.zeros_like(hi)
+        scale = ((hi - lo) / torch.full_like(hi, self.steps)).to(PARAM_DTYPE)
+        offset = lo.to(PARAM_DTYPE) if param_fields == 2 else None
+        s32 = scale.to(torch.float32)
+        x = grouped if offset is None else grouped - offset.to(torch.float32)
+        codes = (torch.round(x / torch.where(s32 == 0, 1.0, s32)) + self.shift).clamp_(0, 2**bits - 1)
+        return torch.where(s32 != 0, codes, 0.0), scale, offset
+
+
+@functools.cache
+def append_mismatch(fmt: Format) -> str | None:
+    """Where the append kernel cannot reproduce ``fmt.quantize``: the format declares no :class:`AppendRule`, or
+    the rule's steps (:meth:`AppendRule.emulate`) give other codes or params than ``fmt.quantize`` on a probe of
+    whole groups (random, one-signed, constant, one outlier). A one-line reason, or None (bit-exact)."""
+    rule = fmt.append_rule
+    if rule is None:
+        return (f"{fmt.name} declares no append_rule (foscar.formats.AppendRule): the append kernel quantizes on the "
+                "device by that rule")
+    gen = torch.Generator().manual_seed(0)
+    grouped = torch.randn(6, 16, 4, 8, generator=gen) * torch.tensor([1e-3, 3.0, 1.0, 40.0])[:, None]  # tiny, ...
+    grouped[:, :, 1] = grouped[:, :, 1].abs() + 0.5  # one-signed groups
+    grouped[:, :, 2] = 0.25  # constant groups
+    grouped[3, 5, 3, 2] = -700.0  # an outlier
+    want = rule.emulate(grouped, fmt.bits, fmt.param_fields)
+    try:
+        got = fmt.quantize(grouped, torch.ones_like(grouped, dtype=torch.bool), "probe")
+    except Exception as err:  # noqa: BLE001 - any failure of user code is the reason
+        return f"{fmt.name}.quantize raised {type(err).__name__} on the append rule's probe: {err}"
+    for name, a, b in zip(("codes", "scale", "offset"), got, want):
+        same = (a is None) == (b is None) and (b is None or (a.shape == b.shape and torch.equal(a.float(), b.float())))
+        if not same:
+            return (f"the append kernel quantizes by {rule} and gets other {name} than {fmt.name}.quantize on a "
+                    "probe: the rule must repeat the host quantizer's float32 steps")
+    return None
+
+
 class Format(abc.ABC):
     """One tensor's code format (module docstring). Subclasses set ``name`` and ``bits`` and implement
     every abstract method; a class that sets ``name`` but leaves a method abstract is refused when it
@@ -147,8 +220,13 @@ class Format(abc.ABC):
     name: ClassVar[str] = ""
     bits: ClassVar[int] = 0
     # fp16 params stored per group: 2 = (scale, offset); 1 = the scale only (``quantize`` returns offset None and
-    # ``dequantize`` receives None: half the params bytes; host paths only, the kernels read pairs)
+    # ``dequantize`` receives None: half the params bytes)
     param_fields: ClassVar[int] = 2
+    # a scale-only format's offset as a fixed multiple of its scale (symmetric INT4: Fraction(-8)), exactly where
+    # param_fields is 1: the kernels derive ``offset = offset_per_scale * scale`` from the one stored field
+    offset_per_scale: ClassVar[Fraction | None] = None
+    # how the cache's append kernel quantizes a group on the device (None: the append kernel refuses the format)
+    append_rule: ClassVar[AppendRule | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -165,6 +243,15 @@ class Format(abc.ABC):
         if cls.param_fields not in (1, 2):
             raise TypeError(f"format {cls.__name__}: param_fields must be 1 (scale) or 2 (scale, offset), got "
                             f"{cls.param_fields!r}")
+        ratio = cls.offset_per_scale
+        if (ratio is None) != (cls.param_fields == 2) or isinstance(ratio, bool) or not isinstance(
+                ratio, (type(None), int, Fraction)):
+            raise TypeError(f"format {cls.__name__}: offset_per_scale (the offset as a fixed multiple of the scale, "
+                            f"an int or Fraction) is required exactly where param_fields is 1; got {ratio!r} with "
+                            f"param_fields={cls.param_fields}")
+        if not isinstance(getattr(cls, "append_rule", None), (type(None), AppendRule, property)):
+            raise TypeError(f"format {cls.__name__}: append_rule must be a foscar.formats.AppendRule or None, got "
+                            f"{cls.append_rule!r}")
         if not isinstance(cls.name, str) or not cls.name.replace("-", "").replace("_", "").isalnum():
             raise TypeError(f"format {cls.__name__}: name must be a short identifier, got {cls.name!r}")
 
@@ -224,8 +311,8 @@ class MinMaxFormat(Format):
       *stored* fp16 scale and offset, so ``scale*code + offset`` is the nearest point of the grid the
       kernel actually sees. A constant group has ``scale = 0`` and codes 0.
 
-    The cache's append kernel (``foscar.kernels.quantize``) rounds the same way for any ``bits``.
-    Operands: Hopper ORs the codes into FP16 mantissas (any packable width); Blackwell's tcgen05
+    The cache's append kernel (``foscar.kernels.quantize``) rounds the same way for any ``bits``
+    (:attr:`append_rule`). Operands: Hopper ORs the codes into FP16 mantissas (any packable width); Blackwell's tcgen05
     ``kind::f8f6f4`` MMA holds 2-bit (FP4) and 4-bit (FP8 E4M3) codes exactly."""
 
     def quantize(self, grouped, mask, name):
@@ -246,6 +333,10 @@ class MinMaxFormat(Format):
 
     def dequantize(self, codes, scale, offset):
         return codes * scale + offset
+
+    @property
+    def append_rule(self) -> AppendRule:
+        return AppendRule("minmax", self.levels - 1)
 
     def construction(self, arch):
         built = kernel_construction(arch, self.bits)

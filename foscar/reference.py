@@ -85,7 +85,8 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, arch: str = "sm_90a", 
     for fold in (plan.k, plan.v):
         codes, s, z, _ = cache.codes_and_params(fold.tensor)
         con = fold.construction
-        folded[fold.tensor] = (con.operand(codes), con.fold_scale(s.double()), con.fold_offset(s.double(), z.double()))
+        s, z = s.double(), fold.offsets(s.double(), None if z is None else z.double())
+        folded[fold.tensor] = (con.operand(codes), con.fold_scale(s), con.fold_offset(s, z))
     k_op, k_s, k_z = folded["k"]
     v_op, v_s, v_z = folded["v"]
     lengths = cache.lengths.long().cpu()

@@ -83,6 +83,7 @@ def emulate_kernel(q, cache, sm_scale, hilo=True, step=128):
     ka, va = float(plan.k.construction.a), float(plan.v.construction.a)
     kc, ks, kz, _ = cache.codes_and_params("k")
     vc, vs, vz, _ = cache.codes_and_params("v")
+    kz, vz = plan.k.offsets(ks.double(), kz), plan.v.offsets(vs.double(), vz)  # a scale-only format's: k * scale
     kop, vop = plan.k.construction.operand(kc), plan.v.construction.operand(vc)  # [b, h, L, D]
     b, hkv, L = kc.shape[:3]
     qg = q.double().reshape(b, hkv, r, d)

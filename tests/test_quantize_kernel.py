@@ -11,7 +11,7 @@ from foscar.inspect import ARCHS, artifacts
 from foscar.kernels.quantize import QuantizeConfig, bw_word_code_coords, compile_quantize, word_code_coords
 from foscar.layouts import PACKERS, TILE_TOKENS, TileGeometry, tile_position
 from foscar.layouts.blackwell import bw_tile_position
-from foscar.quantize import quantize_groups
+from foscar.quantize import quantize_groups, stack_params
 from foscar.scheme import Axis, Scheme, TensorQuant
 
 GEOMETRIES = [TileGeometry(role, bits, d) for role, bits, d in itertools.product(("k", "v"), (2, 4, 8), (64, 128, 256))]
@@ -70,10 +70,10 @@ def test_quantize_compiles(cfg, arch):
     assert not re.search(r"ld\.local|st\.local", art.ptx) and art.resources().local_bytes == 0
 
 
-def torch_quantize(src, cfg, codes, params, page, slot):
-    """What the kernel must produce, by the CPU torch quantizer (the documented semantics) and the
-    layout's packer."""
-    quant = TensorQuant(cfg.axis, cfg.group, cfg.bits)
+def torch_quantize(src, cfg, codes, params, page, slot, fmt=None):
+    """What the kernel must produce, by the CPU torch quantizer (the documented semantics; ``fmt``: the format,
+    default the registered ``int<bits>``) and the layout's packer."""
+    quant = TensorQuant(cfg.axis, cfg.group, fmt or cfg.bits)
     c, scale, offset = quantize_groups(src.cpu(), quant)
     n, kvh, t, d = src.shape
     words = PACKERS[cfg.layout][0](c.reshape(n, kvh, t // 64, 64, d), cfg.geometry)
@@ -82,7 +82,7 @@ def torch_quantize(src, cfg, codes, params, page, slot):
             continue
         codes[page[i], :, slot[i] // 64:(slot[i] + t) // 64] = words[i]
         rows = slice(slot[i], slot[i] + t) if cfg.axis is Axis.TOKEN else slice(slot[i] // cfg.group, (slot[i] + t) // cfg.group)
-        params[page[i], :, rows] = torch.stack([scale[i], offset[i]], -1)
+        params[page[i], :, rows] = stack_params(scale[i], None if offset is None else offset[i], quant)
 
 
 @pytest.mark.gpu

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float16, Float32, Int32
+from cutlass import Float16, Float32, Int32, Uint16
 from cutlass.pipeline import NamedBarrier
 
 from ..barriers import BlackwellDecodeBarrier
-from ..device import fsel
+from ..device import fsel, group_offset, group_params, group_scale
 from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VTokenWise
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import stage
@@ -121,9 +121,9 @@ class BlackwellKTokenWise(KHooks):
         for r in range(N):
             sc[r] = Float32(0.0)
         for j in range(self.s_blocks):
-            kp = cute.make_tensor(prm + 2 * (cfg.K_PARAMS + (t % TILE_TOKENS) * self.s_blocks + j), cute.make_layout((2,)))
-            ks = kp[0].to(Float32) * cfg.k_a_inv
-            kz = kp[1].to(Float32)
+            kp, ks = group_scale(prm + self.fold.param_element((t % TILE_TOKENS) * self.s_blocks + j, cfg.K_PARAMS),
+                                 self.fold)
+            ks, kz = ks * cfg.k_a_inv, group_offset(kp, ks, self.fold)
             acc = load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + j * cfg.NQK, acc_layout), NM)
             cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are used
             for r in range(N):
@@ -172,13 +172,11 @@ class BlackwellKChannelWise(KHooks):
             off = tk * min(G, STEP)  # first token of group tk in the step
             grp = (off % TILE_TOKENS) // G if G < TILE_TOKENS else 0  # group within its tile
             tile_words = ring_words + cute.assume(stage(2 * step + off // TILE_TOKENS, cfg.RING) * cfg.STAGE_WORDS, divby=4)
-            kp_ring = cute.recast_ptr(tile_words + cfg.K_PARAMS + grp * D, dtype=Float16)
+            kp_ring = cute.recast_ptr(tile_words + cfg.K_PARAMS + grp * D * self.fold.param_fields // 2, dtype=Float16)
             smax = Float32(0.0)
             for i in cutlass.range_constexpr(nd):
                 d = (t + WG * i) % D
-                kp = cute.make_tensor(kp_ring + 2 * d, cute.make_layout((2,)))
-                ks[tk * nd + i] = kp[0].to(Float32)
-                sm.sZ[tk * D + d] = kp[1].to(Float32)
+                ks[tk * nd + i], sm.sZ[tk * D + d] = group_params(kp_ring + self.fold.param_element(d), self.fold)
                 smax = cute.arch.fmax(smax, fabs(ks[tk * nd + i]))
             smax = cute.arch.warp_reduction(smax, cute.arch.fmax)
             if lane == 0:
@@ -301,9 +299,10 @@ class BlackwellVTokenWise(VHooks):
         vs = cute.make_rmem_tensor((self.blocks,), Float32)
         vz = cute.make_rmem_tensor((self.blocks,), Float32)
         for j in cutlass.range_constexpr(self.blocks):
-            vp = cute.make_tensor(prm + 2 * (cfg.V_PARAMS + (t % TILE_TOKENS) * self.blocks + j), cute.make_layout((2,)))
-            vs[j] = fsel(ok, vp[0].to(Float32), Float32(0.0))
-            vz[j] = fsel(ok, vp[1].to(Float32), Float32(0.0))
+            s, z = group_params(prm + self.fold.param_element((t % TILE_TOKENS) * self.blocks + j, cfg.V_PARAMS),
+                                self.fold)
+            vs[j] = fsel(ok, s, Float32(0.0))
+            vz[j] = fsel(ok, z, Float32(0.0))
             mv = cute.arch.warp_reduction(fabs(vs[j]), cute.arch.fmax)
             if lane == 0:
                 sm.sRed[sm_.red_block(red, j) + wq] = mv
@@ -369,7 +368,8 @@ class BlackwellVChannelWise(VHooks):
 
     def softmax_params(self, sm, prm, ring_words, step, ok, red, t, lane, wq, nd):
         """(scale, offset) words of group tv, channel d = (t + 128*i) % D, into registers now (the
-        ring stages are released before P buffer sp is free)."""
+        ring stages are released before P buffer sp is free). A scale-only format's word holds its scale in the
+        low half, where a pair holds the scale, so sVp keeps one layout."""
         cfg = self.cfg
         D, G = cfg.D, self.fold.group
         vpw = cute.make_rmem_tensor((self.step_groups * nd,), Int32)
@@ -378,7 +378,11 @@ class BlackwellVChannelWise(VHooks):
             grp = (off % TILE_TOKENS) // G if G < TILE_TOKENS else 0  # group within its tile
             vp_ring = ring_words + cute.assume(stage(2 * step + off // TILE_TOKENS, cfg.RING) * cfg.STAGE_WORDS, divby=4)
             for i in range(nd):
-                vpw[tv * nd + i] = scalar(vp_ring, cfg.V_PARAMS + grp * D + (t + WG * i) % D)[0]
+                if self.fold.param_fields == 2:
+                    vpw[tv * nd + i] = scalar(vp_ring, cfg.V_PARAMS + grp * D + (t + WG * i) % D)[0]
+                else:
+                    scales = cute.recast_ptr(vp_ring, dtype=Uint16)
+                    vpw[tv * nd + i] = scalar(scales, 2 * cfg.V_PARAMS + grp * D + (t + WG * i) % D)[0].to(Int32)
         return vpw
 
     @cute.jit
@@ -411,9 +415,8 @@ class BlackwellVChannelWise(VHooks):
         for r in range(N):
             upd[r] = Float32(0.0)
         for tv in range(self.step_groups):
-            vp = cute.make_tensor(sVpH + 2 * (sp * self.vp_words + tv * D + d), cute.make_layout((2,)))
-            vs = vp[0].to(Float32) * sm.sAlpha[sm_.p_unscale(sp, 0)]
-            vz = vp[1].to(Float32)
+            vp, vs = group_scale(sVpH + 2 * (sp * self.vp_words + tv * D + d), self.fold)
+            vs, vz = vs * sm.sAlpha[sm_.p_unscale(sp, 0)], group_offset(vp, vs, self.fold)
             acc = load_acc(t2r, thr_t2r, cute.make_tensor(o_base + (mt * self.accumulators + tv) * NM, acc_layout), NM)
             cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
             w0, w1 = tv * min(G, STEP) // 32, (tv + 1) * min(G, STEP) // 32  # warps of group tv

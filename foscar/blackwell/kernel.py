@@ -170,7 +170,7 @@ class BlackwellConfig:
         # others: the softmax warpgroup copies the step's (scale, offset) rows from the ring into a
         # small smem area (sVp, one buffer per P buffer) handed over with alpha / Psum (st_ch), so
         # the ring stages are released as early as before.
-        self.KPW = self.kfold.tile_param_words  # one (s, z) fp16 pair per word
+        self.KPW = self.kfold.tile_param_words  # param_fields fp16 per group
         self.VPW = self.vfold.tile_param_words
         self.K_TW, self.V_TW = self.k_op.words, self.v_op.words
         self.K_CODES, self.V_CODES, self.K_PARAMS = 0, self.K_TW, self.K_TW + self.V_TW
@@ -505,19 +505,19 @@ class BlackwellDecodeKernel:
             v_codes = k_codes if cfg.V_TW == cfg.K_TW else cute.assume(tile * cfg.V_TW, divby=4)
             bulk_copy_g2s(dst + cfg.K_CODES, pages.k_codes + k_codes, 4 * cfg.K_TW, ring.full(st))
             bulk_copy_g2s(dst + cfg.V_CODES, pages.v_codes + v_codes, 4 * cfg.V_TW, ring.full(st))
-            bulk_copy_g2s(dst + cfg.K_PARAMS, pages.k_params + 2 * self.params_row(cfg.kfold, page_head, slot0),
+            bulk_copy_g2s(dst + cfg.K_PARAMS, pages.k_params + self.params_element(cfg.kfold, page_head, slot0),
                           4 * cfg.KPW, ring.full(st))
-            bulk_copy_g2s(dst + cfg.V_PARAMS, pages.v_params + 2 * self.params_row(cfg.vfold, page_head, slot0),
+            bulk_copy_g2s(dst + cfg.V_PARAMS, pages.v_params + self.params_element(cfg.vfold, page_head, slot0),
                           4 * cfg.VPW, ring.full(st))
 
     def tile_head(self, seq, kv_heads, h, n_tiles, tile):
         """``seq.tile_head`` (a call on the kernel: the DSL takes only the kernel's methods in loops)."""
         return seq.tile_head(kv_heads, h, n_tiles, tile, self.cfg.page_size)
 
-    def params_row(self, fold, head, slot0):
-        """Index of a tile's first (scale, offset) pair (the fold case's params layout); every row
-        holds a multiple of 4 pairs, which the bulk copy's 16-byte alignment needs."""
-        return cute.assume(fold.params_row(head, slot0, self.cfg.page_size), divby=4)
+    def params_element(self, fold, head, slot0):
+        """fp16 element of a tile's first param (the fold case's params layout); a tile starts at a multiple of 64
+        groups (token-wise) or of head_dim (channel-wise), which the bulk copy's 16-byte alignment needs."""
+        return fold.param_fields * cute.assume(fold.params_row(head, slot0, self.cfg.page_size), divby=4)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

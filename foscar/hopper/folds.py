@@ -28,12 +28,12 @@ import operator
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..device import fsel, pack_f16x2, reduce_over_rows
+from ..device import fsel, group_params, pack_f16x2, reduce_over_rows
 from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VTokenWise
 from ..warp_mma import WarpMma
 from .mma import TOKEN_BLOCKS
 
-__all__ = ["hooks_for", "q_index", "load_param"]
+__all__ = ["hooks_for", "q_index"]
 
 HOOKS = HookRegistry("sm_90a")
 register = HOOKS.register
@@ -46,18 +46,16 @@ def q_index(cfg, nb: int, kb: int, hh: int, e: int) -> int:
     return ((nb * cfg.KB_D + kb) * 2 + hh) * 2 + e
 
 
-def load_param(p_ptr, idx):
-    """(scale, offset) fp16 pair at element idx -> two fp32."""
-    t = cute.make_tensor(p_ptr + idx, cute.make_layout((2,)))
-    return t[0].to(Float32), t[1].to(Float32)
-
-
 class _Hooks:
     def __init__(self, fold, cfg):
         self.fold = fold
         self.cfg = cfg
         self.operand = cfg.k_operand if fold.tensor == "k" else cfg.v_operand
         self.scale = fold.scale_factor  # s' = s / a
+
+    def load_param(self, p_ptr, group):
+        """(scale, offset) in fp32 of the tile's ``group``-th group, params at fp16 ``p_ptr``."""
+        return group_params(p_ptr + self.fold.param_element(group), self.fold)
 
 
 class _State:
@@ -104,7 +102,7 @@ class KTokenHooks(_Hooks):
         kz = cute.make_rmem_tensor((2 * TOKEN_BLOCKS * nj,), Float32)  # z * scale_log2
         for t in range(2 * TOKEN_BLOCKS):
             for j in range(nj):
-                s, z = load_param(kpar, (rows[t] * nj + j) * 2)
+                s, z = self.load_param(kpar, rows[t] * nj + j)
                 ks[t * nj + j] = s * (self.scale * scale_log2)
                 kz[t * nj + j] = z * scale_log2
         return ks, kz
@@ -157,7 +155,7 @@ class KChannelHooks(_Hooks):
                 for hh in range(2):
                     ksp, kzp = [], []
                     for e in range(2):
-                        s, z = load_param(kpar, (gi * cfg.D + 16 * kb + 8 * hh + 2 * mma.tq + e) * 2)
+                        s, z = self.load_param(kpar, gi * cfg.D + 16 * kb + 8 * hh + 2 * mma.tq + e)
                         ksp.append(s * (self.scale * scale_log2))
                         kzp.append(z * scale_log2)
                     for nb in range(mma.NB):
@@ -217,7 +215,7 @@ class VTokenHooks(_Hooks):
             ok = rows[t] < valid
             for j in range(nj):
                 x = t * nj + j
-                s, z = load_param(vpar, (rows[t] * nj + j) * 2)
+                s, z = self.load_param(vpar, rows[t] * nj + j)
                 vs[x] = fsel_zero(ok, s * self.scale)
                 vz[x] = fsel_zero(ok, z)
         return vs, vz
@@ -293,7 +291,7 @@ class VChannelHooks(_Hooks):
             ok = gi * self.fold.group < valid
             for md in range(cfg.MB_V):
                 for hr in range(2):
-                    s, z = load_param(vpar, (gi * cfg.D + 16 * md + mma.g + 8 * hr) * 2)
+                    s, z = self.load_param(vpar, gi * cfg.D + 16 * md + mma.g + 8 * hr)
                     x = (md * 2 + hr) * ng + gi
                     cvs[x] = fsel_zero(ok, s * self.scale)
                     cvz[x] = fsel_zero(ok, z)

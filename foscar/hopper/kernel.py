@@ -202,7 +202,7 @@ class DecodeConfig:
         self.consumer_regs = min(240, (REGISTERS - THREADS * PRODUCER_REGS) // (THREADS * consumers) // 8 * 8)
         # stage of the ring (int32 words): K codes | V codes | K params | V params
         self.K_TW, self.V_TW = self.k_operand.words, self.v_operand.words
-        self.KPW, self.VPW = plan.k.tile_param_words, plan.v.tile_param_words  # one (s, z) fp16 pair per word
+        self.KPW, self.VPW = plan.k.tile_param_words, plan.v.tile_param_words  # param_fields fp16 per group
         self.K_CODES, self.V_CODES = 0, self.K_TW
         self.K_PARAMS = self.K_TW + self.V_TW
         self.V_PARAMS = self.K_PARAMS + self.KPW
@@ -410,15 +410,15 @@ class HopperDecodeKernel:
         tile_index = page_head * cfg.SUB + sub
         bulk_copy_g2s(dst + cfg.K_CODES, pages.k_codes + tile_index * cfg.K_TW, 4 * cfg.K_TW, full)
         bulk_copy_g2s(dst + cfg.V_CODES, pages.v_codes + tile_index * cfg.V_TW, 4 * cfg.V_TW, full)
-        bulk_copy_g2s(dst + cfg.K_PARAMS, pages.k_params + 2 * self.params_row(page_head, slot0, "k"), 4 * cfg.KPW,
+        bulk_copy_g2s(dst + cfg.K_PARAMS, pages.k_params + self.params_element(page_head, slot0, "k"), 4 * cfg.KPW,
                       full)
-        bulk_copy_g2s(dst + cfg.V_PARAMS, pages.v_params + 2 * self.params_row(page_head, slot0, "v"), 4 * cfg.VPW,
+        bulk_copy_g2s(dst + cfg.V_PARAMS, pages.v_params + self.params_element(page_head, slot0, "v"), 4 * cfg.VPW,
                       full)
 
-    def params_row(self, head, slot0, tensor: str):
-        """Index of the first (scale, offset) pair of a tile's K or V params (the fold case's layout)."""
+    def params_element(self, head, slot0, tensor: str):
+        """fp16 element of the first param of a tile's K or V params (the fold case's layout)."""
         fold = self.cfg.plan.k if tensor == "k" else self.cfg.plan.v
-        return fold.params_row(head, slot0, self.cfg.page_size)
+        return fold.param_fields * fold.params_row(head, slot0, self.cfg.page_size)
 
     # ------------------------------------------------------------------------------------------
     # consumer warp w: runs w, w+NW, ... of TPG consecutive tiles, each tile whole

@@ -13,16 +13,18 @@ whole 128-byte lines; :class:`TilePlan` says which thread makes what, from the l
 Formats (one KV head dimension ``D``, ``bits`` per code, group ``G``)::
 
     codes       int32   [num_pages, kv_heads, page_size // 64, tile_words]   tile_words = 64*D*bits/32
-    params      float16 [num_pages, kv_heads, page_size, D // G, 2]          token-wise groups
-                float16 [num_pages, kv_heads, page_size // G, D, 2]          channel-wise groups
-                        last mode (scale, offset): x = scale * code + offset
+    params      float16 [num_pages, kv_heads, page_size, D // G, F]          token-wise groups
+                float16 [num_pages, kv_heads, page_size // G, D, F]          channel-wise groups
+                        last mode (scale, offset): x = scale * code + offset (F = 2), or the scale of a
+                        scale-only format (F = 1): offset = offset_per_scale * scale
     page_table  int32   [batch, max_pages]
     out         bf16    [batch, kv_heads, max_pages * page_size, D]                 (or fp16: ``dtype``)
 
 Token ``i`` of sequence ``b`` lives in page ``page_table[b, i // page_size]``, slot
 ``i % page_size``. Every page-table entry is read, so unused entries must hold a valid page index.
 
-Values: ``scale * code + offset`` as one FP32 FMA, then rounded to the output dtype: exactly the torch
+Values: ``scale * code + offset`` as one FP32 FMA (a scale-only format's offset ``offset_per_scale * scale``: exact
+for a power-of-two multiple such as symmetric INT4's -8), then rounded to the output dtype: exactly the torch
 dequantizer's value computed in float64, rounded to FP32 then to the dtype (the FP32 torch dequantizer
 rounds the product first, so it can be one FP32 ulp off before the final rounding).
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
+from fractions import Fraction
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -70,9 +73,14 @@ class DequantizeConfig:
     group: int
     dtype: str = "bfloat16"  # the output's: "bfloat16" or "float16"
     layout: str = "hopper"  # the packed bit order read (an arch's ``Arch.layout``): "hopper" or "blackwell"
+    offset_per_scale: Fraction | None = None  # a scale-only format's (``Format.offset_per_scale``); None: pairs
 
     def __post_init__(self):
         object.__setattr__(self, "axis", Axis(self.axis))
+        if self.offset_per_scale is not None:
+            if isinstance(self.offset_per_scale, bool) or not isinstance(self.offset_per_scale, (int, Fraction)):
+                raise ValueError(f"offset_per_scale must be None, an int or a Fraction, got {self.offset_per_scale!r}")
+            object.__setattr__(self, "offset_per_scale", Fraction(self.offset_per_scale))
         TileGeometry(self.role, self.bits, self.head_dim)  # validates role, bits, head_dim
         if self.group % CHUNK or self.group & (self.group - 1):
             raise ValueError(f"group {self.group} must be a power of two and a multiple of {CHUNK}")
@@ -94,7 +102,13 @@ class DequantizeConfig:
         mismatch = affine_mismatch(quant.format)
         if mismatch:
             raise ValueError(f"Scheme.{role}.format: {mismatch}")
-        return cls(quant.bits, scheme_or_config.head_dim, role, quant.axis, quant.group, dtype, layout)
+        return cls(quant.bits, scheme_or_config.head_dim, role, quant.axis, quant.group, dtype, layout,
+                   quant.format.offset_per_scale)
+
+    @property
+    def param_fields(self) -> int:
+        """fp16 params per group: 2 (scale, offset) or 1 (scale)."""
+        return 2 if self.offset_per_scale is None else 1
 
     @property
     def out_type(self):
@@ -351,8 +365,9 @@ class Dequantize:
         mCodes = cute.make_tensor(
             codes, cute.make_ordered_layout((num_pages, kv_heads, tiles_per_page, self.words), row_major4)
         )
-        # (num_pages, kv_heads, page_size, D // G, 2) token-wise; (num_pages, kv_heads, page_size // G, D, 2) channel-wise
-        shape = (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D), 2)
+        # (num_pages, kv_heads, page_size, D // G, F) token-wise; (num_pages, kv_heads, page_size // G, D, F)
+        # channel-wise; F = param_fields
+        shape = (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D), cfg.param_fields)
         mParams = cute.make_tensor(params, cute.make_ordered_layout(shape, row_major5))
         # (batch, max_pages)
         mPages = cute.make_tensor(page_table, cute.make_ordered_layout((batch, max_pages), (1, 0)))
@@ -435,7 +450,7 @@ class Dequantize:
             cute.autovec_copy(regs, sWordsV[None, _swizzled(word, self.plan.swizzle) // self.vec])
 
     def load_params(self, gParams: cute.Tensor, tile_in_page, token0, channel0):
-        """This thread's (scale, offset) pairs in FP32, each loaded and converted once, keyed by what
+        """This thread's groups' (scale, offset) in FP32, each loaded and converted once, keyed by what
         selects them among the thread's elements: its token offset (token-wise: one pair per token, the
         group of its chunk) or its group-row offset (channel-wise: 8 pairs, one per chunk channel)."""
         cfg, plan = self.cfg, self.plan
@@ -448,14 +463,14 @@ class Dequantize:
                 if key in pairs:
                     continue
                 if cutlass.const_expr(cfg.axis is Axis.TOKEN):
-                    # (2): the pair of (slot0 + token, the chunk's group)
-                    pairs[key] = [_load_pair(gParams[slot0 + token, channel0 // cfg.group, None])]
+                    # (F): the params of (slot0 + token, the chunk's group)
+                    pairs[key] = [_load_group(gParams[slot0 + token, channel0 // cfg.group, None], cfg)]
                 else:
-                    # 8 x (2): the pairs of the chunk's channels in one group row; slot0 | token: disjoint bits
+                    # 8 x (F): the params of the chunk's channels in one group row; slot0 | token: disjoint bits
                     row = ((tile_in_page * TILE_TOKENS) >> self.group_shift) + key
                     if cutlass.const_expr(self.group_shift < 6):  # groups shorter than a tile
                         row = row + (token0 >> self.group_shift)
-                    pairs[key] = [_load_pair(gParams[row, channel0 + e, None]) for e in range(CHUNK)]
+                    pairs[key] = [_load_group(gParams[row, channel0 + e, None], cfg) for e in range(CHUNK)]
         return pairs
 
     # ---- 3. dequantize ----------------------------------------------------------------------------
@@ -501,11 +516,15 @@ class Dequantize:
         return word >> cutlass.Uint32(shift0) if cutlass.const_expr(plan.dynamic_shift) else word
 
 
-def _load_pair(src: cute.Tensor):
-    """(scale, offset) in FP32 of a (2) fp16 tensor: one 4-byte load, two conversions."""
-    raw = cute.make_rmem_tensor((2,), cutlass.Float16)
+def _load_group(src: cute.Tensor, cfg: DequantizeConfig):
+    """(scale, offset) in FP32 of a group's (param_fields) fp16 tensor: one load; the stored offset, or
+    ``offset_per_scale * scale`` (a trace-time constant)."""
+    raw = cute.make_rmem_tensor((cfg.param_fields,), cutlass.Float16)
     cute.autovec_copy(src, raw)
-    return raw[0].to(cutlass.Float32), raw[1].to(cutlass.Float32)
+    if cfg.offset_per_scale is None:
+        return raw[0].to(cutlass.Float32), raw[1].to(cutlass.Float32)
+    scale = raw[0].to(cutlass.Float32)
+    return scale, scale * cutlass.Float32(float(cfg.offset_per_scale))
 
 
 def _thread_part(strides, tidx):
@@ -584,7 +603,8 @@ def dequantize_pages(codes, params, page_table, scheme, role: str, dtype=None, l
     shape = (batch, kv_heads, max_pages * page_size, D)
     expected = [
         ("codes", codes, torch.int32, (num_pages, kv_heads, tiles_per_page, cfg.tile_words)),
-        ("params", params, torch.float16, (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D), 2)),
+        ("params", params, torch.float16, (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D),
+                                           cfg.param_fields)),
         ("page_table", page_table, torch.int32, (batch, max_pages)),
     ] + ([("out", out, dtype, shape)] if out is not None else [])
     for name, t, want, want_shape in expected:

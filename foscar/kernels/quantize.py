@@ -6,17 +6,22 @@ BF16 and moves them into the packed cache a whole *granule* at a time (a granule
 touches is complete). That move must run on the GPU, inside a CUDA graph, and must give exactly
 the cache that ``foscar.quantize.quantize_groups`` + the arch's packer (``foscar.layouts.PACKERS``) give, so the
 decode kernels and references see one format whichever path wrote it. It is bit-identical by
-construction, following the rounding rules documented in ``foscar/quantize.py`` step by step:
+construction: it runs the format's :class:`foscar.formats.AppendRule` step by step, the float32 steps of the host
+quantizer (``foscar.formats.append_mismatch`` holds the rule against it before compiling):
 
-* ``lo``/``hi``: exact FP32 min/max of the group (BF16/FP16 -> FP32 is exact);
-* ``offset = fp16(lo)``, ``scale = fp16((hi - lo) / (2^bits - 1))``: an FP32 subtraction and an
-  IEEE-rounded FP32 division (``div.rn.f32``, not the approximate one), then ``cvt.rn.f16.f32``;
-* ``code = clamp(roundeven((x - offset) / scale), 0, 2^bits - 1)`` with the *stored* fp16 values
-  widened to FP32, the same ``div.rn.f32`` and round-half-even; a group with ``scale == 0`` has
-  codes 0.
+* ``lo``/``hi``: exact FP32 min/max of the group (``"minmax"``; BF16/FP16 -> FP32 is exact), or 0 and the max of
+  ``|x|`` (``"absmax"``);
+* ``offset = fp16(lo)`` (where the format stores one), ``scale = fp16((hi - lo) / steps)``: an FP32 subtraction
+  and an IEEE-rounded FP32 division (``div.rn.f32``, not the approximate one), then ``cvt.rn.f16.f32``;
+* ``code = clamp(roundeven((x - offset) / scale) + shift, 0, 2^bits - 1)`` with the *stored* fp16 values
+  widened to FP32 (no subtraction for a scale-only format), the same ``div.rn.f32`` and round-half-even; a
+  group with ``scale == 0`` has codes 0.
+
+Min-max INT2/INT4 (``MinMaxFormat``): ``"minmax"``, ``steps = 2^bits - 1``, ``shift = 0``; symmetric INT4:
+``"absmax"``, ``steps = 7``, ``shift = 8``, the scale only.
 
 Work split: one CTA (128 threads) per (granule, KV head). Phase 1: one thread per group computes
-``(scale, offset)``, writes them to the params page and keeps their FP32 values in shared memory.
+its params, writes them to the params page and keeps their FP32 values in shared memory.
 Phase 2: one thread per packed 32-bit word gathers the word's codes through the inverse of the
 tile layout (:func:`word_code_coords` for Hopper's order, :func:`bw_word_code_coords` for
 Blackwell's), quantizes them and writes the word once: no read-modify-write, and a warp's stores are contiguous. Reads of the BF16 tile are gathers, but the
@@ -29,8 +34,9 @@ Formats::
     dest_page   int32     [tiles]   page of each granule; < 0: skip this granule (no writes)
     dest_slot   int32     [tiles]   first token slot of the granule in its page (multiple of granule)
     codes       int32     [num_pages, kv_heads, page_size // 64, tile_words]
-    params      float16   [num_pages, kv_heads, page_size, D // G, 2]      token-wise groups
-                float16   [num_pages, kv_heads, page_size // G, D, 2]      channel-wise groups
+    params      float16   [num_pages, kv_heads, page_size, D // G, F]      token-wise groups
+                float16   [num_pages, kv_heads, page_size // G, D, F]      channel-wise groups
+                          F = param_fields: (scale, offset), or the scale of a scale-only format
 
 A granule whose elements exceed the float16 range gets infinite params (the torch quantizer raises;
 a kernel cannot, without a host sync): keep K/V finite and within float16 range.
@@ -47,7 +53,7 @@ import cutlass.cute as cute
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
 from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
-from ..formats import MinMaxFormat, affine_mismatch
+from ..formats import AppendRule, affine_mismatch, append_mismatch
 from ..scheme import Axis, Scheme, params_shape
 
 __all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "bw_word_code_coords", "WORD_CODE_COORDS",
@@ -119,9 +125,17 @@ class QuantizeConfig:
     granule: int  # tokens per CTA: a multiple of 64 and of a channel-wise group
     src_dtype: str = "bfloat16"
     layout: str = "hopper"  # the packed bit order written (an arch's layout, WORD_CODE_COORDS)
+    rule: AppendRule | None = None  # the format's (Format.append_rule); None: min-max of ``bits``
+    param_fields: int = 2  # fp16 params written per group: (scale, offset), or the scale
 
     def __post_init__(self):
         object.__setattr__(self, "axis", Axis(self.axis))
+        if self.rule is None:
+            object.__setattr__(self, "rule", AppendRule("minmax", (1 << self.bits) - 1))
+        if not isinstance(self.rule, AppendRule):
+            raise ValueError(f"rule must be a foscar.formats.AppendRule, got {self.rule!r}")
+        if self.param_fields not in (1, 2):
+            raise ValueError(f"param_fields must be 1 or 2, got {self.param_fields!r}")
         TileGeometry(self.role, self.bits, self.head_dim)  # validates role, bits, head_dim
         if self.axis is Axis.TOKEN and self.head_dim % self.group:
             raise ValueError(f"token-wise group {self.group} must divide head_dim {self.head_dim}")
@@ -139,14 +153,12 @@ class QuantizeConfig:
         if not isinstance(scheme, Scheme) or role not in ("k", "v"):
             raise TypeError("pass a Scheme and role='k' or 'v'")
         quant = scheme.k if role == "k" else scheme.v
-        if not isinstance(quant.format, MinMaxFormat):
-            raise ValueError(f"Scheme.{role}.format: the append kernel rounds as foscar.formats.MinMaxFormat does; "
-                             f"{quant.format.name} is not a MinMaxFormat")
-        mismatch = affine_mismatch(quant.format)
+        mismatch = affine_mismatch(quant.format) or append_mismatch(quant.format)
         if mismatch:
             raise ValueError(f"Scheme.{role}.format: {mismatch}")
         src = str(scheme.q_dtype).removeprefix("torch.")
-        return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src, layout)
+        return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src, layout,
+                   quant.format.append_rule, quant.param_fields)
 
     @property
     def geometry(self) -> TileGeometry:
@@ -154,7 +166,7 @@ class QuantizeConfig:
 
     @property
     def groups(self) -> int:
-        """(scale, offset) pairs per granule."""
+        """Groups per granule."""
         rows, pairs = params_shape(self.axis, self.group, self.granule, self.head_dim)
         return rows * pairs
 
@@ -201,8 +213,9 @@ class Quantize:
         mCodes = cute.make_tensor(
             codes, cute.make_ordered_layout((num_pages, kv_heads, page_size // TILE_TOKENS, self.words), (3, 2, 1, 0))
         )
-        # (num_pages, kv_heads, page_size, D // G, 2) token-wise; (num_pages, kv_heads, page_size // G, D, 2) channel-wise
-        shape = (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D), 2)
+        # (num_pages, kv_heads, page_size, D // G, F) token-wise; (num_pages, kv_heads, page_size // G, D, F)
+        # channel-wise; F = param_fields
+        shape = (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D), cfg.param_fields)
         mParams = cute.make_tensor(params, cute.make_ordered_layout(shape, (4, 3, 2, 1, 0)))
         self.kernel(mSrc, mPage, mSlot, mCodes, mParams).launch(grid=[tiles, kv_heads, 1], block=[THREADS, 1, 1],
                                                                   stream=stream)
@@ -212,17 +225,21 @@ class Quantize:
                mParams: cute.Tensor):
         cfg = self.cfg
         D, G = cfg.head_dim, cfg.group
+        rule, pairs = cfg.rule, cfg.param_fields == 2
+        absmax = rule.range == "absmax"
         tidx, _, _ = cute.arch.thread_idx()
         tile, head, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         sScale = smem.allocate_tensor(cutlass.Float32, cute.make_layout(cfg.groups), byte_alignment=16)
-        sOffset = smem.allocate_tensor(cutlass.Float32, cute.make_layout(cfg.groups), byte_alignment=16)
+        if cutlass.const_expr(pairs):
+            sOffset = smem.allocate_tensor(cutlass.Float32, cute.make_layout(cfg.groups), byte_alignment=16)
         page = mPage[tile]
         if page >= 0:  # uniform per CTA: a skipped granule writes nothing
             slot = mSlot[tile]
             levels = cutlass.Float32(self.levels)
+            steps = cutlass.Float32(rule.steps)
 
-            # ---- phase 1: (scale, offset) of every group ----------------------------------------
+            # ---- phase 1: the params of every group ----------------------------------------------
             for step in cutlass.range_constexpr(self.group_steps):
                 grp = step * THREADS + tidx
                 if grp < cfg.groups:
@@ -230,30 +247,45 @@ class Quantize:
                         token, c0 = grp // (D // G), (grp % (D // G)) * G
                         lo = mSrc[tile, head, token, c0].to(cutlass.Float32)
                         hi = lo
+                        if cutlass.const_expr(absmax):
+                            hi = cute.math.absf(lo)
                         for i in cutlass.range(1, G, unroll=8):
                             x = mSrc[tile, head, token, c0 + i].to(cutlass.Float32)
-                            lo = cute.arch.fmin(lo, x)
-                            hi = cute.arch.fmax(hi, x)
+                            if cutlass.const_expr(absmax):
+                                hi = cute.arch.fmax(hi, cute.math.absf(x))
+                            else:
+                                lo = cute.arch.fmin(lo, x)
+                                hi = cute.arch.fmax(hi, x)
                     else:
                         t0, channel = (grp // D) * G, grp % D
                         lo = mSrc[tile, head, t0, channel].to(cutlass.Float32)
                         hi = lo
+                        if cutlass.const_expr(absmax):
+                            hi = cute.math.absf(lo)
                         for i in cutlass.range(1, G, unroll=8):
                             x = mSrc[tile, head, t0 + i, channel].to(cutlass.Float32)
-                            lo = cute.arch.fmin(lo, x)
-                            hi = cute.arch.fmax(hi, x)
+                            if cutlass.const_expr(absmax):
+                                hi = cute.arch.fmax(hi, cute.math.absf(x))
+                            else:
+                                lo = cute.arch.fmin(lo, x)
+                                hi = cute.arch.fmax(hi, x)
+                    if cutlass.const_expr(absmax):
+                        lo = cutlass.Float32(0.0)  # the rule's range is [0, max |x|]
                     offset = lo.to(cutlass.Float16)
-                    scale = cute.math.div(hi - lo, levels, rounding=cute.math.RoundingMode.NEAREST_EVEN).to(
+                    scale = cute.math.div(hi - lo, steps, rounding=cute.math.RoundingMode.NEAREST_EVEN).to(
                         cutlass.Float16
                     )
                     if cutlass.const_expr(cfg.axis is Axis.TOKEN):
                         mParams[page, head, slot + token, c0 // G, 0] = scale
-                        mParams[page, head, slot + token, c0 // G, 1] = offset
+                        if cutlass.const_expr(pairs):
+                            mParams[page, head, slot + token, c0 // G, 1] = offset
                     else:
                         mParams[page, head, slot // G + t0 // G, channel, 0] = scale
-                        mParams[page, head, slot // G + t0 // G, channel, 1] = offset
+                        if cutlass.const_expr(pairs):
+                            mParams[page, head, slot // G + t0 // G, channel, 1] = offset
                     sScale[grp] = scale.to(cutlass.Float32)
-                    sOffset[grp] = offset.to(cutlass.Float32)
+                    if cutlass.const_expr(pairs):
+                        sOffset[grp] = offset.to(cutlass.Float32)
             cute.arch.sync_threads()
 
             # ---- phase 2: one packed word per thread and step -----------------------------------
@@ -271,12 +303,19 @@ class Quantize:
                             else:
                                 grp = (token // G) * D + channel
                             s = sScale[grp]
-                            z = sOffset[grp]
+                            if cutlass.const_expr(pairs):
+                                z = sOffset[grp]
                             x = mSrc[tile, head, token, channel].to(cutlass.Float32)
                             code = cutlass.Int32(0)  # a constant group (scale 0) has codes 0
                             if s != cutlass.Float32(0.0):
-                                y = cute.math.div(x - z, s, rounding=cute.math.RoundingMode.NEAREST_EVEN)
-                                y = cute.arch.fmin(cute.arch.fmax(cute.math.roundeven(y), cutlass.Float32(0.0)), levels)
+                                if cutlass.const_expr(pairs):
+                                    y = cute.math.div(x - z, s, rounding=cute.math.RoundingMode.NEAREST_EVEN)
+                                else:
+                                    y = cute.math.div(x, s, rounding=cute.math.RoundingMode.NEAREST_EVEN)
+                                y = cute.math.roundeven(y)
+                                if cutlass.const_expr(rule.shift != 0):
+                                    y = y + cutlass.Float32(rule.shift)
+                                y = cute.arch.fmin(cute.arch.fmax(y, cutlass.Float32(0.0)), levels)
                                 code = y.to(cutlass.Int32)
                             packed = packed | (code << (cfg.bits * (e * self.ppw + k)))
                     mCodes[page, head, slot // TILE_TOKENS + t, word] = packed
@@ -318,7 +357,8 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
         ("dest_page", dest_page, torch.int32, (tiles,)),
         ("dest_slot", dest_slot, torch.int32, (tiles,)),
         ("codes", codes, torch.int32, (num_pages, kv_heads, tiles_per_page, cfg.geometry.words)),
-        ("params", params, torch.float16, (num_pages, kv_heads, *params_shape(cfg.axis, cfg.group, page_size, dim), 2)),
+        ("params", params, torch.float16, (num_pages, kv_heads, *params_shape(cfg.axis, cfg.group, page_size, dim),
+                                           cfg.param_fields)),
     ]
     for name, t, dtype, shape in expected:
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_cuda or not t.is_contiguous():
