@@ -11,9 +11,10 @@ counters are a persistent workspace zeroed once when allocated.
 Work-list partials (:meth:`SplitMerge.merge_items`) merge in two levels past ``TWO_LEVELS_PAST`` parts: the last
 CTA of each group of ``GROUP`` consecutive parts merges its group into the group's first partial (fp32, in place),
 and the last group's merging CTA merges the groups. One CTA alone reading 64 partials (256 KB at 8 query rows x 128
-channels) reads in 8 rounds of loads; two levels read in 1 + 1 but pay a second fence, count and lse round
-(benchmarks/NOTES.md section 28: 1.2-1.6 us faster at 64 parts, 2 us slower at 16). The group counters follow the
-(sequence, KV head) counters: :func:`counter_words` sizes the workspace.
+channels) reads in 8 rounds of loads; two levels read in 2 + 1 but pay a second fence, count and lse round
+(benchmarks/NOTES.md section 28: faster at 64 parts, slower at 16). A group's merge loads ``BATCH / 2`` partials at
+once: with all of ``BATCH`` the Hopper cache decode spilled a register. The group counters follow the (sequence,
+KV head) counters: :func:`counter_words` sizes the workspace.
 
 Memory ordering (PTX memory model, the "last block" pattern of the CUDA reduction samples):
 every thread fences (gpu scope) after its partial stores, the CTA's threads meet at a barrier,
@@ -55,17 +56,18 @@ class PartialSum:
 
     @cute.jit
     def accumulate(self, acc: cute.Tensor, o_row: cute.Tensor, lse_row: cute.Tensor, reference: Float32, vec: Int32,
-                   first: Int32, step: Int32, count: Int32):
-        """``acc`` fp32 (VEC,) registers; ``o_row`` fp32 (count, D); ``lse_row`` (count,)."""
-        for base in cutlass.range(first, count, step * BATCH, unroll=1):
-            parts = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(BATCH)]
-            lses = [None] * BATCH
-            for k in cutlass.range_constexpr(BATCH):
+                   first: Int32, step: Int32, count: Int32, batch: int = BATCH):
+        """``acc`` fp32 (VEC,) registers; ``o_row`` fp32 (count, D); ``lse_row`` (count,); ``batch``: partials whose
+        loads issue at once (``BATCH``)."""
+        for base in cutlass.range(first, count, step * batch, unroll=1):
+            parts = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(batch)]
+            lses = [None] * batch
+            for k in cutlass.range_constexpr(batch):
                 s = cutlass.min(base + k * step, count - 1)
                 lses[k] = lse_row[s]
                 # ((VEC), (D / VEC))
                 cute.autovec_copy(cute.zipped_divide(o_row[s, None], (VEC,))[None, vec], parts[k])
-            for k in cutlass.range_constexpr(BATCH):
+            for k in cutlass.range_constexpr(batch):
                 lse_s = fsel(base + k * step < count, lses[k], Float32(NEG_INF))
                 weight = lse_weight(lse_s, reference)
                 for i in cutlass.range_constexpr(VEC):
@@ -123,14 +125,11 @@ class SplitMerge:
                                  cute.make_layout((cols, total, D), stride=((total * D, token_rows * D), D, 1))),
                 cute.make_tensor(lse_part + row0 * total, cute.make_layout((cols, total), stride=((total, token_rows), 1))))
 
-    def item_major(self, o_part: cute.Pointer, lse_part: cute.Pointer, item0: Int32, total: Int32, step: int = 1):
+    def item_major(self, o_part: cute.Pointer, lse_part: cute.Pointer, item0: Int32, total: Int32, step=1):
         """The same for partials held per work item (``foscar.work_list``): ``o [items, R, D]``,
         ``lse [items, R]``, ``total`` items ``item0, item0 + step, ...``."""
         D, R = self.D, self.R
         first = item0.to(Int64) * R
-        if cutlass.const_expr(step == 1):
-            return (cute.make_tensor(o_part + first * D, cute.make_ordered_layout((R, total, D), (1, 2, 0))),
-                    cute.make_tensor(lse_part + first, cute.make_ordered_layout((R, total), (0, 1))))
         return (cute.make_tensor(o_part + first * D, cute.make_layout((R, total, D), stride=(D, step * R * D, 1))),
                 cute.make_tensor(lse_part + first, cute.make_layout((R, total), stride=(1, step * R))))
 
@@ -141,22 +140,23 @@ class SplitMerge:
         """After this CTA wrote work item ``item0 + part``'s partial: count it, and merge where it was the last
         (see the module docstring). ``head``: the (sequence, KV head)'s index of ``heads`` (its counter;
         its group counters follow all ``heads`` counters); the rest as :meth:`merge`."""
-        if parts <= TWO_LEVELS_PAST:
-            if self.arrive(counters + head, flag, parts, tc):
-                self.merge(scratch, lambda: self.item_major(o_part, lse_part, item0, parts), out, lse, row0, kv_heads,
-                           parts, tc)
-        else:
-            group, groups = part // GROUP, (parts + GROUP - 1) // GROUP
+        counts = Int32(1)  # whether this CTA counts on the (sequence, KV head)'s counter: a part, or a group
+        inputs, step = parts, Int32(1)  # what the last to count there merges: items item0, item0 + step, ...
+        if parts > TWO_LEVELS_PAST:
+            group = part // GROUP
             first = item0 + group * GROUP
             members = cutlass.min(parts - group * GROUP, GROUP)
-            group_counter = counters + (heads + head * self.groups_per_head + group)
-            if self.arrive(group_counter, flag, members, tc):
+            counts = Int32(0)
+            if self.arrive(counters + (heads + head * self.groups_per_head + group), flag, members, tc):
                 at0 = first.to(Int64) * self.R
                 self.merge(scratch, lambda: self.item_major(o_part, lse_part, first, members), o_part + at0 * self.D,
                            lse_part + at0, Int64(0), kv_heads, members, tc, partial=True)
-                if self.arrive(counters + head, flag, groups, tc):
-                    self.merge(scratch, lambda: self.item_major(o_part, lse_part, item0, groups, GROUP), out, lse,
-                               row0, kv_heads, groups, tc)
+                counts = Int32(1)
+            inputs, step = (parts + GROUP - 1) // GROUP, Int32(GROUP)
+        if counts != 0:
+            if self.arrive(counters + head, flag, inputs, tc):
+                self.merge(scratch, lambda: self.item_major(o_part, lse_part, item0, inputs, step), out, lse, row0,
+                           kv_heads, inputs, tc)
 
     @cute.jit
     def merge(self, scratch: cute.Pointer, partials, out: cute.Pointer, lse: cute.Pointer, row0, kv_heads: Int32,
@@ -197,7 +197,7 @@ class SplitMerge:
             acc = cute.make_rmem_tensor((VEC,), Float32)
             acc.fill(0.0)
             self.partial_sum.accumulate(acc, o_rows[r, None, None], lse_rows[r, None], w[self.M + r], vec, 0, 1,
-                                        total)
+                                        total, BATCH // 2 if partial else BATCH)
             weights = w[self.L + r]
             inv = fsel(weights > Float32(0.0), cute.arch.rcp_approx(weights), Float32(0.0))
             out_dtype = Float32 if cutlass.const_expr(partial) else self.out_dtype
