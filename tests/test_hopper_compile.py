@@ -230,7 +230,8 @@ def test_cache_decode_fuses_window_tiles(scheme, page_size):
     if dtype == "bf16":  # FP16 windows share the packed tiles' MMA type
         assert ptx.count(window_mma) == 2 * (scheme.head_dim // 16) * n_blocks
     assert ptx.count("movmatrix.sync.aligned.m8n8.trans.b16") >= 4 * (scheme.head_dim // 16) + 2 * n_blocks
-    assert "atom.global.acq_rel.add.u32" in ptx and ptx.count("fence.acq_rel.gpu") == 2
+    # the split merge's release and acquire fences, one pair per level (foscar.split_merge: two past 16 parts)
+    assert "atom.global.acq_rel.add.u32" in ptx and ptx.count("fence.acq_rel.gpu") == 4
     assert ptx.count("shfl.sync.up.b32") >= 10  # the work list: two block-wide scans of 5 steps (foscar.work_list)
     assert BLOCK == 16
     # the window tiles add no spill to the decode's (some variants spill a few words with 3 warpgroups)
