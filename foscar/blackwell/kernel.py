@@ -101,6 +101,7 @@ from .operands import recipe_for
 from .pipeline import tcgen05_fence_after, tcgen05_fence_before
 from .primitives import STEP, WG, fabs, hilo, max4, pow2_scale, scalar
 from .sequence import STEP_TILES, DecodeSequence
+from .window import cache_words
 
 # warpgroup roles
 WG_MMA, WG_PREP, WG_SOFTMAX, WG_OUTPUT = 0, 1, 2, 3
@@ -116,11 +117,13 @@ class BlackwellConfig:
     Per tensor it reads the plan's fold case (``plan.k``, ``plan.v``: group, bits, construction,
     params geometry) and the operand recipe of its bits (``foscar.blackwell.operands``), so K and
     V may differ in bits (FP8 K operands with FP4 V operands, or the reverse). ``tokens``: query tokens per
-    sequence (``foscar.query_rows``: gqa x tokens query columns; the cache decode's window launch masks them,
+    sequence (``foscar.query_rows``: gqa x tokens query columns; the cache decode's window blocks mask them,
     or, with ``packed_causal`` (``decode_paged``: the query tokens are the packed pages' last), the packed
-    steps)."""
+    steps). ``window``: the cache decode's 16-bit window blocks (``foscar.window_tiles.WindowOperands``), whose
+    shared memory (``foscar.blackwell.window``) comes out of the ring's budget."""
 
-    def __init__(self, scheme: Scheme, page_size: int, split: bool, tokens: int = 1, packed_causal: bool = False):
+    def __init__(self, scheme: Scheme, page_size: int, split: bool, tokens: int = 1, packed_causal: bool = False,
+                 window=None):
         check_page_size(scheme, page_size)
         if not 1 <= scheme.gqa_ratio <= 16:
             raise NotImplementedError("the Blackwell kernel supports gqa_ratio 1..16")
@@ -165,6 +168,7 @@ class BlackwellConfig:
         self.tmem_cols = max(32, 1 << (ss * self.S_COLS + os_ * self.O_COLS - 1).bit_length())
         self.q_dtype = half_type(scheme.q_dtype)
         self.threads = 4 * WG
+        self.window = window
         # ---- ring of bulk-copied 64-token tiles (int32 words): K codes | V codes | K params | V params.
         # Channel-wise V params are consumed by the output warpgroup, which runs a step behind the
         # others: the softmax warpgroup copies the step's (scale, offset) rows from the ring into a
@@ -220,7 +224,9 @@ class BlackwellConfig:
         corr = self.vh.corr_words * 4
         misc = self.kh.qf_words * 4 + sm_.MAX_STEP_GROUPS * self.D * 4 + 2 * 4 * sm_.red_words(self.P_STAGES) + 4096
         vp = self.P_BUFS * self.vh.vp_words * 4
-        return operands + p + ring + corr + misc + vp + self.OP_STAGES * 4 * sm_.KINFO
+        # the cache decode's areas (16-byte aligned) after the rest
+        window = 0 if self.window is None else sum((4 * words + 15) // 16 * 16 for words in cache_words(self.window).values())
+        return operands + p + ring + corr + misc + vp + self.OP_STAGES * 4 * sm_.KINFO + window
 
 
 
@@ -304,9 +310,10 @@ class BlackwellDecodeKernel:
         sP_layout = sm100_utils.make_smem_layout_b(mma_pv, (STEP, cfg.NM, STEP), Float8E4M3FN, cfg.P_BUFS * cfg.P_STAGES)
         return mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout
 
-    def shared_storage(self, sK_layout, sV_layout, sQ_layout, sP_layout):
+    def shared_storage(self, sK_layout, sV_layout, sQ_layout, sP_layout, **extra):
         """Shared memory (a ``cute.struct``, built from a dict: this module's annotations are strings
-        (PEP 563) outside jit functions); the small areas' offsets: ``foscar.blackwell.storage``."""
+        (PEP 563) outside jit functions); the small areas' offsets: ``foscar.blackwell.storage``; ``extra``:
+        the fields a subclass names."""
         cfg = self.cfg
         n_mbar = 2 * (cfg.RING + cfg.OP_STAGES + cfg.S_STAGES + 2 * cfg.P_BUFS + cfg.O_STAGES)
         sizes = cfg.smem_words()
@@ -323,6 +330,7 @@ class BlackwellDecodeKernel:
             # sZ z[d, t] of the step (channel-wise K), sRed softmax x2 by step parity, sRedP prep,
             # sCorr token-wise V offset terms, sVp channel-wise V (scale, offset) fp16 pairs per P buffer
             **{name: Align[MemRange[Int32 if name == "sVp" else Float32, size], 16] for name, size in sizes.items()},
+            **extra,
         }
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -397,9 +405,9 @@ class BlackwellDecodeKernel:
 
     @cute.jit
     def run(self, mmas: MmaSetup, SharedStorage, q_ptr: cute.Pointer, pages: PackedPages, out: Output, head: KvHead,
-            scale_log2: Float32, seq):
+            scale_log2: Float32, seq, storage=None):
         """The CTA of ``head``, writing ``out`` (its sequence's split: ``seq``, ``foscar.blackwell.sequence``):
-        shared memory, barriers, TMEM, then the four roles."""
+        shared memory (``storage``, where the caller allocated it already), barriers, TMEM, then the four roles."""
         cfg = self.cfg
         NM, D = cfg.NM, cfg.D
         tidx, _, _ = cute.arch.thread_idx()
@@ -410,8 +418,8 @@ class BlackwellDecodeKernel:
         wq = (tidx // 32) % 4  # warp within its warpgroup
 
         # ---------------------------------------------------------------- shared memory
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        if cutlass.const_expr(storage is None):
+            storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sizes = cfg.smem_words()
         # the named tensors every role and fold hook reads (offsets: foscar.blackwell.storage)
         sm = sm_.Smem(
@@ -805,11 +813,12 @@ class BlackwellDecodeKernel:
             o_ch.release(step)  # O stage free for the PV of step + O_STAGES
             st_ch.release(step)
         NamedBarrier(BlackwellDecodeBarrier.FINAL, 2 * WG).arrive_and_wait()
-        self.epilogue(sm, accO, out, head, t)
+        self.epilogue(sm, accO, out, head, seq, t)
 
     @cute.jit
-    def epilogue(self, sm, accO, out: Output, head: KvHead, t):
-        """Add the V hook's offset term of the channel, normalise by l, write o and the LSE to ``out``."""
+    def epilogue(self, sm, accO, out: Output, head: KvHead, seq, t):
+        """Add the V hook's offset term of the channel, normalise by l, write o and the LSE to ``out`` (``seq``:
+        the CTA's sequence, which the cache decode's epilogue reads)."""
         cfg = self.cfg
         N, D, R = cfg.N, cfg.D, cfg.R
         o_ptr, lse_ptr = out.o, out.lse  # (``out`` named in an assignment in an `if`: a value the `if` writes)
