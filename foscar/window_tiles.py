@@ -170,19 +170,19 @@ class WindowOperands:
         return frag
 
     @cute.jit
-    def scores(self, mma, k_rows: cute.Pointer, slot0, q_t, scale_log2: Float32, valid, visible=None):
+    def scores(self, mma, k_rows: cute.Pointer, slot0, q_t, scale_log2: Float32, valid, visible=None,
+               unrolled: cutlass.Constexpr = True):
         """S^T of the 16 slots from ``slot0`` of the shared K rows (log2 domain; -inf where ``valid[h_r]``
         is false, or ``visible(nb, i)``, if given, is): NB accumulator values ``i = 4*nb + e + 2*h_r`` = slot
-        ``slot0 + g + 8*h_r``, query column ``8*nb + 2*tq + e``."""
+        ``slot0 + g + 8*h_r``, query column ``8*nb + 2*tq + e``. ``unrolled=False``: a runtime loop over the k16
+        blocks, for threads short of registers (``q_t`` then indexed by a runtime ``kb``)."""
         acc = [mma.zero_accumulator() for _ in range(self.NB)]
-        for kb in cutlass.range_constexpr(self.D // 16):
-            a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # K: value e + 2*h_r + 4*h_c, slot g + 8*h_r
-            regs = cute.recast_tensor(a, Int32)
-            for hr in cutlass.range_constexpr(2):
-                for hc in cutlass.range_constexpr(2):
-                    regs[hr + 2 * hc] = self.row_word(k_rows, slot0 + mma.g + 8 * hr, 16 * kb + 2 * mma.tq + 8 * hc)
-            for nb in cutlass.range_constexpr(self.NB):
-                mma.gemm(acc[nb], a, q_t[nb][kb])
+        if cutlass.const_expr(unrolled):
+            for kb in cutlass.range_constexpr(self.D // 16):
+                self.score_block(mma, k_rows, slot0, q_t, acc, kb)
+        else:
+            for kb in cutlass.range(self.D // 16, unroll=1):
+                self.score_block(mma, k_rows, slot0, q_t, acc, kb)
         s = cute.make_rmem_tensor((4 * self.NB,), Float32)
         for nb in cutlass.range_constexpr(self.NB):
             for i in cutlass.range_constexpr(4):
@@ -191,6 +191,16 @@ class WindowOperands:
                     keep = keep & visible(nb, i)
                 s[4 * nb + i] = fsel(keep, acc[nb][i] * scale_log2, Float32(NEG_INF))
         return s
+
+    def score_block(self, mma, k_rows: cute.Pointer, slot0, q_t, acc, kb):
+        """``acc[nb] += K . Q^T`` over k16 block ``kb`` (:meth:`scores`)."""
+        a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # K: value e + 2*h_r + 4*h_c, slot g + 8*h_r
+        regs = cute.recast_tensor(a, Int32)
+        for hr in range(2):
+            for hc in range(2):
+                regs[hr + 2 * hc] = self.row_word(k_rows, slot0 + mma.g + 8 * hr, 16 * kb + 2 * mma.tq + 8 * hc)
+        for nb in range(self.NB):
+            mma.gemm(acc[nb], a, q_t[nb][kb])
 
     @cute.jit
     def probability_fragments(self, mma, p):

@@ -44,8 +44,8 @@ from ..work_list import MAX_SPLITS, CacheWork, WorkList
 from . import storage as sm_
 from .kernel import BlackwellConfig, BlackwellDecodeKernel, MmaSetup
 from .primitives import WG, scalar
-from .sequence import PlannedSequence
-from .window import PrepWindow, WindowSlots, cache_words
+from .sequence import PlannedHead, PlannedSequence
+from .window import PrepWindow, WindowSlots, cache_areas, cache_bytes
 
 __all__ = ["BlackwellCacheDecodeKernel", "cache_decode_config"]
 
@@ -89,12 +89,6 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
         self.window = PrepWindow(cfg)
         self.merger = SplitMerge(cfg.D, cfg.rows, WG, BlackwellDecodeBarrier.MERGE, cfg.q_dtype)
 
-    def cache_storage(self, mmas):
-        """The decode kernel's shared memory and the cache decode's areas (``foscar.blackwell.window.cache_words``)."""
-        Align, MemRange = cute.struct.Align, cute.struct.MemRange
-        extra = {name: Align[MemRange[Int32, words], 16] for name, words in cache_words(self.cfg.window).items()}
-        return self.shared_storage(*mmas[3:], **extra)
-
     @cute.jit
     def __call__(
         self,
@@ -124,11 +118,12 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
         stream: cuda.CUstream,
     ):
         mmas = self.mmas_and_layouts()
-        SharedStorage = self.cache_storage(mmas)
+        SharedStorage = self.shared_storage(*mmas[3:])
         self.launch(self.kernel(*mmas, SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
                                 seq_lengths, k_win, v_win, o_part, lse_part, out, lse, counters, batch, kv_heads,
                                 max_pages, budget, sink, ring, window, sm_scale * LOG2E),
-                    (budget + batch * kv_heads, 1, 1), SharedStorage, stream)  # foscar.work_list.grid_ctas
+                    (budget + batch * kv_heads, 1, 1),  # foscar.work_list.grid_ctas
+                    SharedStorage.size_in_bytes() + cache_bytes(self.cfg.window), stream)
 
     @cute.kernel
     def kernel(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, desc_mma: cute.TiledMma,
@@ -141,28 +136,37 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
                budget: Int32, sink: Int32, ring: Int32, window: Int32, scale_log2: Float32):
         x, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        # the cache decode's areas apart from the decode's SharedStorage, which run() allocates: inside the runtime
+        # `if` below, so the ring's and operands' addresses stay constants (allocated here, the prep warpgroup's
+        # hoisted operand addresses spilled at head_dim 256)
+        areas = cutlass.memory.SmemAllocator().allocate(cache_areas(self.cfg.window))
         pages = PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages)
         slots = WindowSlots(k_win, v_win, sink, ring, window)
         win_units = self.cache_work.window_units(slots.sink, slots.ring)
         work_of = lambda b: self.cache_work.sequence(seq_rows, seq_lengths, b, slots.sink, slots.window,  # noqa: E731
                                                      win_units)
-        b, h, _part, _parts, _item0, _facts, valid = self.work.find(x, batch, kv_heads, budget, work_of,
-                                                                    storage.plan.data_ptr(), tidx)
+        *_item, valid = self.work.find(x, batch, kv_heads, budget, work_of, areas.plan.data_ptr(), tidx)
         if valid:  # (CTAs past the last item exit)
-            seq = PlannedSequence(self.work, storage.plan.data_ptr(), pages.page_table, pages.max_pages, slots,
-                                  self.granule)
-            dest = CacheOutput(o_part, lse_part, out, lse, counters, storage.win_kv.data_ptr(),
-                               storage.win_ml.data_ptr(), storage.merge.data_ptr(), storage.last.data_ptr())
-            self.run(MmaSetup(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout), SharedStorage,
-                     q_ptr, pages, dest, KvHead(b, h, kv_heads), scale_log2, seq, storage)
+            self.attend_item(MmaSetup(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout),
+                             SharedStorage, areas, q_ptr, pages, slots,
+                             CacheOutput(o_part, lse_part, out, lse, counters, areas.win_kv.data_ptr(),
+                                         areas.win_ml.data_ptr(), areas.merge.data_ptr(), areas.last.data_ptr()),
+                             kv_heads, scale_log2)
+
+    @cute.jit
+    def attend_item(self, mmas: MmaSetup, SharedStorage, areas, q_ptr: cute.Pointer, pages: PackedPages,
+                    slots: WindowSlots, out: CacheOutput, kv_heads: Int32, scale_log2: Float32):
+        """The decode CTA (``BlackwellDecodeKernel.run``) over the item the work list planned into ``areas``."""
+        seq = PlannedSequence(self.work, areas, pages.page_table, pages.max_pages, slots, self.granule)
+        self.run(mmas, SharedStorage, q_ptr, pages, out, PlannedHead(self.work, areas.plan.data_ptr(), kv_heads),
+                 scale_log2, seq)
 
     @cute.jit
     def prep(self, sm, storage, mmas: MmaSetup, ch, q_ptr: cute.Pointer, seq, head: KvHead, scale_log2: Float32, t,
              lane, wq, nd: cutlass.Constexpr):
         """The preparation warpgroup: the packed steps' operands, then the window blocks."""
         BlackwellDecodeKernel.prep(self, sm, storage, mmas, ch, q_ptr, seq, head, scale_log2, t, lane, wq, nd)
-        self.window.attend(storage, seq, q_ptr, head.kv_heads, scale_log2)
+        self.window.attend(seq, q_ptr, head.kv_heads, scale_log2)
 
     @cute.jit
     def epilogue(self, sm, accO, out: CacheOutput, head: KvHead, seq, t):

@@ -101,7 +101,7 @@ from .operands import recipe_for
 from .pipeline import tcgen05_fence_after, tcgen05_fence_before
 from .primitives import STEP, WG, fabs, hilo, max4, pow2_scale, scalar
 from .sequence import STEP_TILES, DecodeSequence
-from .window import cache_words
+from .window import cache_bytes
 
 # warpgroup roles
 WG_MMA, WG_PREP, WG_SOFTMAX, WG_OUTPUT = 0, 1, 2, 3
@@ -190,7 +190,7 @@ class BlackwellConfig:
         # two operand stages double the prep warpgroup's hoisted store addresses: with 8 K + V
         # vectors per thread per tile (INT4, head_dim 256) that spills, so those keep one operand stage
         op2 = () if (self.k_op.vectors + self.v_op.vectors) // WG >= 8 else (("OP_STAGES", 2),)
-        for attr, val in (*op2, ("RING", 4), ("P_BUFS", 2), ("RING", 6), ("RING", 8)):
+        for attr, val in (*op2, ("RING", 4), ("P_BUFS", 2), *((("RING", 6),) if window is None else ()), ("RING", 8)):
             old = getattr(self, attr)
             setattr(self, attr, val)
             if self.smem_bytes() > SMEM_BUDGET:
@@ -224,8 +224,7 @@ class BlackwellConfig:
         corr = self.vh.corr_words * 4
         misc = self.kh.qf_words * 4 + sm_.MAX_STEP_GROUPS * self.D * 4 + 2 * 4 * sm_.red_words(self.P_STAGES) + 4096
         vp = self.P_BUFS * self.vh.vp_words * 4
-        # the cache decode's areas (16-byte aligned) after the rest
-        window = 0 if self.window is None else sum((4 * words + 15) // 16 * 16 for words in cache_words(self.window).values())
+        window = 0 if self.window is None else cache_bytes(self.window)
         return operands + p + ring + corr + misc + vp + self.OP_STAGES * 4 * sm_.KINFO + window
 
 
@@ -310,10 +309,9 @@ class BlackwellDecodeKernel:
         sP_layout = sm100_utils.make_smem_layout_b(mma_pv, (STEP, cfg.NM, STEP), Float8E4M3FN, cfg.P_BUFS * cfg.P_STAGES)
         return mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout
 
-    def shared_storage(self, sK_layout, sV_layout, sQ_layout, sP_layout, **extra):
+    def shared_storage(self, sK_layout, sV_layout, sQ_layout, sP_layout):
         """Shared memory (a ``cute.struct``, built from a dict: this module's annotations are strings
-        (PEP 563) outside jit functions); the small areas' offsets: ``foscar.blackwell.storage``; ``extra``:
-        the fields a subclass names."""
+        (PEP 563) outside jit functions); the small areas' offsets: ``foscar.blackwell.storage``."""
         cfg = self.cfg
         n_mbar = 2 * (cfg.RING + cfg.OP_STAGES + cfg.S_STAGES + 2 * cfg.P_BUFS + cfg.O_STAGES)
         sizes = cfg.smem_words()
@@ -330,7 +328,6 @@ class BlackwellDecodeKernel:
             # sZ z[d, t] of the step (channel-wise K), sRed softmax x2 by step parity, sRedP prep,
             # sCorr token-wise V offset terms, sVp channel-wise V (scale, offset) fp16 pairs per P buffer
             **{name: Align[MemRange[Int32 if name == "sVp" else Float32, size], 16] for name, size in sizes.items()},
-            **extra,
         }
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -357,14 +354,15 @@ class BlackwellDecodeKernel:
         SharedStorage = self.shared_storage(*mmas[3:])
         self.launch(self.kernel(*mmas, SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, len_ptr, o_ptr,
                                 lse_ptr, kv_heads, max_pages, num_splits, sm_scale * LOG2E),
-                    (num_splits, kv_heads, batch), SharedStorage, stream)
+                    (num_splits, kv_heads, batch), SharedStorage.size_in_bytes(), stream)
 
-    def launch(self, kernel, grid, SharedStorage, stream):
-        """Launch a traced ``kernel`` (one CTA per (split, KV head, batch entry))."""
+    def launch(self, kernel, grid, smem_bytes: int, stream):
+        """Launch a traced ``kernel`` (one CTA per (split, KV head, batch entry)) with ``smem_bytes`` of shared
+        memory."""
         kernel.launch(
             grid=grid,
             block=(self.cfg.threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
+            smem=smem_bytes,
             min_blocks_per_mp=1,  # .minnctapersm: lets ptxas honour the per-role setmaxnreg
             stream=stream,
         )
@@ -405,9 +403,9 @@ class BlackwellDecodeKernel:
 
     @cute.jit
     def run(self, mmas: MmaSetup, SharedStorage, q_ptr: cute.Pointer, pages: PackedPages, out: Output, head: KvHead,
-            scale_log2: Float32, seq, storage=None):
+            scale_log2: Float32, seq):
         """The CTA of ``head``, writing ``out`` (its sequence's split: ``seq``, ``foscar.blackwell.sequence``):
-        shared memory (``storage``, where the caller allocated it already), barriers, TMEM, then the four roles."""
+        shared memory, barriers, TMEM, then the four roles."""
         cfg = self.cfg
         NM, D = cfg.NM, cfg.D
         tidx, _, _ = cute.arch.thread_idx()
@@ -418,8 +416,8 @@ class BlackwellDecodeKernel:
         wq = (tidx // 32) % 4  # warp within its warpgroup
 
         # ---------------------------------------------------------------- shared memory
-        if cutlass.const_expr(storage is None):
-            storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
         sizes = cfg.smem_words()
         # the named tensors every role and fold hook reads (offsets: foscar.blackwell.storage)
         sm = sm_.Smem(

@@ -9,9 +9,11 @@ across it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int64
+from cutlass import Int32, Int64
 
 from ..window_tiles import quantized_tokens
 from ..layouts.fragment import TILE_TOKENS
@@ -20,7 +22,7 @@ from .primitives import STEP, scalar
 
 STEP_TILES = STEP // TILE_TOKENS  # 64-token tiles per 128-token step
 
-__all__ = ["DecodeSequence", "PlannedSequence", "STEP_TILES"]
+__all__ = ["DecodeSequence", "PlannedSequence", "PlannedHead", "STEP_TILES"]
 
 
 class DecodeSequence:
@@ -55,20 +57,21 @@ class DecodeSequence:
 
 class PlannedSequence(DecodeSequence):
     """``PagedKVCache``'s one-launch decode: the CTA attends the work item that ``work``
-    (``foscar.work_list.WorkList``) planned into the shared words at ``plan``, read again whenever a role asks
+    (``foscar.work_list.WorkList``) planned into the shared words ``areas.plan`` (``areas``: the cache decode's
+    shared areas, ``foscar.blackwell.window.cache_areas``), read again whenever a role asks
     (:meth:`item`: ``(b, h, part, parts, first item, (tokens, row), valid)``; the CTA's index read again too, so
     no register holds it across the role dispatch): part ``part`` of ``parts`` of
     cache row ``row``'s packed pages, whose ``seq_lengths[row]`` tokens keep ``quantized_tokens`` of them
     packed, the rest in the 16-bit ``slots`` (``foscar.blackwell.window.WindowSlots``)."""
 
-    def __init__(self, work, plan, page_table, max_pages, slots, granule: int):
+    def __init__(self, work, areas, page_table, max_pages, slots, granule: int):
         super().__init__(page_table, None, max_pages, None, None, None)
-        self.work, self.plan = work, plan
+        self.work, self.areas = work, areas
         self.slots, self.granule = slots, granule
 
     def item(self):
         x, _, _ = cute.arch.block_idx()
-        return self.work.planned(x, self.plan)
+        return self.work.planned(x, self.areas.plan.data_ptr())
 
     def tokens(self):
         _b, _h, _part, _parts, _first, (n, _row), _valid = self.item()
@@ -85,3 +88,27 @@ class PlannedSequence(DecodeSequence):
         """The part's packed tiles: whole 128-token steps."""
         _b, _h, part, parts, _first, _facts, _valid = self.item()
         return TileSpan.of_split(self.packed_tokens(), part, parts, STEP_TILES)
+
+
+@dataclass(frozen=True)
+class PlannedHead:
+    """The ``foscar.query_rows.KvHead`` of the CTA's planned item (:class:`PlannedSequence`): ``b`` and ``h``
+    read from the plan's shared words on each use, so no register holds them across the role dispatch (the
+    quotient ``h`` was spilled so); ``kv_heads`` a launch value."""
+
+    work: object  # foscar.work_list.WorkList
+    plan: cute.Pointer
+    kv_heads: Int32
+    row = None
+
+    @property
+    def b(self):
+        x, _, _ = cute.arch.block_idx()
+        b, _h, _part, _parts, _first, _facts, _valid = self.work.planned(x, self.plan)
+        return b
+
+    @property
+    def h(self):
+        x, _, _ = cute.arch.block_idx()
+        _b, h, _part, _parts, _first, _facts, _valid = self.work.planned(x, self.plan)
+        return h

@@ -41,7 +41,7 @@ from ..window_tiles import BLOCK, WindowOperands, slot_holds_token, slot_positio
 from ..work_list import PLAN_WORDS
 from .primitives import WG
 
-__all__ = ["cache_words", "WindowSlots", "PrepWindow"]
+__all__ = ["cache_areas", "cache_bytes", "WindowSlots", "PrepWindow"]
 
 
 def cache_words(ops: WindowOperands) -> dict[str, int]:
@@ -54,6 +54,20 @@ def cache_words(ops: WindowOperands) -> dict[str, int]:
         "merge": 2 * ops.R,  # foscar.split_merge.SplitMerge.scratch_words
         "last": 1,  # SplitMerge.arrive's answer
     }
+
+
+def cache_areas(ops: WindowOperands):
+    """The areas of :func:`cache_words` as a ``cute.struct`` (16-byte aligned fields: the ``cp.async`` rows), which
+    the cache decode allocates apart from the decode kernel's ``SharedStorage`` (``foscar.blackwell.cache_decode``)."""
+    Align, MemRange = cute.struct.Align, cute.struct.MemRange
+    fields = {name: Align[MemRange[Int32, words], 16] for name, words in cache_words(ops).items()}
+    return cute.struct(type("CacheAreas", (), {"__annotations__": fields}))
+
+
+def cache_bytes(ops: WindowOperands) -> int:
+    """Shared memory of :func:`cache_areas`, with the 1 KB the decode kernel's ``SharedStorage`` may be aligned past
+    it (its own alignment)."""
+    return sum((4 * words + 15) // 16 * 16 for words in cache_words(ops).values()) + 1024
 
 
 @dataclass(frozen=True)
@@ -78,7 +92,7 @@ class PrepWindow:
         self.MBW = self.D // 16 // 4  # channel blocks of O^T per warp
 
     @cute.jit
-    def attend(self, storage, seq, q_ptr: cute.Pointer, kv_heads: Int32, scale_log2: Float32):
+    def attend(self, seq, q_ptr: cute.Pointer, kv_heads: Int32, scale_log2: Float32):
         """The preparation warpgroup: the blocks ``part, part + parts, ...`` of the sequence's slots (``seq``:
         ``foscar.blackwell.sequence.PlannedSequence``) of KV head ``h`` into (O, m, l) in shared memory, then the
         arrival the output warpgroup's epilogue waits for. Its coordinates are read again here: none stays
@@ -90,7 +104,7 @@ class PrepWindow:
         b, h, part, parts, _item0, _facts, _valid = seq.item()
         head = KvHead(b, h, kv_heads)
         count = window_blocks(slots.sink + slots.ring, part, parts)
-        k_rows = cute.recast_ptr(storage.win_kv.data_ptr(), dtype=Int32)
+        k_rows = cute.recast_ptr(seq.areas.win_kv.data_ptr(), dtype=Int32)
         v_rows = k_rows + ops.rows_words(BLOCK)
         mma = WarpMma(ops.tiled_mma(), lane, self.NB)
         q_t = ops.query_on_demand(mma, q_ptr, self.cfg.rows.first(head.b, head.h, head.kv_heads), head.kv_heads)
@@ -115,7 +129,7 @@ class PrepWindow:
             self.attend_block(mma, q_t, k_rows, v_rows + 8 * self.MBW * wq, j0, holds, seq, qlen, n, m_run, l_run,
                               acc_o, scale_log2)
             NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()  # every warp done with the rows
-        self.hand_over(storage, mma, m_run, l_run, acc_o, wq)
+        self.hand_over(seq.areas, mma, m_run, l_run, acc_o, wq)
 
     @cute.jit
     def attend_block(self, mma: WarpMma, q_t, k_rows: cute.Pointer, v_rows: cute.Pointer, j0: Int32,
@@ -132,7 +146,8 @@ class PrepWindow:
             sees = cfg.rows.sees
             visible = lambda nb, i: sees(8 * nb + 2 * mma.tq + i % 2, positions[i // 2], n)  # noqa: E731
         # (4 NB): value 4*nb + e + 2*h_r = slot j0 + g + 8*h_r, query column 8*nb + 2*tq + e
-        sc = ops.scores(mma, k_rows, 0, q_t, scale_log2, valid, visible)
+        # (a runtime loop over the k16 blocks: unrolled, their loads would be hoisted past the warpgroup's registers)
+        sc = ops.scores(mma, k_rows, 0, q_t, scale_log2, valid, visible, unrolled=False)
         reference = cute.make_rmem_tensor((2 * self.NB,), Float32)
         for cs in cutlass.range_constexpr(2 * self.NB):  # column slot cs = e + 2*nb
             nb, e = cs // 2, cs % 2
@@ -154,12 +169,12 @@ class PrepWindow:
                 mma.gemm(acc_o[k][nb], a, p_t[nb])
 
     @cute.jit
-    def hand_over(self, storage, mma: WarpMma, m_run: cute.Tensor, l_run: cute.Tensor, acc_o, wq: Int32):
+    def hand_over(self, areas, mma: WarpMma, m_run: cute.Tensor, l_run: cute.Tensor, acc_o, wq: Int32):
         """O (unnormalized, fp32 [R, D] over the block's rows), m and l per query column into shared memory, then
         the window barrier's arrival (the output warpgroup waits on it)."""
         D, N, R = self.D, self.N, self.R
-        win_o = cute.make_tensor(cute.recast_ptr(storage.win_kv.data_ptr(), dtype=Float32), cute.make_layout((R * D,)))
-        win_ml = cute.make_tensor(cute.recast_ptr(storage.win_ml.data_ptr(), dtype=Float32), cute.make_layout((2 * N,)))
+        win_o = cute.make_tensor(cute.recast_ptr(areas.win_kv.data_ptr(), dtype=Float32), cute.make_layout((R * D,)))
+        win_ml = cute.make_tensor(cute.recast_ptr(areas.win_ml.data_ptr(), dtype=Float32), cute.make_layout((2 * N,)))
         for cs in cutlass.range_constexpr(2 * self.NB):
             l_run[cs] = reduce_over_rows(l_run[cs], operator.add)
         for k in cutlass.range_constexpr(self.MBW):
