@@ -1,6 +1,6 @@
 """The cache decode (foscar.hopper.cache_decode: packed tiles, the 16-bit sink/window tiles and the split merge in
-one launch, or two where the window tiles do not fit the ring; and foscar.kernels.sink_window, the
-Blackwell path's window launch) against the float64
+one launch, or two where the window tiles do not fit the ring; and foscar.kernels.sink_window, that second
+launch) against the float64
 attention over what the cache holds (``PagedKVCache.dense``), every element, tolerance 2x a BF16 torch computation's error.
 Ragged lengths cover every part boundary: inside the sink, inside the first window, one granule
 quantized, long; sequence ids out of order; one split and many (forced 1, 2, 5 too); GQA 1..16 (one and two n8 blocks
@@ -212,8 +212,8 @@ def test_empty_sequences_attend_to_the_empty_softmax(case, budget, rng):
 
 @pytest.mark.parametrize("case", [0, 8, 14], ids=lambda i: CASES[i][0].name)
 def test_window_kernel_matches_float64(case, rng):
-    """``foscar.kernels.sink_window`` -- the Blackwell cache decode's second launch (Hopper's only where
-    the window tiles do not fit its ring: the last case) -- on this GPU: sequences held entirely in the 16-bit slots (no packed part),
+    """``foscar.kernels.sink_window`` -- the Hopper cache decode's second launch where the window tiles do not
+    fit its ring (the last case) -- on this GPU: sequences held entirely in the 16-bit slots (no packed part),
     the decode launch's partial given as empty, against float64 over the cache."""
     from foscar.kernels.sink_window import sink_window_attend, window_ctas
 
