@@ -99,15 +99,19 @@ def _attend(scores, values):
 
 
 def _merge_in_cta(packed, window):
-    """BlackwellCacheDecodeKernel.merge_weights and merge_window: the normalized partial and lse of one item."""
+    """BlackwellCacheDecodeKernel.epilogue: the packed result normalized with its lse (the decode's epilogue), then
+    merged with the window's unnormalized (O, m, l) (merge_weights, store_element): the item's partial and lse."""
     (o_p, m_p, l_p), (o_w, m_w, l_w) = packed, window
-    m = np.maximum(m_p, m_w)
-    ref = np.where(np.isinf(m), 0.0, m)
-    w_p, w_w = np.exp2(m_p - ref), np.exp2(m_w - ref)
-    total = l_p * w_p + l_w * w_w
-    inv = np.where(total > 0, 1 / np.where(total > 0, total, 1), 0.0)
-    lse = np.where(total > 0, (m + np.log2(np.where(total > 0, total, 1))) * math.log(2), -np.inf)
-    return o_p * (w_p * inv)[:, None] + o_w * (w_w * inv)[:, None], lse
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse_p = np.where(l_p > 0, (m_p + np.log2(l_p)) * math.log(2), -np.inf)
+        o_p = np.where(l_p[:, None] > 0, o_p / l_p[:, None], 0.0)
+        a, b = lse_p * math.log2(math.e), m_w + np.log2(l_w)  # -inf where a part saw nothing
+        ref = np.maximum(a, b)
+        ref = np.where(np.isinf(ref), 0.0, ref)
+        total = np.exp2(a - ref) + np.exp2(b - ref)
+        inv = np.where(total > 0, 1 / total, 0.0)
+        lse = np.where(total > 0, (ref + np.log2(total)) * math.log(2), -np.inf)
+    return o_p * (np.exp2(a - ref) * inv)[:, None] + o_w * (np.exp2(m_w - ref) * inv)[:, None], lse
 
 
 # ring: window + granule, more with rollback room (foscar.cache.PagedKVCache)
@@ -175,3 +179,16 @@ def test_compiles_for_sm100a_as_one_launch(scheme, page_size):
     assert "bar.arrive 6, 256" in cache.ptx  # the window's (O, m, l) handed to the output warpgroup
     assert len(re.findall(r"atom\.global\.acq_rel\.add\.u32", cache.ptx)) == 1  # SplitMerge.arrive
     assert cache.resources().local_bytes == 0
+
+
+def test_query_tokens_leave_room_for_the_window():
+    """Where several query tokens' columns leave no shared memory for the window blocks, a Blackwell launch takes
+    fewer tokens (the cache runs more launches), stated before anything compiles; elsewhere the query tile's
+    limit stands, as on Hopper."""
+    tight = Scheme.make(k="token", k_group=64, v="token", v_group=32, head_dim=256, gqa_ratio=7, k_bits=4, v_bits=4)
+    assert BLACKWELL.max_query_tokens(tight) == (1, "a query tile holds 16 columns per KV head: gqa_ratio=7 x tokens; "
+                                                    "2 leave no shared memory for the cache decode's window blocks")
+    with pytest.raises(ValueError, match="q: 2 query tokens .* takes 1..1 .*window blocks"):
+        BLACKWELL.compile_cache_decode(tight, 128, tokens=2)
+    for scheme, _page_size in SCHEMES:
+        assert BLACKWELL.max_query_tokens(scheme) == HOPPER.max_query_tokens(scheme), scheme.name

@@ -8,16 +8,19 @@ find its item (``WorkList.find``, into shared words that each role reads again a
 four warpgroup roles, tcgen05 MMAs) over part ``x`` of the (sequence, KV head)'s packed steps, and its
 preparation warpgroup attends the window blocks ``part, part + parts, ...`` after its last packed step
 (``foscar.blackwell.window``: ``mma.sync`` in the window's 16-bit type over the shared ``foscar.window_tiles``
-operands). The output warpgroup's epilogue merges the two ``(O, m, l)`` (log2 domain, exact) and writes the
-output (one part) or the item's normalized fp32 partial (``[items, R, D]``); with several parts the last CTA
-of the (sequence, KV head) merges them (``foscar.split_merge``: the cache's completion counters, left zero),
-in the output warpgroup. Every window byte is read once per KV head, in the same launch, as on Hopper.
+operands). The output warpgroup's epilogue writes the packed steps' normalized result and lse as the decode
+does, into the ring (free once the last O is in), then merges it with the window's ``(O, m, l)`` (log2 domain,
+exact) and writes the output (one part) or the item's normalized fp32 partial (``[items, R, D]``); with several
+parts the last CTA of the (sequence, KV head) merges them (``foscar.split_merge``: the cache's completion
+counters, left zero), in the output warpgroup. Every window byte is read once per KV head, in the same launch,
+as on Hopper.
 
-Every config fits: the window's shared memory (at most ~25 KB at head_dim 256) comes out of the ring, which
-then keeps fewer stages (``BlackwellConfig``), so there is no two-launch fallback (Hopper's, where a ring of
-window-sized stages does not fit, uses ``foscar.kernels.sink_window``). The cache's tensors are read in
-place: one launch, CUDA-graph capturable. Its pages must be in the Blackwell word order (the cache's append
-kernel writes its arch's order). Compile-verified only (no Blackwell GPU here).
+The window's shared memory (at most ~19 KB at head_dim 256) comes out of the ring, which then keeps fewer
+stages (``BlackwellConfig``), so there is no two-launch fallback (Hopper's, where a ring of window-sized stages
+does not fit, uses ``foscar.kernels.sink_window``); where several query tokens' columns leave no room, a launch
+takes fewer tokens (``foscar.blackwell.decode``: ``max_query_tokens``) and the cache runs more launches. The
+cache's tensors are read in place: one launch, CUDA-graph capturable. Its pages must be in the Blackwell word
+order (the append kernel writes its arch's order). Compile-verified only (no Blackwell GPU here).
 """
 
 from __future__ import annotations
@@ -32,16 +35,15 @@ from cutlass import Float32, Int32
 from cutlass.pipeline import NamedBarrier
 
 from ..barriers import BlackwellDecodeBarrier
-from ..device import LOG2E
+from ..device import LN2, LOG2E, fsel
 from ..jit import half_type
 from ..kernels.quantize import granule_of
 from ..pipeline import PackedPages
 from ..query_rows import KvHead, Output
-from ..softmax import finite_reference, normalize
+from ..softmax import finite_reference, merged_lse
 from ..split_merge import SplitMerge
 from ..window_tiles import WindowOperands
 from ..work_list import MAX_SPLITS, CacheWork, WorkList
-from . import storage as sm_
 from .kernel import BlackwellConfig, BlackwellDecodeKernel, MmaSetup
 from .primitives import WG, scalar
 from .sequence import PlannedHead, PlannedSequence
@@ -51,28 +53,29 @@ __all__ = ["BlackwellCacheDecodeKernel", "cache_decode_config"]
 
 
 def cache_decode_config(scheme, page_size: int, tokens: int = 1) -> BlackwellConfig:
-    """The split-output config with the window blocks' shared memory (``foscar.blackwell.window``)."""
+    """The split-output config with the window blocks' shared memory (``foscar.blackwell.window``); raises
+    NotImplementedError where it does not fit (``foscar.blackwell.decode``'s ``max_query_tokens`` avoids that)."""
     rows = BlackwellConfig(scheme, page_size, True, tokens).rows  # raises what the variant cannot build
-    return BlackwellConfig(scheme, page_size, True, tokens, window=WindowOperands(scheme.head_dim, rows,
-                                                                                  half_type(scheme.q_dtype)))
+    cfg = BlackwellConfig(scheme, page_size, True, tokens, window=WindowOperands(scheme.head_dim, rows,
+                                                                                half_type(scheme.q_dtype)))
+    if cfg.RING * cfg.STAGE_BYTES < 4 * (cfg.R * cfg.D + cfg.R):  # the epilogue's packed result over the ring
+        raise NotImplementedError(f"{scheme.name}: a ring of {cfg.RING} x {cfg.STAGE_BYTES} B is smaller than the "
+                                  f"packed result ({cfg.R} x {cfg.D} fp32 and its lse)")
+    return cfg
 
 
 @dataclass(frozen=True)
 class CacheOutput:
-    """What the epilogue reads and where its result goes: the output ``out [B, Hq, D]`` (q dtype) and ``lse [B,
-    Hq]``, the per-item fp32 partials ``o_part [items, R, D]``, ``lse_part [items, R]``, the completion
-    ``counters`` (int32, one per (sequence, KV head)); in shared memory the window's result (``win_o``: O [R, D]
-    fp32, ``win_ml``: m [N] | l [N]) and the merge's scratch and flag (``foscar.blackwell.window.cache_words``)."""
+    """Where the epilogue's result goes: the output ``out [B, Hq, D]`` (q dtype) and ``lse [B, Hq]``, the per-item
+    fp32 partials ``o_part [items, R, D]``, ``lse_part [items, R]``, the completion ``counters`` (int32, one per
+    (sequence, KV head)). (Its shared areas, the window's result and the merge's scratch, come from
+    ``seq.areas``: ``foscar.blackwell.window.cache_words``.)"""
 
     o_part: cute.Pointer
     lse_part: cute.Pointer
     out: cute.Pointer
     lse: cute.Pointer
     counters: cute.Pointer
-    win_o: cute.Pointer
-    win_ml: cute.Pointer
-    merge: cute.Pointer
-    last: cute.Pointer
 
 
 class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
@@ -149,8 +152,7 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
         if valid:  # (CTAs past the last item exit)
             self.attend_item(MmaSetup(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout),
                              SharedStorage, areas, q_ptr, pages, slots,
-                             CacheOutput(o_part, lse_part, out, lse, counters, areas.win_kv.data_ptr(),
-                                         areas.win_ml.data_ptr(), areas.merge.data_ptr(), areas.last.data_ptr()),
+                             CacheOutput(o_part, lse_part, out, lse, counters),
                              kv_heads, scale_log2)
 
     @cute.jit
@@ -169,61 +171,87 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
         self.window.attend(seq, q_ptr, head.kv_heads, scale_log2)
 
     @cute.jit
-    def epilogue(self, sm, accO, out: CacheOutput, head: KvHead, seq, t):
-        """Once the window's (O, m, l) are in shared memory: the output (one part) or the item's partial, and
-        with several parts the last CTA's merge."""
-        NamedBarrier(BlackwellDecodeBarrier.WINDOW, 2 * WG).arrive_and_wait()
-        _b, _h, part, parts, item0, _facts, _valid = seq.item()
-        q_row0 = self.cfg.rows.first(head.b, head.h, head.kv_heads)  # row of the KV head's query column 0
-        if parts == 1:
-            self.merge_window(sm, accO, out, Output(out.out, out.lse, False, part, parts), head, t)
-        else:
-            self.merge_window(sm, accO, out, Output(out.o_part, out.lse_part, True, part, parts, item0 + part), head,
-                              t)
-            if self.merger.arrive(out.counters + (head.b * head.kv_heads + head.h), out.last, parts, t):
-                partials = lambda: self.merger.item_major(out.o_part, out.lse_part, item0, parts)  # noqa: E731
-                self.merger.merge(out.merge, partials, out.out, out.lse, q_row0, head.kv_heads, parts, t)
-
-    @cute.jit
-    def merge_window(self, sm, accO, cache: CacheOutput, out: Output, head: KvHead, t):
-        """The packed steps' (accO with the V hook's terms, l, m: ``sFinal``) and the window's (``cache``: O, m, l)
-        merged per query row into ``out`` (thread t: channels t + DM * mt): ``o = O_p c_p + O_w c_w``, the
-        weights ``c_x = 2^(m_x - m) / l`` from :meth:`merge_weights`."""
+    def epilogue(self, sm, ch, accO, out: CacheOutput, head: KvHead, seq, t):
+        """The packed steps' result as the decode writes it (normalized, with its lse: the base epilogue) into the
+        ring, free once the last O is in (every tile read, every MMA complete); then, once the window's (O, m, l)
+        are in shared memory, the two merged into the output (one part) or the item's partial, and with several
+        parts the last CTA's merge."""
         cfg = self.cfg
-        N, D, R = cfg.N, cfg.D, cfg.R
-        o_ptr = out.o  # (``out`` named in an assignment in an `if`: a value the `if` writes)
-        win_o = cute.make_tensor(cute.recast_ptr(cache.win_o, dtype=Float32), cute.make_layout((R * D,)))
-        weights = self.merge_weights(sm, cache, out, head, t)
-        for r in cutlass.range_constexpr(N):
-            if r < R:
-                obase, _lidx = out.offsets(cfg.rows, head, r, D)
-                if t < cfg.DM:
-                    for mt in cutlass.range_constexpr(cfg.MT):
-                        d = mt * cfg.DM + t
-                        val = self.vh.output_term(sm, accO[mt * N + r], d, r) * weights[r] + win_o[r * D + d] * weights[N + r]
-                        if cutlass.const_expr(out.partial):
-                            scalar(o_ptr, obase + d)[0] = val
-                        else:
-                            scalar(o_ptr, obase + d)[0] = val.to(cfg.q_dtype)
+        packed = cute.recast_ptr(ch.ring_words, dtype=Float32)  # o [R, D] | lse [R]
+        BlackwellDecodeKernel.epilogue(self, sm, ch, accO, Output(packed, packed + cfg.R * cfg.D, True, 0, 1, Int32(0)),
+                                       head, seq, t)
+        NamedBarrier(BlackwellDecodeBarrier.WINDOW, 2 * WG).arrive_and_wait()  # and the output warpgroup's rows
+        _b, _h, part, parts, item0, _facts, _valid = seq.item()
+        item = item0 + part  # (the partial's row: one part writes the output instead)
+        self.merge_weights(packed + cfg.R * cfg.D, out, head, seq, item, parts, t)
+        for el in cutlass.range(t, cfg.R * cfg.D, WG, unroll=1):  # (R, D) row-major
+            self.store_element(packed, out, head, seq, item, parts, el)
+        if parts > 1:
+            self.merge_parts(out, head, seq, t)
 
     @cute.jit
-    def merge_weights(self, sm, cache: CacheOutput, out: Output, head: KvHead, t):
-        """Thread ``r < R``: query row ``r``'s merged lse into ``out`` and the weights of the packed and window
-        results, ``2^(m_p - m) / l`` and ``2^(m_w - m) / l`` (``m = max(m_p, m_w)``, ``l = l_p 2^(m_p - m) + l_w
-        2^(m_w - m)``; 0 for a row that saw nothing), written over the window's m and l: returns them, ``[N + r]``
-        the window's, once the output warpgroup has them all."""
+    def merge_weights(self, packed_lse: cute.Pointer, out: CacheOutput, head: KvHead, seq, item: Int32, parts: Int32,
+                      t):
+        """Thread ``r < R``: query row ``r``'s merged lse into the output or the item's partial, and over the
+        window's m and l the weights of the packed (normalized) and the window's (unnormalized) results: in the
+        log2 domain, with ``a = lse_p log2(e)`` and ``b = m_w + log2 l_w``, ``c_p = 2^(a - M) / T`` and ``c_w =
+        2^(m_w - M) / T`` (``M = max(a, b)``, ``T = 2^(a - M) + 2^(b - M)``; 0 for a row that saw nothing)."""
         N = self.cfg.N
-        win_ml = cute.make_tensor(cute.recast_ptr(cache.win_ml, dtype=Float32), cute.make_layout((2 * N,)))
-        lse_ptr = out.lse
-        _obase, lidx = out.offsets(self.cfg.rows, head, t, self.cfg.D)
+        win_ml = cute.make_tensor(cute.recast_ptr(seq.areas.win_ml.data_ptr(), dtype=Float32), cute.make_layout((2 * N,)))
         if t < self.cfg.R:
-            m_p, m_w = sm.sFinal[sm_.final_m(t)], win_ml[t]
-            m = cute.arch.fmax(m_p, m_w)
-            reference = finite_reference(m)  # both empty: weights 0, l 0
-            w_p, w_w = cute.arch.exp2(m_p - reference), cute.arch.exp2(m_w - reference)
-            inv_l, lse = normalize(sm.sFinal[sm_.final_l(t)] * w_p + win_ml[N + t] * w_w, m, fastmath=False)
-            scalar(lse_ptr, lidx)[0] = lse
-            win_ml[t] = w_p * inv_l
-            win_ml[N + t] = w_w * inv_l
+            m_w = win_ml[t]
+            a = scalar(packed_lse, t)[0] * LOG2E
+            b = m_w + cute.math.log2(win_ml[N + t], fastmath=False)  # -inf where the window saw nothing
+            reference = finite_reference(cute.arch.fmax(a, b))
+            w_a = cute.arch.exp2(a - reference)
+            total = w_a + cute.arch.exp2(b - reference)
+            inv = fsel(total > Float32(0.0), cute.arch.rcp_approx(total), Float32(0.0))
+            self.store_lse(out, head, item, parts, t, merged_lse(reference * LN2, total))
+            win_ml[t] = w_a * inv
+            win_ml[N + t] = cute.arch.exp2(m_w - reference) * inv
         NamedBarrier(BlackwellDecodeBarrier.MERGE, WG).arrive_and_wait()
-        return win_ml
+
+    @cute.jit
+    def store_lse(self, out: CacheOutput, head: KvHead, item: Int32, parts: Int32, r: Int32, lse: Float32):
+        """Query row ``r``'s lse into the output (one part) or the item's partial."""
+        final, partial = self.destinations(out, item, parts)
+        if parts == 1:
+            _obase, lidx = final.offsets(self.cfg.rows, head, r, self.cfg.D)
+            scalar(out.lse, lidx)[0] = lse
+        else:
+            _obase, lidx = partial.offsets(self.cfg.rows, head, r, self.cfg.D)
+            scalar(out.lse_part, lidx)[0] = lse
+
+    @cute.jit
+    def store_element(self, packed: cute.Pointer, out: CacheOutput, head: KvHead, seq, item: Int32, parts: Int32,
+                      el: Int32):
+        """Element ``el`` of the (R, D) merged rows, ``o_p c_p + O_w c_w`` (the packed result in ``packed``, the
+        window's over its rows, the weights over its m and l), into the output (one part) or the item's partial."""
+        D, N = self.cfg.D, self.cfg.N
+        areas = seq.areas
+        win_o = cute.recast_ptr(areas.win_kv.data_ptr(), dtype=Float32)
+        weights = cute.recast_ptr(areas.win_ml.data_ptr(), dtype=Float32)
+        r = el // D
+        value = scalar(packed, el)[0] * scalar(weights, r)[0] + scalar(win_o, el)[0] * scalar(weights, N + r)[0]
+        final, partial = self.destinations(out, item, parts)
+        if parts == 1:
+            obase, _lidx = final.offsets(self.cfg.rows, head, r, D)
+            scalar(out.out, obase + el % D)[0] = value.to(self.cfg.q_dtype)
+        else:
+            obase, _lidx = partial.offsets(self.cfg.rows, head, r, D)
+            scalar(out.o_part, obase + el % D)[0] = value
+
+    def destinations(self, out: CacheOutput, item: Int32, parts: Int32):
+        """(the output, q dtype: where the item writes if it is its (sequence, KV head)'s one part; the item's fp32
+        partial: where it writes if not)."""
+        return Output(out.out, out.lse, False, 0, parts), Output(out.o_part, out.lse_part, True, 0, parts, item)
+
+    @cute.jit
+    def merge_parts(self, out: CacheOutput, head: KvHead, seq, t):
+        """The last of the (sequence, KV head)'s CTAs merges its parts' partials (``foscar.split_merge``)."""
+        _b, _h, _part, parts, item0, _facts, _valid = seq.item()
+        scratch, flag = seq.areas.merge.data_ptr(), seq.areas.last.data_ptr()
+        if self.merger.arrive(out.counters + (head.b * head.kv_heads + head.h), flag, parts, t):
+            partials = lambda: self.merger.item_major(out.o_part, out.lse_part, item0, parts)  # noqa: E731
+            self.merger.merge(scratch, partials, out.out, out.lse, self.cfg.rows.first(head.b, head.h, head.kv_heads),
+                              head.kv_heads, parts, t)

@@ -814,12 +814,12 @@ class BlackwellDecodeKernel:
             o_ch.release(step)  # O stage free for the PV of step + O_STAGES
             st_ch.release(step)
         NamedBarrier(BlackwellDecodeBarrier.FINAL, 2 * WG).arrive_and_wait()
-        self.epilogue(sm, accO, out, head, seq, t)
+        self.epilogue(sm, ch, accO, out, head, seq, t)
 
     @cute.jit
-    def epilogue(self, sm, accO, out: Output, head: KvHead, seq, t):
-        """Add the V hook's offset term of the channel, normalise by l, write o and the LSE to ``out`` (``seq``:
-        the CTA's sequence, which the cache decode's epilogue reads)."""
+    def epilogue(self, sm, ch: pl.Channels, accO, out: Output, head: KvHead, seq, t):
+        """Add the V hook's offset term of the channel, normalise by l, write o and the LSE to ``out`` (``ch``,
+        ``seq``: the CTA's channels and sequence, which the cache decode's epilogue reads)."""
         cfg = self.cfg
         N, D, R = cfg.N, cfg.D, cfg.R
         o_ptr, lse_ptr = out.o, out.lse  # (``out`` named in an assignment in an `if`: a value the `if` writes)
