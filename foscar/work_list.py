@@ -23,6 +23,9 @@ scan of items per sequence), ``threads`` sequences a round, from the same length
 anyway (a few hundred bytes, in L2 after the first CTAs); the first round's loads serve both passes
 and the item's sequence facts come back with it (each dependent load from L2 costs ~0.6 us per
 CTA, paid ~8 times per SM at 128 x 8K). The result is a few ints in shared memory.
+
+Both arches' cache decodes plan with :class:`CacheWork` (a sequence's work and cap), so one batch gets one plan
+on either; :func:`host_plan` is the plan's CPU mirror (what the tests check the plan with).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from .device import at
 from .layouts.fragment import TILE_TOKENS
 from .window_tiles import BLOCK, quantized_tokens
 
-__all__ = ["WorkList", "CacheWork", "host_plan", "grid_ctas", "PLAN_WORDS", "plan_splits", "MAX_SPLITS", "MIN_TOKENS_PER_SPLIT",
-           "CTAS_PER_SM"]
+__all__ = ["WorkList", "CacheWork", "host_plan", "grid_ctas", "PLAN_WORDS", "plan_splits", "MAX_SPLITS",
+           "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM"]
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64  # 128 measured 5% faster alone, 7% slower with sink + window at 1 x 128K, 1 KV head: NOTES 14

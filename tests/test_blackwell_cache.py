@@ -49,7 +49,8 @@ def test_host_plan_and_buffers_are_hopper_s(scheme, page_size):
     kernels = {arch: arch._kernels() for arch in (HOPPER, BLACKWELL)}
     assert kernels[BLACKWELL].fuses_window(scheme, page_size)
     for batch, kv_heads, budget in ((1, 1, 132), (7, 4, 132), (64, 8, 148)):
-        shapes = {arch: k.cache_partials(scheme, page_size, batch, kv_heads, 4, budget, 448) for arch, k in kernels.items()}
+        shapes = {arch: k.cache_partials(scheme, page_size, batch, kv_heads, 4, budget, 448)
+                  for arch, k in kernels.items()}
         assert shapes[BLACKWELL] == (grid_ctas(budget, batch, kv_heads), scheme.gqa_ratio, scheme.head_dim)
         if kernels[HOPPER].fuses_window(scheme, page_size, *kernels[HOPPER].options(scheme, 1)):
             assert shapes[HOPPER] == shapes[BLACKWELL]
@@ -92,7 +93,8 @@ def _slot_position(j, n, qlen, sink, ring):
 def _attend(scores, values):
     """(O unnormalized, m, l) in the log2 domain (foscar.softmax conventions) of scores [T, R], values [T, D]."""
     if len(scores) == 0:
-        return np.zeros((scores.shape[1], values.shape[1])), np.full(scores.shape[1], -np.inf), np.zeros(scores.shape[1])
+        rows = scores.shape[1]
+        return np.zeros((rows, values.shape[1])), np.full(rows, -np.inf), np.zeros(rows)
     m = scores.max(0)
     p = np.exp2(scores - m)
     return p.T @ values, m, p.sum(0)
@@ -137,7 +139,8 @@ def test_plan_window_share_and_merge_emulated_match_attention(sink, window, ring
         q = parts_of.setdefault((b, h, "q"), rng.standard_normal((R, D)))
         _tiles, begin, end = split_range(qlen, part, parts, 2)  # whole 128-token steps
         packed = list(range(sink + begin * TILE_TOKENS, sink + min(end * TILE_TOKENS, qlen)))
-        slots = [BLOCK * (part + parts * i) + r for i in range(window_blocks(sink + ring, part, parts)) for r in range(BLOCK)]
+        blocks = window_blocks(sink + ring, part, parts)
+        slots = [BLOCK * (part + parts * i) + r for i in range(blocks) for r in range(BLOCK)]
         held = [p for p in (_slot_position(j, n, qlen, sink, ring) for j in slots if j < sink + ring) if p is not None]
         parts_of.setdefault((b, h), []).append((packed, held))
         pieces = [_attend(k[pos] @ q.T * 0.25, v[pos]) for pos in (np.array(packed, int), np.array(held, int))]
@@ -167,9 +170,9 @@ def test_compiles_for_sm100a_as_one_launch(scheme, page_size):
 
     cache = artifacts(BLACKWELL.compile_cache_decode(scheme, page_size))
     decode = artifacts(BLACKWELL.compile_decode(scheme, page_size, partial_output=True))
-    assert len(re.findall(r"^\.(visible )?\.entry ", cache.ptx, re.M)) == 1
-    for pattern in (r"tcgen05\.mma\.cta_group::1\.kind::f8f6f4", r"cp\.async\.bulk\.shared::cluster", r"tcgen05\.commit",
-                    r"setmaxnreg\.(inc|dec)"):
+    assert len(re.findall(r"^\.(visible )?\.entry ", cache.ptx, re.MULTILINE)) == 1
+    for pattern in (r"tcgen05\.mma\.cta_group::1\.kind::f8f6f4", r"cp\.async\.bulk\.shared::cluster",
+                    r"tcgen05\.commit", r"setmaxnreg\.(inc|dec)"):
         assert len(re.findall(pattern, cache.ptx)) == len(re.findall(pattern, decode.ptx)) > 0, pattern
     half = "bf16" if scheme.q_dtype == torch.bfloat16 else "f16"
     assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{half}\.{half}\.f32", cache.ptx)
@@ -186,8 +189,8 @@ def test_query_tokens_leave_room_for_the_window():
     fewer tokens (the cache runs more launches), stated before anything compiles; elsewhere the query tile's
     limit stands, as on Hopper."""
     tight = Scheme.make(k="token", k_group=64, v="token", v_group=32, head_dim=256, gqa_ratio=7, k_bits=4, v_bits=4)
-    assert BLACKWELL.max_query_tokens(tight) == (1, "a query tile holds 16 columns per KV head: gqa_ratio=7 x tokens; "
-                                                    "2 leave no shared memory for the cache decode's window blocks")
+    assert BLACKWELL.max_query_tokens(tight) == (1, ("a query tile holds 16 columns per KV head: gqa_ratio=7 x tokens; "
+                                                     "2 leave no shared memory for the cache decode's window blocks"))
     with pytest.raises(ValueError, match="q: 2 query tokens .* takes 1..1 .*window blocks"):
         BLACKWELL.compile_cache_decode(tight, 128, tokens=2)
     for scheme, _page_size in SCHEMES:

@@ -197,7 +197,8 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
         log2 domain, with ``a = lse_p log2(e)`` and ``b = m_w + log2 l_w``, ``c_p = 2^(a - M) / T`` and ``c_w =
         2^(m_w - M) / T`` (``M = max(a, b)``, ``T = 2^(a - M) + 2^(b - M)``; 0 for a row that saw nothing)."""
         N = self.cfg.N
-        win_ml = cute.make_tensor(cute.recast_ptr(seq.areas.win_ml.data_ptr(), dtype=Float32), cute.make_layout((2 * N,)))
+        win_ml = cute.make_tensor(cute.recast_ptr(seq.areas.win_ml.data_ptr(), dtype=Float32),
+                                  cute.make_layout((2 * N,)))
         if t < self.cfg.R:
             m_w = win_ml[t]
             a = scalar(packed_lse, t)[0] * LOG2E
