@@ -29,6 +29,7 @@ SCHEMES = [  # (scheme, page_size): both bit widths and axes, head_dim 64/128/25
     (Scheme.make(2, "channel", 256, "token", 128, 256, 8), 256),  # Hopper's two-launch config: one launch here
     (Scheme.make(4, "token", 128, "channel", 128, 256, 2, torch.float16), 256),
     (Scheme.make(None, "token", 64, "token", 64, 64, 8, k_bits=4, v_bits=2), 128),
+    (Scheme.make(4, "token", 256, "token", 256, 256, 7), 64),  # the preparation loop at its register ceiling
 ]
 IDS = [f"{s.name}-p{p}" for s, p in SCHEMES]
 
@@ -166,7 +167,7 @@ def test_compiles_for_sm100a_as_one_launch(scheme, page_size):
     """One kernel: the decode CTA's tcgen05 roles (the split-output decode's MMAs, bulk copies, commits), the
     window blocks' mma.sync in the window's 16-bit type with cp.async rows, the work list's scans, the prep ->
     output handoff (bar.arrive), the merge's counting atomic; no spills."""
-    from foscar.inspect import artifacts
+    from foscar.inspect import artifacts, parse_instructions, role_loops
 
     cache = artifacts(BLACKWELL.compile_cache_decode(scheme, page_size))
     decode = artifacts(BLACKWELL.compile_decode(scheme, page_size, partial_output=True))
@@ -181,7 +182,14 @@ def test_compiles_for_sm100a_as_one_launch(scheme, page_size):
     assert cache.ptx.count("shfl.sync.up.b32") >= 10  # the work list: two block-wide scans of 5 steps
     assert "bar.arrive 6, 256" in cache.ptx  # the window's (O, m, l) handed to the output warpgroup
     assert len(re.findall(r"atom\.global\.acq_rel\.add\.u32", cache.ptx)) == 1  # SplitMerge.arrive
-    assert cache.resources().local_bytes == 0
+    # at most one CTA-constant word spilled (16 query columns: the softmax and output warpgroups at their ceilings),
+    # reloaded per role and per window block, never in the packed steps' loops
+    assert cache.resources().local_bytes <= 8
+    sass = cache.sass_by_kernel[cache.kernel()]
+    instructions, _ = parse_instructions(sass)
+    for loop in role_loops(sass):
+        body = {i.base for i in instructions if loop.start <= i.address <= loop.end}
+        assert loop.local_accesses == 0 or "HMMA" in body, loop  # only the window blocks' loop may reload it
 
 
 def test_query_tokens_leave_room_for_the_window():

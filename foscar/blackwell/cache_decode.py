@@ -6,7 +6,7 @@ A 1-D grid of work items (``foscar.work_list``: each (sequence, KV head) cut int
 find its item (``WorkList.find``, into shared words that each role reads again after the role dispatch:
 ``foscar.blackwell.sequence.PlannedSequence``), then the CTA is the decode kernel's (``foscar.blackwell.kernel``:
 four warpgroup roles, tcgen05 MMAs) over part ``x`` of the (sequence, KV head)'s packed steps, and its
-preparation warpgroup attends the window blocks ``part, part + parts, ...`` after its last packed step
+softmax warpgroup attends the window blocks ``part, part + parts, ...`` after its last packed step
 (``foscar.blackwell.window``: ``mma.sync`` in the window's 16-bit type over the shared ``foscar.window_tiles``
 operands). The output warpgroup's epilogue writes the packed steps' normalized result and lse as the decode
 does, into the ring (free once the last O is in), then merges it with the window's ``(O, m, l)`` (log2 domain,
@@ -46,8 +46,8 @@ from ..window_tiles import WindowOperands
 from ..work_list import MAX_SPLITS, CacheWork, WorkList
 from .kernel import BlackwellConfig, BlackwellDecodeKernel, MmaSetup
 from .primitives import WG, scalar
-from .sequence import PlannedHead, PlannedSequence
-from .window import PrepWindow, WindowSlots, cache_areas, cache_bytes
+from .sequence import PlannedHead, PlannedSequence, WindowQuery
+from .window import WindowBlocks, WindowSlots, cache_areas, cache_bytes
 
 __all__ = ["BlackwellCacheDecodeKernel", "cache_decode_config"]
 
@@ -89,7 +89,7 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
         self.granule = granule_of(cfg.scheme)
         self.work = WorkList(cfg.threads, MAX_SPLITS)
         self.cache_work = CacheWork(cfg.STAGE_BYTES, cfg.D, self.granule)
-        self.window = PrepWindow(cfg)
+        self.window = WindowBlocks(cfg)
         self.merger = SplitMerge(cfg.D, cfg.rows, WG, BlackwellDecodeBarrier.MERGE, cfg.q_dtype)
 
     @cute.jit
@@ -139,9 +139,8 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
                budget: Int32, sink: Int32, ring: Int32, window: Int32, scale_log2: Float32):
         x, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
-        # the cache decode's areas apart from the decode's SharedStorage, which run() allocates: inside the runtime
-        # `if` below, so the ring's and operands' addresses stay constants (allocated here, the prep warpgroup's
-        # hoisted operand addresses spilled at head_dim 256)
+        # the cache decode's areas, apart from the decode's SharedStorage, which run() allocates as in the decode
+        # kernel (the work list needs its plan words before the role dispatch)
         areas = cutlass.memory.SmemAllocator().allocate(cache_areas(self.cfg.window))
         pages = PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages)
         slots = WindowSlots(k_win, v_win, sink, ring, window)
@@ -159,16 +158,17 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
     def attend_item(self, mmas: MmaSetup, SharedStorage, areas, q_ptr: cute.Pointer, pages: PackedPages,
                     slots: WindowSlots, out: CacheOutput, kv_heads: Int32, scale_log2: Float32):
         """The decode CTA (``BlackwellDecodeKernel.run``) over the item the work list planned into ``areas``."""
-        seq = PlannedSequence(self.work, areas, pages.page_table, pages.max_pages, slots, self.granule)
+        seq = PlannedSequence(self.work, areas, pages.page_table, pages.max_pages, slots, self.granule,
+                              WindowQuery(q_ptr, kv_heads, scale_log2))
         self.run(mmas, SharedStorage, q_ptr, pages, out, PlannedHead(self.work, areas.plan.data_ptr(), kv_heads),
                  scale_log2, seq)
 
     @cute.jit
-    def prep(self, sm, storage, mmas: MmaSetup, ch, q_ptr: cute.Pointer, seq, head: KvHead, scale_log2: Float32, t,
-             lane, wq, nd: cutlass.Constexpr):
-        """The preparation warpgroup: the packed steps' operands, then the window blocks."""
-        BlackwellDecodeKernel.prep(self, sm, storage, mmas, ch, q_ptr, seq, head, scale_log2, t, lane, wq, nd)
-        self.window.attend(seq, q_ptr, head.kv_heads, scale_log2)
+    def softmax(self, sm, ch, seq, t, lane, wq, tmem_holder, acc_layout, nd: cutlass.Constexpr):
+        """The softmax warpgroup: the packed steps, then the window blocks (``foscar.blackwell.window``)."""
+        BlackwellDecodeKernel.softmax(self, sm, ch, seq, t, lane, wq, tmem_holder, acc_layout, nd)
+        query = seq.query
+        self.window.attend(seq, query.q, query.kv_heads, query.scale_log2)
 
     @cute.jit
     def epilogue(self, sm, ch, accO, out: CacheOutput, head: KvHead, seq, t):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Float32, Int32, Int64
 
 from ..window_tiles import quantized_tokens
 from ..layouts.fragment import TILE_TOKENS
@@ -22,7 +22,7 @@ from .primitives import STEP, scalar
 
 STEP_TILES = STEP // TILE_TOKENS  # 64-token tiles per 128-token step
 
-__all__ = ["DecodeSequence", "PlannedSequence", "PlannedHead", "STEP_TILES"]
+__all__ = ["DecodeSequence", "PlannedSequence", "PlannedHead", "WindowQuery", "STEP_TILES"]
 
 
 class DecodeSequence:
@@ -62,12 +62,13 @@ class PlannedSequence(DecodeSequence):
     (:meth:`item`: ``(b, h, part, parts, first item, (tokens, row), valid)``; the CTA's index read again too, so
     no register holds it across the role dispatch): part ``part`` of ``parts`` of
     cache row ``row``'s packed pages, whose ``seq_lengths[row]`` tokens keep ``quantized_tokens`` of them
-    packed, the rest in the 16-bit ``slots`` (``foscar.blackwell.window.WindowSlots``)."""
+    packed, the rest in the 16-bit ``slots`` (``foscar.blackwell.window.WindowSlots``), which the softmax warpgroup
+    attends with ``query`` (:class:`WindowQuery`)."""
 
-    def __init__(self, work, areas, page_table, max_pages, slots, granule: int):
+    def __init__(self, work, areas, page_table, max_pages, slots, granule: int, query):
         super().__init__(page_table, None, max_pages, None, None, None)
         self.work, self.areas = work, areas
-        self.slots, self.granule = slots, granule
+        self.slots, self.granule, self.query = slots, granule, query
 
     def item(self):
         x, _, _ = cute.arch.block_idx()
@@ -112,3 +113,13 @@ class PlannedHead:
         x, _, _ = cute.arch.block_idx()
         _b, h, _part, _parts, _first, _facts, _valid = self.work.planned(x, self.plan)
         return h
+
+
+@dataclass(frozen=True)
+class WindowQuery:
+    """What the window blocks are attended with (launch values the softmax warpgroup is not given): ``q`` [B, Hq, D],
+    ``kv_heads``, and the scale in the log2 domain."""
+
+    q: cute.Pointer
+    kv_heads: Int32
+    scale_log2: Float32

@@ -1,15 +1,16 @@
-"""The Blackwell cache decode's 16-bit sink + window blocks (``foscar.blackwell.cache_decode``): the
-preparation warpgroup attends the CTA's share of them once it has prepared its last packed step, with the
-shared ``foscar.window_tiles`` operands (``mma.sync`` in the window's 16-bit type, valid on sm_100a), and
-hands ``(O, m, l)`` to the output warpgroup, which merges them with the packed steps' in its epilogue.
+"""The Blackwell cache decode's 16-bit sink + window blocks (``foscar.blackwell.cache_decode``): the softmax
+warpgroup attends the CTA's share of them once it has finished its last packed step, with the shared
+``foscar.window_tiles`` operands (``mma.sync`` in the window's 16-bit type, valid on sm_100a), and hands
+``(O, m, l)`` to the output warpgroup, which merges them with the packed steps' in its epilogue.
 
-Why the preparation warpgroup: the other roles run the tcgen05 pipeline to its last step (the softmax and
-output warpgroups are its longest roles), warps 2 and 3 of warpgroup 0 hold 80 registers (less than one
-head_dim-256 O^T needs), while the preparation warpgroup runs ahead of the MMAs by its operand stages and
-is idle for the pipeline's last steps: its window blocks overlap them.
+Why the softmax warpgroup: after its last step it only waits while the MMA warp issues the last PV and the
+output warpgroup takes the last O, and its 160 registers hold the window's state with room to spare. Warps 2
+and 3 of warpgroup 0 hold 80 registers (less than a head_dim-256 O^T needs); the preparation warpgroup runs
+ahead of the MMAs and would overlap more, but its loop runs at its 112-register ceiling (INT4, head_dim 256):
+the window's code there made that loop spill (40 B).
 
 Its 4 warps take every block together: each computes the block's S^T (16 slots x N query columns, all of
-head_dim: Q^T fragments loaded from q per k16 block, L1 hits, so no warp holds Q in its 112 registers)
+head_dim: Q^T fragments loaded from q per k16 block, L1 hits, so no warp holds all of Q in registers)
 and so the same online softmax, bit for bit; warp ``w`` keeps O^T of channel blocks ``w * MBW ..``
 (MBW = head_dim / 64), at most 32 accumulator registers. A block's K and V rows come in by the
 warpgroup's ``cp.async`` (slots holding no token zero-filled: ``foscar.window_tiles``), one block at a
@@ -41,7 +42,7 @@ from ..window_tiles import BLOCK, WindowOperands, slot_holds_token, slot_positio
 from ..work_list import PLAN_WORDS
 from .primitives import WG
 
-__all__ = ["cache_areas", "cache_bytes", "WindowSlots", "PrepWindow"]
+__all__ = ["cache_areas", "cache_bytes", "WindowSlots", "WindowBlocks"]
 
 
 def cache_words(ops: WindowOperands) -> dict[str, int]:
@@ -82,7 +83,7 @@ class WindowSlots:
     window: Int32
 
 
-class PrepWindow:
+class WindowBlocks:
     """Compile time: the kernel's ``BlackwellConfig`` (``cfg.window``: the window's operands)."""
 
     def __init__(self, cfg):
@@ -93,10 +94,10 @@ class PrepWindow:
 
     @cute.jit
     def attend(self, seq, q_ptr: cute.Pointer, kv_heads: Int32, scale_log2: Float32):
-        """The preparation warpgroup: the blocks ``part, part + parts, ...`` of the sequence's slots (``seq``:
+        """The softmax warpgroup: the blocks ``part, part + parts, ...`` of the sequence's slots (``seq``:
         ``foscar.blackwell.sequence.PlannedSequence``) of KV head ``h`` into (O, m, l) in shared memory, then the
         arrival the output warpgroup's epilogue waits for. Its coordinates are read again here: none stays
-        live across the packed steps, whose registers are at the warpgroup's ceiling."""
+        live across the packed steps."""
         ops, slots = self.ops, seq.slots
         tidx, _, _ = cute.arch.thread_idx()
         t, lane, wq = tidx % WG, tidx % 32, cute.arch.make_warp_uniform(tidx // 32 % 4)
@@ -125,10 +126,10 @@ class PrepWindow:
                                j0, holds, t, WG, BLOCK)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
-            NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()  # every thread's pieces have landed
+            NamedBarrier(BlackwellDecodeBarrier.SOFTMAX, WG).arrive_and_wait()  # every thread's pieces have landed
             self.attend_block(mma, q_t, k_rows, v_rows + 8 * self.MBW * wq, j0, holds, seq, qlen, n, m_run, l_run,
                               acc_o, scale_log2)
-            NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()  # every warp done with the rows
+            NamedBarrier(BlackwellDecodeBarrier.SOFTMAX, WG).arrive_and_wait()  # every warp done with the rows
         self.hand_over(seq.areas, mma, m_run, l_run, acc_o, wq)
 
     @cute.jit
@@ -146,7 +147,8 @@ class PrepWindow:
             sees = cfg.rows.sees
             visible = lambda nb, i: sees(8 * nb + 2 * mma.tq + i % 2, positions[i // 2], n)  # noqa: E731
         # (4 NB): value 4*nb + e + 2*h_r = slot j0 + g + 8*h_r, query column 8*nb + 2*tq + e
-        # (a runtime loop over the k16 blocks: unrolled, their loads would be hoisted past the warpgroup's registers)
+        # (a runtime loop over the k16 blocks: unrolled, all their loads are hoisted; the window is a small part of
+        # the CTA's work)
         sc = ops.scores(mma, k_rows, 0, q_t, scale_log2, valid, visible, unrolled=False)
         reference = cute.make_rmem_tensor((2 * self.NB,), Float32)
         for cs in cutlass.range_constexpr(2 * self.NB):  # column slot cs = e + 2*nb
