@@ -190,8 +190,8 @@ class BlackwellConfig:
         # two operand stages double the prep warpgroup's hoisted store addresses: with 8 K + V
         # vectors per thread per tile (INT4, head_dim 256) that spills, so those keep one operand stage
         op2 = () if (self.k_op.vectors + self.v_op.vectors) // WG >= 8 else (("OP_STAGES", 2),)
-        # the cache decode (``window``) keeps a power-of-two ring: 6 stages' modulo arithmetic in the preparation
-        # warpgroup's loop, next to its window blocks, spilled 16 B (INT4, head_dim 256)
+        # the cache decode (``window``) keeps a power-of-two ring: with 6 stages (their modulo arithmetic) it
+        # spilled 40 B (INT4 token-wise groups of 256, head_dim 256, gqa 7, pages of 64), the decode does not
         ring_6 = (("RING", 6),) if window is None else ()
         for attr, val in (*op2, ("RING", 4), ("P_BUFS", 2), *ring_6, ("RING", 8)):
             old = getattr(self, attr)
