@@ -77,8 +77,8 @@ class Arch:
     def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1):
         """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (Hopper: packed pages,
         window slots and merge in one, or the quantized splits' partials where
-        ``foscar.hopper.cache_decode.fuses_window`` says no; Blackwell: the quantized splits' partials; cached
-        per process; works without a GPU) for ``tokens`` query tokens per sequence."""
+        ``foscar.hopper.cache_decode.fuses_window`` says no; Blackwell: packed pages, window blocks and merge in
+        one, ``foscar.blackwell.cache_decode``; cached per process; works without a GPU) for ``tokens`` query tokens per sequence."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         self.check_query_tokens(scheme, page_size, tokens)
@@ -107,10 +107,10 @@ class Arch:
                          seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
                          num_splits: int, budget: int):
         """Decode over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates): the quantized
-        splits and the 16-bit sink + window, merged (Hopper: one launch, ``foscar.hopper.cache_decode``, its
-        work split on the device over ``budget`` CTAs by the sequences' lengths, ``foscar.work_list``, or
-        ``num_splits`` splits per sequence and the window kernel where the window does not fit its ring;
-        Blackwell: ``num_splits`` splits, then ``foscar.kernels.sink_window``); returns ``(out, lse)``."""
+        splits and the 16-bit sink + window, merged in one launch (``foscar.hopper.cache_decode``,
+        ``foscar.blackwell.cache_decode``), its work split on the device over ``budget`` CTAs by the sequences'
+        lengths (``foscar.work_list``); on Hopper ``num_splits`` splits per sequence and the window kernel where
+        the window does not fit its ring; returns ``(out, lse)``."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         return self._kernels().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,

@@ -28,3 +28,5 @@ class BlackwellDecodeBarrier(enum.IntEnum):
     SOFTMAX = 3  # softmax warpgroup internal
     PREP = 4  # preparation warpgroup internal
     FINAL = 5  # softmax + output warpgroups: final reductions done
+    WINDOW = 6  # the cache decode: softmax -> output warpgroup, the window blocks' (O, m, l) written
+    MERGE = 7  # the cache decode: output warpgroup, the in-launch split merge

@@ -32,8 +32,8 @@ but the optional rotation of q (``Arch.run_cache_decode``): the FOSCAR kernel ov
 device (``foscar.work_list``: a long sequence among short ones gets more CTAs, no host sync), the parts merged
 by log-sum-exp in the same launch (``foscar.hopper.cache_decode``; the pages are packed in the bit order of the
 cache's arch, ``foscar.archs``; the GPU path -- append kernel and cache decode -- is Hopper's, and a cache
-whose arch lacks it says so when built). Blackwell's (compile-verified) is two launches: the quantized splits,
-then ``foscar.kernels.sink_window``, which attends the 16-bit part and merges. Append (:meth:`append`) of one
+whose arch lacks it says so when built). Blackwell's (compile-verified) is the same one launch, planned alike
+(``foscar.blackwell.cache_decode``). Append (:meth:`append`) of one
 token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush runs every
 step as a quantize launch whose granules are skipped (page ``-1``) unless due, and no host sync or page
 allocation happens inside. Pages must then be reserved up front (:meth:`reserve`); temporaries come from the
@@ -171,9 +171,9 @@ class PagedKVCache:
     is quantized).
 
     ``cta_budget`` (attribute, default the SM count x ``foscar.work_list.CTAS_PER_SM``): the CTAs the
-    Hopper decode launch's work list spreads a batch over (``foscar.work_list``); lower it to cut
+    decode launch's work list spreads a batch over (``foscar.work_list``); lower it to cut
     sequences into fewer parts. ``num_splits(batch)``: the split count of the launches without a
-    work list (Blackwell's, and Hopper's two-launch variants), from capacities.
+    work list (Hopper's two-launch variants), from capacities.
     """
 
     def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, num_pages: int, max_seqs: int, max_seq_len: int,
@@ -724,8 +724,8 @@ class PagedKVCache:
     # ------------------------------------------------------------------ attend
 
     def num_splits(self, batch: int) -> int:
-        """Split-KV factor for a decode batch where the launch has no work list (Blackwell; Hopper's
-        two-launch variants): fixed by capacities only (graph-stable), so kept per batch size (planning
+        """Split-KV factor for a decode batch where the launch has no work list (Hopper's two-launch
+        variants): fixed by capacities only (graph-stable), so kept per batch size (planning
         takes ~35 us of Python, and every attend asks)."""
         if batch not in self._splits:
             self._splits[batch] = plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms)

@@ -30,7 +30,7 @@ from .device import NEG_INF, cp_async_16, fsel, movmatrix_trans, pack_bf16x2, pa
 from .query_rows import QueryRows
 
 __all__ = ["ROW_PAD", "BLOCK", "WindowOperands", "slot_holds_token", "slot_position", "quantized_tokens",
-           "query_columns", "shared_word_index", "fsel_i32"]
+           "query_columns", "shared_word_index", "fsel_i32", "window_blocks"]
 
 ROW_PAD = 8  # 16-bit elements of padding per shared K / V row (16 bytes: rows 4 banks apart)
 BLOCK = 16  # slots per MMA block (the m16 of S^T)
@@ -65,6 +65,13 @@ def ring_index(j: Int32, qlen: Int32, sink: Int32, ring: Int32):
     """``(j - sink - qlen) mod ring``: how many tokens after the packed ones a ring slot's token comes."""
     rel = (j - sink - qlen) % ring
     return rel + fsel_i32(rel < 0, ring, 0)  # floor mod
+
+
+def window_blocks(slots, part, parts):
+    """How many of the ``slots``' 16-slot blocks part ``part`` of ``parts`` attends: blocks ``part, part + parts,
+    ...`` (the cache decodes' share of the window per work item; block ``i`` of the share starts at slot
+    ``BLOCK * (part + parts * i)``)."""
+    return (cutlass.max((slots + BLOCK - 1) // BLOCK - part, 0) + parts - 1) // parts
 
 
 def shared_word_index(slot, element, padded_row: int):
@@ -127,6 +134,11 @@ class WindowOperands:
             cp_async_16(rows + cute.assume(r * (self.PD // 2) + 4 * c, divby=4),
                         src_words + cute.assume(word, divby=4), fsel_i32(holds(j0 + r), 16, 0))
 
+    def query_on_demand(self, mma, q: cute.Pointer, q_row0: Int64, kv_heads: Int32):
+        """Q^T as B fragments indexed ``[nb][kb]`` like :meth:`query_fragments`' list, each loaded from ``q`` when
+        indexed (registers for one fragment, not D/16 x NB of them)."""
+        return _QueryOnDemand(self, mma, cute.recast_ptr(q, dtype=Int32), q_row0, kv_heads)
+
     def row_word(self, rows: cute.Pointer, slot, element):
         """The 32-bit shared word of K or V rows (Int32 pointer) at (slot, even element): two 16-bit values."""
         return cute.make_tensor(rows + shared_word_index(slot, element, self.PD), cute.make_layout((1,)))[0]
@@ -135,38 +147,42 @@ class WindowOperands:
     def query_fragments(self, mma, q: cute.Pointer, q_row0: Int64, kv_heads: Int32):
         """Q^T as B fragments, [nb][kb]: value e + 2*hh = channel 16*kb + 2*tq + e + 8*hh of query column
         8*nb + g (zeros past the R rows; ``q_row0``: column 0's row of q)."""
-        D, R = self.D, self.R
         q_words = cute.recast_ptr(q, dtype=Int32)
         q_t = []
         for nb in cutlass.range_constexpr(self.NB):
-            col = 8 * nb + mma.g
-            qrow = q_row0 + self.query.offset(cutlass.min(col, R - 1), kv_heads)
-            frags = []
-            for kb in cutlass.range_constexpr(D // 16):
-                frag = mma.fragment_B()
-                regs = cute.recast_tensor(frag, Int32)
-                for hh in cutlass.range_constexpr(2):
-                    word = cute.make_tensor(q_words + (qrow * D + 16 * kb + 2 * mma.tq + 8 * hh) // 2,
-                                            cute.make_layout((1,)))[0]
-                    regs[hh] = cutlass.select_(col < R, word, Int32(0))
-                frags.append(frag)
-            q_t.append(frags)
+            col, qrow = self.query_column(mma, q_row0, kv_heads, nb)
+            q_t.append([self.query_fragment(mma, q_words, col, qrow, kb) for kb in range(self.D // 16)])
         return q_t
 
+    def query_column(self, mma, q_row0: Int64, kv_heads: Int32, nb: int):
+        """(query column of the lane's B-fragment values in n8 block ``nb``, its row of q)."""
+        col = 8 * nb + mma.g
+        return col, q_row0 + self.query.offset(cutlass.min(col, self.R - 1), kv_heads)
+
+    def query_fragment(self, mma, q_words: cute.Pointer, col, qrow, kb: int):
+        """The B fragment of k16 block ``kb`` of the lane's query column ``col`` (row ``qrow`` of q, as Int32 words)."""
+        D, R = self.D, self.R
+        frag = mma.fragment_B()
+        regs = cute.recast_tensor(frag, Int32)
+        for hh in range(2):
+            word = cute.make_tensor(q_words + (qrow * D + 16 * kb + 2 * mma.tq + 8 * hh) // 2, cute.make_layout((1,)))[0]
+            regs[hh] = cutlass.select_(col < R, word, Int32(0))
+        return frag
+
     @cute.jit
-    def scores(self, mma, k_rows: cute.Pointer, slot0, q_t, scale_log2: Float32, valid, visible=None):
+    def scores(self, mma, k_rows: cute.Pointer, slot0, q_t, scale_log2: Float32, valid, visible=None,
+               unrolled: cutlass.Constexpr = True):
         """S^T of the 16 slots from ``slot0`` of the shared K rows (log2 domain; -inf where ``valid[h_r]``
         is false, or ``visible(nb, i)``, if given, is): NB accumulator values ``i = 4*nb + e + 2*h_r`` = slot
-        ``slot0 + g + 8*h_r``, query column ``8*nb + 2*tq + e``."""
+        ``slot0 + g + 8*h_r``, query column ``8*nb + 2*tq + e``. ``unrolled=False``: a runtime loop over the k16
+        blocks, for threads short of registers (``q_t`` then indexed by a runtime ``kb``)."""
         acc = [mma.zero_accumulator() for _ in range(self.NB)]
-        for kb in cutlass.range_constexpr(self.D // 16):
-            a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # K: value e + 2*h_r + 4*h_c, slot g + 8*h_r
-            regs = cute.recast_tensor(a, Int32)
-            for hr in cutlass.range_constexpr(2):
-                for hc in cutlass.range_constexpr(2):
-                    regs[hr + 2 * hc] = self.row_word(k_rows, slot0 + mma.g + 8 * hr, 16 * kb + 2 * mma.tq + 8 * hc)
-            for nb in cutlass.range_constexpr(self.NB):
-                mma.gemm(acc[nb], a, q_t[nb][kb])
+        if cutlass.const_expr(unrolled):
+            for kb in cutlass.range_constexpr(self.D // 16):
+                self.score_block(mma, k_rows, slot0, q_t, acc, kb)
+        else:
+            for kb in cutlass.range(self.D // 16, unroll=1):
+                self.score_block(mma, k_rows, slot0, q_t, acc, kb)
         s = cute.make_rmem_tensor((4 * self.NB,), Float32)
         for nb in cutlass.range_constexpr(self.NB):
             for i in cutlass.range_constexpr(4):
@@ -175,6 +191,16 @@ class WindowOperands:
                     keep = keep & visible(nb, i)
                 s[4 * nb + i] = fsel(keep, acc[nb][i] * scale_log2, Float32(NEG_INF))
         return s
+
+    def score_block(self, mma, k_rows: cute.Pointer, slot0, q_t, acc, kb):
+        """``acc[nb] += K . Q^T`` over k16 block ``kb`` (:meth:`scores`)."""
+        a = mma.tiled_mma.make_fragment_A(mma.shape_A)  # K: value e + 2*h_r + 4*h_c, slot g + 8*h_r
+        regs = cute.recast_tensor(a, Int32)
+        for hr in range(2):
+            for hc in range(2):
+                regs[hr + 2 * hc] = self.row_word(k_rows, slot0 + mma.g + 8 * hr, 16 * kb + 2 * mma.tq + 8 * hc)
+        for nb in range(self.NB):
+            mma.gemm(acc[nb], a, q_t[nb][kb])
 
     @cute.jit
     def probability_fragments(self, mma, p):
@@ -200,3 +226,18 @@ class WindowOperands:
                 word = self.row_word(v_rows, slot0 + 8 * hc + mma.g, 16 * mb + 8 * hr + 2 * mma.tq)
                 regs[hr + 2 * hc] = movmatrix_trans(word)
         return a
+
+
+class _QueryOnDemand:
+    """:meth:`WindowOperands.query_on_demand`: ``[nb]`` gives the n8 block's column and row of q, ``[nb][kb]``
+    loads its k16 fragment."""
+
+    def __init__(self, ops: WindowOperands, mma, q_words: cute.Pointer, q_row0, kv_heads, column=None):
+        self.ops, self.mma, self.q_words, self.q_row0, self.kv_heads = ops, mma, q_words, q_row0, kv_heads
+        self.column = column
+
+    def __getitem__(self, index: int):
+        if self.column is None:
+            column = self.ops.query_column(self.mma, self.q_row0, self.kv_heads, index)
+            return _QueryOnDemand(self.ops, self.mma, self.q_words, self.q_row0, self.kv_heads, column)
+        return self.ops.query_fragment(self.mma, self.q_words, *self.column, index)

@@ -23,6 +23,9 @@ scan of items per sequence), ``threads`` sequences a round, from the same length
 anyway (a few hundred bytes, in L2 after the first CTAs); the first round's loads serve both passes
 and the item's sequence facts come back with it (each dependent load from L2 costs ~0.6 us per
 CTA, paid ~8 times per SM at 128 x 8K). The result is a few ints in shared memory.
+
+Both arches' cache decodes plan with :class:`CacheWork` (a sequence's work and cap), so one batch gets one plan
+on either; :func:`host_plan` is the plan's CPU mirror (what the tests check the plan with).
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-__all__ = ["WorkList", "grid_ctas", "PLAN_WORDS", "plan_splits", "MAX_SPLITS", "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM"]
+from .device import at
+from .layouts.fragment import TILE_TOKENS
+from .window_tiles import BLOCK, quantized_tokens
+
+__all__ = ["WorkList", "CacheWork", "host_plan", "grid_ctas", "PLAN_WORDS", "plan_splits", "MAX_SPLITS",
+           "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM"]
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64  # 128 measured 5% faster alone, 7% slower with sink + window at 1 x 128K, 1 KV head: NOTES 14
@@ -160,7 +168,66 @@ class WorkList:
         else:
             self.plan_batch(x, batch, kv_heads, budget, work_of, first_round, scratch, item, tidx)
         cute.arch.sync_threads()
+        return self.planned(x, scratch_ptr)
+
+    @cute.jit
+    def planned(self, x: Int32, scratch_ptr: cute.Pointer):
+        """CTA ``x``'s item as :meth:`find` left it in ``scratch_ptr`` (read again where a kernel keeps no
+        register across a role dispatch); the same tuple as :meth:`find`."""
+        scratch = cute.make_tensor(scratch_ptr, cute.make_layout((PLAN_WORDS,)))
+        item = 32
         b, part, parts, first = scratch[item], scratch[item + 1], scratch[item + 2], scratch[item + 3]
         valid = b >= 0
         h = cutlass.select_(valid, (x - first) // cutlass.max(parts, 1), Int32(0))
         return cutlass.max(b, 0), h, part, parts, first + h * parts, (scratch[item + 4], scratch[item + 5]), valid
+
+
+class CacheWork:
+    """The work of a ``foscar.cache.PagedKVCache`` sequence, :meth:`WorkList.find`'s ``work_of`` for both
+    arches' cache decodes (``foscar.hopper.cache_decode``, ``foscar.blackwell.cache_decode``), so one batch
+    gets one plan on either: its packed tiles' bytes (``tile_bytes`` each: codes and params) and its window
+    blocks' (16 slots of 16-bit K and V rows of ``head_dim``), in 256-byte units; its cap: one part per
+    ``MIN_TOKENS_PER_SPLIT`` packed tokens (``granule``: the cache's quantization granule)."""
+
+    def __init__(self, tile_bytes: int, head_dim: int, granule: int):
+        self.tile_units = max(1, tile_bytes // 256)
+        self.block_units = BLOCK * 4 * head_dim // 256
+        self.tiles_per_part = MIN_TOKENS_PER_SPLIT // TILE_TOKENS
+        self.granule = granule
+
+    def window_units(self, sink, ring):
+        """The window blocks' work, the same for every sequence: all ``sink + ring`` slots are read."""
+        return (sink + ring + BLOCK - 1) // BLOCK * self.block_units
+
+    @cute.jit
+    def sequence(self, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, b: Int32, sink: Int32, window: Int32,
+                 win_units: Int32):
+        """Sequence ``b``'s ``(work, cap, tokens, row)`` (``win_units``: :meth:`window_units`)."""
+        row = at(seq_rows, b)
+        n = Int32(at(seq_lengths, row))
+        tiles = (quantized_tokens(n, sink, window, self.granule) + TILE_TOKENS - 1) // TILE_TOKENS
+        return tiles * self.tile_units + win_units, cutlass.max(tiles // self.tiles_per_part, 1), n, Int32(row)
+
+    def host_sequence(self, n: int, sink: int, window: int, ring: int) -> tuple[int, int]:
+        """``(work, cap)`` of an ``n``-token sequence, on the host (what :meth:`sequence` computes)."""
+        packed = max(n - sink - window, 0) // self.granule * self.granule
+        tiles = -(-packed // TILE_TOKENS)
+        work = tiles * self.tile_units + -(-(sink + ring) // BLOCK) * self.block_units
+        return work, max(tiles // self.tiles_per_part, 1)
+
+
+def host_plan(works, caps, kv_heads: int, budget: int, max_parts: int = MAX_SPLITS) -> list[tuple[int, int, int, int]]:
+    """The items :meth:`WorkList.find` gives CTAs ``0, 1, ...`` for sequences of ``works`` and ``caps``
+    (:meth:`CacheWork.host_sequence`), on the host: ``(b, h, part, parts)`` each, in item order (the CPU
+    reference of the device plan)."""
+    batch, total = len(works), sum(works)
+    items = []
+    for b, (work, cap) in enumerate(zip(works, caps)):
+        if batch == 1:
+            share = budget // kv_heads
+        else:
+            num, den = work * budget, kv_heads * total
+            share = -(-num // den) if batch * kv_heads > budget else num // den
+        parts = max(min(share, cap, max_parts), 1)
+        items += [(b, h, part, parts) for h in range(kv_heads) for part in range(parts)]
+    return items

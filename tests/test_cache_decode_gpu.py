@@ -1,6 +1,6 @@
 """The cache decode (foscar.hopper.cache_decode: packed tiles, the 16-bit sink/window tiles and the split merge in
-one launch, or two where the window tiles do not fit the ring; and foscar.kernels.sink_window, the
-Blackwell path's window launch) against the float64
+one launch, or two where the window tiles do not fit the ring; and foscar.kernels.sink_window, that second
+launch) against the float64
 attention over what the cache holds (``PagedKVCache.dense``), every element, tolerance 2x a BF16 torch computation's error.
 Ragged lengths cover every part boundary: inside the sink, inside the first window, one granule
 quantized, long; sequence ids out of order; one split and many (forced 1, 2, 5 too); GQA 1..16 (one and two n8 blocks
@@ -248,8 +248,8 @@ def test_empty_sequences_attend_to_the_empty_softmax(case, budget, rng):
 
 @pytest.mark.parametrize("case", [0, 8, 14], ids=lambda i: CASES[i][0].name)
 def test_window_kernel_matches_float64(case, rng):
-    """``foscar.kernels.sink_window`` -- the Blackwell cache decode's second launch (Hopper's only where
-    the window tiles do not fit its ring: the last case) -- on this GPU: sequences held entirely in the 16-bit slots (no packed part),
+    """``foscar.kernels.sink_window`` -- the Hopper cache decode's second launch where the window tiles do not
+    fit its ring (the last case) -- on this GPU: sequences held entirely in the 16-bit slots (no packed part),
     the decode launch's partial given as empty, against float64 over the cache."""
     from foscar.kernels.sink_window import sink_window_attend, window_ctas
 
@@ -283,4 +283,51 @@ def test_window_kernel_matches_float64(case, rng):
     err = float((out.double() - ref).abs().max())
     assert math.isfinite(err) and err <= tol, (err, tol)
     assert float((lse.double() - ref_lse).abs().max()) <= max(tol, 1e-3)
+    assert not cache._counters.any()
+
+
+def test_device_plan_is_the_host_plan(monkeypatch, rng):
+    """The work list as the Hopper launch plans it on the GPU (foscar.work_list.WorkList.find) is
+    ``foscar.work_list.host_plan``, the CPU mirror that the Blackwell cache decode's plan (the same WorkList and
+    CacheWork) is checked with (tests/test_blackwell_cache.py): the item partials the launch writes are exactly
+    those of the (sequence, KV head)s the host plan cuts into several parts, and the output matches float64."""
+    import foscar.launch
+    from foscar.work_list import host_plan
+
+    scheme, page_size, kv_heads, budget = Scheme.make(2, "token", 128, "token", 128, 128, 4), 128, 2, 20
+    lengths = [1, 70, SINK + WINDOW + 200, 3001, 9000, 700, 16000]
+    cache = PagedKVCache(scheme, 1, kv_heads, num_pages=sum(-(-n // page_size) for n in lengths) + 8,
+                         max_seqs=len(lengths), max_seq_len=16384, page_size=page_size, sink=SINK, window=WINDOW,
+                         device="cuda")
+    cache.cta_budget = budget
+    ids = [cache.allocate() for _ in lengths]
+    d, dtype = scheme.head_dim, scheme.q_dtype
+    for seq, n in zip(ids, lengths):
+        k = torch.randn(1, kv_heads, n, d, generator=rng) + 2 * torch.randn(d, generator=rng)
+        cache.append(0, [seq], k.to("cuda", dtype), torch.randn(1, kv_heads, n, d, generator=rng).to("cuda", dtype))
+    partials = {}
+    launch_args = foscar.launch._launch_args
+
+    def poisoned(names, q_type, values, device):  # the launch's partials, NaN before it runs
+        for name in ("o_part", "lse_part"):
+            values[name].fill_(math.nan)
+            partials[name] = values[name]
+        return launch_args(names, q_type, values, device)
+
+    monkeypatch.setattr(foscar.launch, "_launch_args", poisoned)
+    order = ids[::-1]
+    q = torch.randn(len(order), kv_heads * scheme.gqa_ratio, d, generator=rng).to("cuda", dtype)
+    out, lse = cache.attend(0, order, q, sm_scale=d**-0.5, return_lse=True)
+    torch.cuda.synchronize()
+    written = {x for x in range(partials["lse_part"].shape[0]) if not partials["lse_part"][x].isnan().all()}
+    kernels = cache.arch._kernels()
+    work = kernels.cache_kernel(kernels.cache_config(scheme, page_size, 1, *kernels.options(scheme, 1))).cache_work
+    ring = cache.k_bf16[0].shape[2] - SINK
+    works, caps = zip(*(work.host_sequence(lengths[ids.index(s)], SINK, WINDOW, ring) for s in order))
+    items = host_plan(works, caps, kv_heads, budget)
+    assert written == {x for x, (_b, _h, _part, parts) in enumerate(items) if parts > 1}
+    assert any(parts > 1 for *_, parts in items) and any(parts == 1 for *_, parts in items)
+    ref, ref_lse, low = reference(cache, 0, order, q, d**-0.5, dtype)
+    tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
+    assert float((out.double() - ref).abs().max()) <= tol
     assert not cache._counters.any()

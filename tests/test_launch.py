@@ -38,8 +38,8 @@ def test_argument_lists_follow_the_kernels_signatures(arch):
 @pytest.mark.parametrize("arch, scheme, page_size, one_launch", [
     (HOPPER, Scheme.make(2, gqa_ratio=4), 128, True),
     (HOPPER, Scheme.make(2, "channel", 256, "token", 128, 256, 8), 256, False),  # the window kernel's launch too
-    (BLACKWELL, Scheme.make(2, gqa_ratio=4), 128, False),
-], ids=["hopper-one-launch", "hopper-two-launches", "blackwell"])
+    (BLACKWELL, Scheme.make(2, gqa_ratio=4), 128, True),
+], ids=["hopper-one-launch", "hopper-two-launches", "blackwell-one-launch"])
 def test_cache_launch_values_are_checked_before_compiling(monkeypatch, arch, scheme, page_size, one_launch):
     """Bad splits, counters, CTA budget, an empty batch or (where the window kernel runs) too many window
     slots raise a ValueError naming them before the decode kernel compiles."""

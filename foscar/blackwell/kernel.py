@@ -101,6 +101,7 @@ from .operands import recipe_for
 from .pipeline import tcgen05_fence_after, tcgen05_fence_before
 from .primitives import STEP, WG, fabs, hilo, max4, pow2_scale, scalar
 from .sequence import STEP_TILES, DecodeSequence
+from .window import cache_bytes
 
 # warpgroup roles
 WG_MMA, WG_PREP, WG_SOFTMAX, WG_OUTPUT = 0, 1, 2, 3
@@ -116,11 +117,13 @@ class BlackwellConfig:
     Per tensor it reads the plan's fold case (``plan.k``, ``plan.v``: group, bits, construction,
     params geometry) and the operand recipe of its bits (``foscar.blackwell.operands``), so K and
     V may differ in bits (FP8 K operands with FP4 V operands, or the reverse). ``tokens``: query tokens per
-    sequence (``foscar.query_rows``: gqa x tokens query columns; the cache decode's window launch masks them,
+    sequence (``foscar.query_rows``: gqa x tokens query columns; the cache decode's window blocks mask them,
     or, with ``packed_causal`` (``decode_paged``: the query tokens are the packed pages' last), the packed
-    steps)."""
+    steps). ``window``: the cache decode's 16-bit window blocks (``foscar.window_tiles.WindowOperands``), whose
+    shared memory (``foscar.blackwell.window``) comes out of the ring's budget."""
 
-    def __init__(self, scheme: Scheme, page_size: int, split: bool, tokens: int = 1, packed_causal: bool = False):
+    def __init__(self, scheme: Scheme, page_size: int, split: bool, tokens: int = 1, packed_causal: bool = False,
+                 window=None):
         check_page_size(scheme, page_size)
         if not 1 <= scheme.gqa_ratio <= 16:
             raise NotImplementedError("the Blackwell kernel supports gqa_ratio 1..16")
@@ -165,6 +168,7 @@ class BlackwellConfig:
         self.tmem_cols = max(32, 1 << (ss * self.S_COLS + os_ * self.O_COLS - 1).bit_length())
         self.q_dtype = half_type(scheme.q_dtype)
         self.threads = 4 * WG
+        self.window = window
         # ---- ring of bulk-copied 64-token tiles (int32 words): K codes | V codes | K params | V params.
         # Channel-wise V params are consumed by the output warpgroup, which runs a step behind the
         # others: the softmax warpgroup copies the step's (scale, offset) rows from the ring into a
@@ -186,7 +190,10 @@ class BlackwellConfig:
         # two operand stages double the prep warpgroup's hoisted store addresses: with 8 K + V
         # vectors per thread per tile (INT4, head_dim 256) that spills, so those keep one operand stage
         op2 = () if (self.k_op.vectors + self.v_op.vectors) // WG >= 8 else (("OP_STAGES", 2),)
-        for attr, val in (*op2, ("RING", 4), ("P_BUFS", 2), ("RING", 6), ("RING", 8)):
+        # the cache decode (``window``) keeps a power-of-two ring: with 6 stages (their modulo arithmetic) it
+        # spilled 40 B (INT4 token-wise groups of 256, head_dim 256, gqa 7, pages of 64), the decode does not
+        ring_6 = (("RING", 6),) if window is None else ()
+        for attr, val in (*op2, ("RING", 4), ("P_BUFS", 2), *ring_6, ("RING", 8)):
             old = getattr(self, attr)
             setattr(self, attr, val)
             if self.smem_bytes() > SMEM_BUDGET:
@@ -220,7 +227,8 @@ class BlackwellConfig:
         corr = self.vh.corr_words * 4
         misc = self.kh.qf_words * 4 + sm_.MAX_STEP_GROUPS * self.D * 4 + 2 * 4 * sm_.red_words(self.P_STAGES) + 4096
         vp = self.P_BUFS * self.vh.vp_words * 4
-        return operands + p + ring + corr + misc + vp + self.OP_STAGES * 4 * sm_.KINFO
+        window = 0 if self.window is None else cache_bytes(self.window)
+        return operands + p + ring + corr + misc + vp + self.OP_STAGES * 4 * sm_.KINFO + window
 
 
 
@@ -349,14 +357,15 @@ class BlackwellDecodeKernel:
         SharedStorage = self.shared_storage(*mmas[3:])
         self.launch(self.kernel(*mmas, SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, len_ptr, o_ptr,
                                 lse_ptr, kv_heads, max_pages, num_splits, sm_scale * LOG2E),
-                    (num_splits, kv_heads, batch), SharedStorage, stream)
+                    (num_splits, kv_heads, batch), SharedStorage.size_in_bytes(), stream)
 
-    def launch(self, kernel, grid, SharedStorage, stream):
-        """Launch a traced ``kernel`` (one CTA per (split, KV head, batch entry))."""
+    def launch(self, kernel, grid, smem_bytes: int, stream):
+        """Launch a traced ``kernel`` (one CTA per (split, KV head, batch entry)) with ``smem_bytes`` of shared
+        memory."""
         kernel.launch(
             grid=grid,
             block=(self.cfg.threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
+            smem=smem_bytes,
             min_blocks_per_mp=1,  # .minnctapersm: lets ptxas honour the per-role setmaxnreg
             stream=stream,
         )
@@ -805,11 +814,12 @@ class BlackwellDecodeKernel:
             o_ch.release(step)  # O stage free for the PV of step + O_STAGES
             st_ch.release(step)
         NamedBarrier(BlackwellDecodeBarrier.FINAL, 2 * WG).arrive_and_wait()
-        self.epilogue(sm, accO, out, head, t)
+        self.epilogue(sm, ch, accO, out, head, seq, t)
 
     @cute.jit
-    def epilogue(self, sm, accO, out: Output, head: KvHead, t):
-        """Add the V hook's offset term of the channel, normalise by l, write o and the LSE to ``out``."""
+    def epilogue(self, sm, ch: pl.Channels, accO, out: Output, head: KvHead, seq, t):
+        """Add the V hook's offset term of the channel, normalise by l, write o and the LSE to ``out`` (``ch``,
+        ``seq``: the CTA's channels and sequence, which the cache decode's epilogue reads)."""
         cfg = self.cfg
         N, D, R = cfg.N, cfg.D, cfg.R
         o_ptr, lse_ptr = out.o, out.lse  # (``out`` named in an assignment in an `if`: a value the `if` writes)

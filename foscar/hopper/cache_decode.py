@@ -45,14 +45,15 @@ from ..barriers import HopperDecodeBarrier
 from ..device import LOG2E, at
 from ..jit import half_type
 from ..kernels.quantize import granule_of
-from ..layouts.fragment import THREADS, TILE_TOKENS
+from ..layouts.fragment import THREADS
 from ..pipeline import PackedPages, Ring, TileSpan
 from ..query_rows import KvHead, Output
 from ..softmax import finite_reference
 from ..split_merge import SplitMerge
-from ..window_tiles import BLOCK, WindowOperands, quantized_tokens, slot_holds_token, slot_position
+from ..window_tiles import (BLOCK, WindowOperands, quantized_tokens, slot_holds_token, slot_position,
+                            window_blocks)
 from ..warp_mma import WarpMma
-from ..work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, PLAN_WORDS, WorkList
+from ..work_list import MAX_SPLITS, PLAN_WORDS, CacheWork, WorkList
 from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, WarpState
 
 __all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
@@ -140,8 +141,7 @@ class CacheWindow:
         self.slots = slots.sink + slots.ring
         self.split, self.num_splits = part.part, part.n_parts
         self.recent = cutlass.max(part.n - slots.sink - qlen, Int32(0))
-        blocks = (self.slots + BLOCK - 1) // BLOCK
-        tiles = (cutlass.max(blocks - part.part, 0) + part.n_parts - 1) // part.n_parts
+        tiles = window_blocks(self.slots, part.part, part.n_parts)
         self.tiles = (tiles + cfg.TPG - 1) // cfg.TPG * cfg.TPG
 
     def holds(self, j):
@@ -216,8 +216,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
 
         self.granule = granule_of(cfg.scheme)
         self.work = WorkList(cfg.threads, MAX_SPLITS)
-        self.tile_units = max(1, cfg.TILE_BYTES // 256)  # a packed tile's work (WorkList units: 256 bytes)
-        self.tiles_per_part = MIN_TOKENS_PER_SPLIT // TILE_TOKENS
+        self.cache_work = CacheWork(cfg.TILE_BYTES, cfg.D, self.granule)
         self.merger = SplitMerge(cfg.D, cfg.rows, cfg.NW * 32, HopperDecodeBarrier.CONSUMERS, cfg.q_dtype, MAX_SPLITS)
 
     def cache_storage(self):
@@ -301,8 +300,9 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             # a (sequence, KV head)'s work: its packed tiles' bytes and its window tiles', in 256-byte
             # units; its parts: at most one per MIN_TOKENS_PER_SPLIT packed tokens (foscar.work_list.plan_splits);
             # the sequence's token count and row come back with the item
-            win_units = (sink + ring + BLOCK - 1) // BLOCK * (BLOCK * 4 * cfg.D // 256)
-            work_of = lambda b: self.sequence_work(seq_rows, seq_lengths, b, sink, window, win_units)  # noqa: E731
+            win_units = self.cache_work.window_units(sink, ring)
+            work_of = lambda b: self.cache_work.sequence(seq_rows, seq_lengths, b, sink, window,  # noqa: E731
+                                                         win_units)
             b, h, part, n_parts, item0, (n, row), valid = self.work.find(x, batch, kv_heads, budget, work_of,
                                                                          storage.plan.data_ptr(), tidx)
             if valid:
@@ -310,15 +310,6 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
                                  CachePart(b, h, row.to(Int64), n, part, n_parts, item0 + part, n_parts, item0),
                                  slots, kv_heads, scale_log2, tidx)
             # (num_splits, parts: the two-launch grid's only)
-
-    @cute.jit
-    def sequence_work(self, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, b: Int32, sink: Int32, window: Int32,
-                      win_units: Int32):
-        """Sequence ``b``'s ``(work, cap, tokens, row)`` for ``WorkList.find``."""
-        row = at(seq_rows, b)
-        n = Int32(at(seq_lengths, row))
-        tiles = (quantized_tokens(n, sink, window, self.granule) + TILE_TOKENS - 1) // TILE_TOKENS
-        return tiles * self.tile_units + win_units, cutlass.max(tiles // self.tiles_per_part, 1), n, Int32(row)
 
     @cute.jit
     def attend_part(self, tiled_mma: cute.TiledMma, storage, ring: Ring, layer: CacheLayer, part: CachePart,

@@ -1,14 +1,14 @@
 """The 16-bit sink + recent-window slots of ``foscar.cache.PagedKVCache`` as a launch of their own:
-a light kernel that attends them once per KV head, after the Blackwell cache-decode launch (and
-Hopper's where the window tiles do not fit its ring: head_dim 256 with channel-wise K groups of 256
-tokens), and merges its partials with the decode's. (Hopper's cache decode otherwise attends these
-slots inside its own launch, as tiles of its ring: ``foscar.hopper.cache_decode``. Both build on
-``foscar.window_tiles``.)
+a light kernel that attends them once per KV head, after Hopper's cache-decode launch where the window
+tiles do not fit its ring (head_dim 256 with channel-wise K groups of 256 tokens), and merges its
+partials with the decode's. (The cache decodes otherwise attend these slots inside their own launch:
+Hopper's as tiles of its ring, ``foscar.hopper.cache_decode``, Blackwell's in its preparation warpgroup,
+``foscar.blackwell.cache_decode``. All build on ``foscar.window_tiles``; it compiles for sm_100a too.)
 
 The cache keeps the first ``sink`` tokens of a sequence and its most recent ones in unquantized slots of the
 model's dtype (``[max_seqs, kv_heads, L, D]``, ``L = sink + ring``) and the rest, ``qlen`` tokens, in packed
-pages. This kernel runs after the decode launch (``foscar.blackwell.cache_decode``, or ``foscar.hopper.cache_decode``
-without window tiles), which wrote partials ``0 .. num_splits - 1`` of ``o_part [B, Hq, total, D]`` /
+pages. This kernel runs after the decode launch (``foscar.hopper.cache_decode`` without window tiles), which
+wrote partials ``0 .. num_splits - 1`` of ``o_part [B, Hq, total, D]`` /
 ``lse_part``: CTA ``(chunk, kv_head, b)`` attends ``CHUNK`` slots of its (sequence, KV head) for all ``R``
 query heads of the KV head (each window byte is read once per KV head, not once per query head), writes the
 normalized partial ``(o, lse)`` as ``num_splits + chunk``, and the last of the (sequence, KV head)'s chunk
