@@ -70,6 +70,18 @@ def check_output(out, lse, q, cache: QuantizedKV, sm_scale: float) -> Accuracy:
     return Accuracy(err, lse_err, bf16_err, 2 * bf16_err + ATOL_FLOOR)
 
 
+def check_decode(scheme: Scheme, lengths=(1, 65, 1000, 4097), kv_heads: int = 2, page_size: int = 128) -> Accuracy:
+    """``foscar.decode.decode`` of a fresh :func:`random_problem` into NaN-poisoned outputs, against float64
+    (:func:`check_output`)."""
+    from .decode import decode
+
+    q, cache = random_problem(scheme, list(lengths), kv_heads=kv_heads, page_size=page_size)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+    decode(q, cache, return_lse=True, out=out, lse=lse)
+    return check_output(out, lse, q, cache, scheme.head_dim**-0.5)
+
+
 def coverage_matrix(arch: str | None = None):
     """(scheme, page_size, lengths) covering the kernel issue's matrix without its full product; with
     ``arch``, only the schemes whose formats that arch builds operands for."""

@@ -65,6 +65,20 @@ def reference(cache, layer, seq_ids, q, sm_scale, dtype):
     return torch.stack(outs), torch.stack(lses), torch.stack(lows)
 
 
+def attend_matches_float64(cache, order, q):
+    """Layer 0's ``attend`` of sequences ``order`` against float64 over what the cache holds, every element (2x the
+    error of the same attention in q's dtype); every completion counter left zero."""
+    d, dtype = q.shape[-1], q.dtype
+    out, lse = cache.attend(0, order, q, sm_scale=d**-0.5, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse, low = reference(cache, 0, order, q, d**-0.5, dtype)
+    tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
+    err = float((out.double() - ref).abs().max())
+    assert math.isfinite(err) and err <= tol, (err, tol)
+    assert float((lse.double() - ref_lse).abs().max()) <= max(tol, 1e-3)
+    assert not cache._counters.any()
+
+
 def poison_attend_buffers(cache, batch, q, rotate: bool):
     """NaN-fill blocks of the sizes ``attend`` allocates for its outputs and partials and free them
     (after emptying the allocator's cache): the caching allocator hands freed blocks of a size to the
@@ -122,14 +136,7 @@ def test_one_launch_decode_batch_wider_than_the_block(budget, rng):
         cache.append(0, [seq], k.to("cuda", dtype), torch.randn(1, 1, n, d, generator=rng).to("cuda", dtype))
     order = ids[::-1]
     q = torch.randn(len(order), scheme.gqa_ratio, d, generator=rng).to("cuda", dtype)
-    out, lse = cache.attend(0, order, q, sm_scale=d**-0.5, return_lse=True)
-    torch.cuda.synchronize()
-    ref, ref_lse, low = reference(cache, 0, order, q, d**-0.5, dtype)
-    tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
-    err = float((out.double() - ref).abs().max())
-    assert math.isfinite(err) and err <= tol, (err, tol)
-    assert float((lse.double() - ref_lse).abs().max()) <= max(tol, 1e-3)
-    assert not cache._counters.any()
+    attend_matches_float64(cache, order, q)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 3])
@@ -158,14 +165,7 @@ def test_one_launch_decode_merges_many_parts_in_two_levels(kv_heads, rng):
     q = torch.randn(len(order), kv_heads * scheme.gqa_ratio, d, generator=rng).to("cuda", dtype)
     poison_attend_buffers(cache, len(order), q, False)
     for _ in range(2):  # the counters left zero serve the next launch
-        out, lse = cache.attend(0, order, q, sm_scale=d**-0.5, return_lse=True)
-        torch.cuda.synchronize()
-        ref, ref_lse, low = reference(cache, 0, order, q, d**-0.5, dtype)
-        tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
-        err = float((out.double() - ref).abs().max())
-        assert math.isfinite(err) and err <= tol, (err, tol)
-        assert float((lse.double() - ref_lse).abs().max()) <= max(tol, 1e-3)
-        assert not cache._counters.any()
+        attend_matches_float64(cache, order, q)
 
 
 @pytest.mark.parametrize("budget", [1, 5, 132])

@@ -4,7 +4,8 @@ still affine -- its offset a fixed multiple of its scale (``Format.offset_per_sc
 it: both arches' decode and cache decode read one fp16 per group and derive the offset in registers, the append kernel
 quantizes by its ``AppendRule`` (bit-exact with the host quantizer), the dequantize kernel computes ``fma(s, c,
 -8 s)``. CPU: the host paths, the declarations and their checks, every kernel's compile on both arches, the kernels'
-arithmetic emulated against float64; GPU: the kernels against float64 and the host quantizer."""
+arithmetic emulated against float64; GPU: the cache, append and dequantize kernels against float64 and the host
+quantizer (the decode: tests/test_user_formats.py, over these schemes too)."""
 
 import math
 from fractions import Fraction
@@ -278,21 +279,6 @@ def test_the_kernels_arithmetic_meets_the_accuracy_rule(arch, scheme, lengths, r
 
 
 # ------------------------------------------------------------------------------------------------ GPU
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
-def test_decode_matches_float64_on_the_gpu(scheme):
-    from foscar.decode import decode
-    from foscar.testing import check_output
-
-    q, cache = random_problem(scheme, [1, 65, 1000, 4097], kv_heads=2, page_size=128)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
-    decode(q, cache, return_lse=True, out=out, lse=lse)
-    acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
-    print(scheme.name, acc)
-    assert acc.ok, acc
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)

@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from test_scale_only_format import SCHEMES as SCALE_ONLY
 from user_formats import INT8, Int8
 
 from foscar import Scheme
@@ -180,16 +181,13 @@ def test_cpu_cache_round_trip(rng):
 # ------------------------------------------------------------------------------------------------ GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("scheme", SCHEMES + SCALE_ONLY, ids=lambda s: s.name)
 def test_decode_matches_float64_on_the_gpu(scheme):
-    from foscar.decode import decode
-    from foscar.testing import check_output, random_problem
+    """INT8 and the scale-only symmetric INT4 (tests/test_scale_only_format.py's schemes), written outside the
+    package: decode against float64."""
+    from foscar.testing import check_decode
 
-    q, cache = random_problem(scheme, [1, 65, 1000, 4097], kv_heads=2, page_size=128)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
-    decode(q, cache, return_lse=True, out=out, lse=lse)
-    acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
+    acc = check_decode(scheme)
     print(scheme.name, acc)
     assert acc.ok, acc
 
