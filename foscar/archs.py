@@ -20,6 +20,7 @@ import importlib
 from dataclasses import dataclass
 
 from .targets import TARGETS
+from .formats import Unsupported, append_mismatch
 from .scheme import Construction, Scheme, construction_for
 
 __all__ = ["Arch", "ARCHS", "HOPPER", "BLACKWELL", "get_arch", "arch_of_device", "packed_layouts"]
@@ -59,8 +60,13 @@ class Arch:
     def check_cache(self, scheme: Scheme, page_size: int, slots: int, what: str = "sink + window + granule"):
         """Raise a ValueError naming the field if :class:`~foscar.cache.PagedKVCache`'s GPU decode
         cannot take ``scheme`` at ``page_size`` with ``slots`` 16-bit slots per (sequence, KV head)
-        (``what`` names them); compiles nothing."""
+        (``what`` names them), or whose append kernel cannot quantize its formats (``append_mismatch``: refused
+        before any append writes anything); compiles nothing."""
         self.can_implement(scheme, page_size)
+        for name, quant in (("k", scheme.k), ("v", scheme.v)):
+            mismatch = append_mismatch(quant.format)
+            if mismatch:
+                raise Unsupported(f"Scheme.{name}.format: {mismatch}")
         if not self._fuses_window(scheme, page_size):
             from .kernels.sink_window import check_sink_window
 

@@ -31,7 +31,7 @@ but the optional rotation of q (``Arch.run_cache_decode``): the FOSCAR kernel ov
 16-slot tiles of the same ring (each read once per KV head), each sequence cut into parts by its length on the
 device (``foscar.work_list``: a long sequence among short ones gets more CTAs, no host sync), the parts merged
 by log-sum-exp in the same launch (``foscar.hopper.cache_decode``; the pages are packed in the bit order of the
-cache's arch, ``foscar.archs``; the GPU path -- append kernel and cache decode -- is Hopper's, and a cache
+cache's arch, ``foscar.archs``; the GPU path -- append kernel and cache decode -- runs on Hopper, and a cache
 whose arch lacks it says so when built). Blackwell's (compile-verified) is the same one launch, planned alike
 (``foscar.blackwell.cache_decode``). Append (:meth:`append`) of one
 token per sequence and ``attend`` are CUDA-graph capturable: device-side index math only, the flush runs every

@@ -236,7 +236,7 @@ class KernelSet:
         ``q [B, tokens, Hq, D]`` for several query tokens per sequence (the sequence's last tokens: causal),
         packed pages in the arch's word order, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win
         [max_seqs, kv_heads, sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs],
-        ``counters`` int32 (>= B * kv_heads, zero; left zero). One launch whose work list fills ``budget``
+        ``counters`` int32 (>= ``split_merge.counter_words(B * kv_heads, MAX_SPLITS)``, zero; left zero). One launch whose work list fills ``budget``
         CTAs where :meth:`fuses_window`, else ``num_splits`` splits per sequence then the window kernel.
         Returns ``(out, lse)``: q's dtype and shape, fp32 ``lse`` of q's shape less head_dim."""
         batch, tokens, d = q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-1]

@@ -10,7 +10,7 @@ counters are a persistent workspace zeroed once when allocated.
 
 Work-list partials (:meth:`SplitMerge.merge_items`) merge in two levels past ``TWO_LEVELS_PAST`` parts: the last
 CTA of each group of ``GROUP`` consecutive parts merges its group into the group's first partial (fp32, in place),
-and the last group's merging CTA merges the groups. One CTA alone reading 64 partials (256 KB at 8 query rows x 128
+and whichever group-merging CTA counts last on the (sequence, KV head)'s counter merges the groups. One CTA alone reading 64 partials (256 KB at 8 query rows x 128
 channels) reads in 8 rounds of loads; two levels read in 2 + 1 but pay a second fence, count and lse round
 (benchmarks/NOTES.md section 28: faster at 64 parts, slower at 16). A group's merge loads ``BATCH / 2`` partials at
 once: with all of ``BATCH`` the Hopper cache decode spilled a register. The group counters follow the (sequence,
@@ -31,6 +31,7 @@ from cutlass.pipeline import NamedBarrier
 
 from .device import NEG_INF, at, fsel, store
 from .softmax import lse_weight, merged_lse
+from .work_list import MAX_SPLITS
 
 __all__ = ["SplitMerge", "PartialSum", "VEC", "BATCH", "GROUP", "TWO_LEVELS_PAST", "counter_words"]
 
@@ -79,7 +80,7 @@ class SplitMerge:
     barrier ``barrier_id``: ``arrive`` (am I last?) and ``merge`` (the R query columns x D channels of one
     (sequence, KV head), ``query``: ``foscar.query_rows.QueryRows``, from any number of partials)."""
 
-    def __init__(self, head_dim: int, query, threads: int, barrier_id: int, out_dtype, max_parts: int = GROUP):
+    def __init__(self, head_dim: int, query, threads: int, barrier_id: int, out_dtype, max_parts: int = MAX_SPLITS):
         rows = query.R
         self.groups_per_head = -(-max_parts // GROUP)  # group counters per (sequence, KV head): counter_words
         self.D, self.R, self.query = head_dim, rows, query

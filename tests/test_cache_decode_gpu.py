@@ -79,6 +79,19 @@ def attend_matches_float64(cache, order, q):
     assert not cache._counters.any()
 
 
+def planned_parts(cache, lengths):
+    """The part counts of the work list the cache decode plans over sequences of ``lengths`` tokens
+    (``foscar.work_list.host_plan``, the launch's plan mirrored on the CPU)."""
+    from foscar.work_list import host_plan
+
+    kernels = cache.arch._kernels()
+    scheme, page_size = cache.scheme, cache.page_size
+    work = kernels.cache_kernel(kernels.cache_config(scheme, page_size, 1, *kernels.options(scheme, 1))).cache_work
+    ring = cache.k_bf16[0].shape[2] - cache.sink
+    works, caps = zip(*(work.host_sequence(n, cache.sink, cache.window, ring) for n in lengths))
+    return {parts for *_, parts in host_plan(works, caps, cache.kv_heads, cache.cta_budget)}
+
+
 def poison_attend_buffers(cache, batch, q, rotate: bool):
     """NaN-fill blocks of the sizes ``attend`` allocates for its outputs and partials and free them
     (after emptying the allocator's cache): the caching allocator hands freed blocks of a size to the
@@ -142,20 +155,20 @@ def test_one_launch_decode_batch_wider_than_the_block(budget, rng):
 @pytest.mark.parametrize("kv_heads", [1, 3])
 def test_one_launch_decode_merges_many_parts_in_two_levels(kv_heads, rng):
     """Sequences cut into 3 to 64 parts: in one level up to split_merge.TWO_LEVELS_PAST (9, 13), in two past it
-    (35: a last group of 3; 64: 8 full groups: the groups' last CTAs merge their groups in place, then the last
-    group's merges the groups): against float64, every element; every counter, the group counters too, left zero."""
+    (17: a last group of one part; 35: of 3; 64: 8 full groups: the groups' last CTAs merge their groups in place,
+    then the last to count merges the groups): against float64, every element; every counter, the group counters
+    too, left zero."""
     from foscar.split_merge import GROUP, TWO_LEVELS_PAST
 
     scheme, page_size = Scheme.make(2, "token", 128, "token", 128, 128, 4), 128
     lengths = [64 * 256 + SINK + WINDOW + 300, 9 * 256 + SINK + WINDOW, 13 * 256 + SINK + WINDOW + 77,
-               3 * 256 + SINK + WINDOW, 35 * 256 + SINK + WINDOW + 5]
+               3 * 256 + SINK + WINDOW, 35 * 256 + SINK + WINDOW + 5, 17 * 256 + SINK + WINDOW]
     cache = PagedKVCache(scheme, 1, kv_heads, num_pages=sum(-(-n // page_size) for n in lengths) + 4,
                          max_seqs=len(lengths), max_seq_len=max(lengths), page_size=page_size, sink=SINK,
                          window=WINDOW, device="cuda")
     cache.cta_budget = 1000  # each sequence up to its cap: quantized tokens / 256 parts, at most 64
-    caps = [cache.quantized_tokens(n) // 256 for n in lengths]
-    assert max(caps) >= 8 * GROUP and any(GROUP < c <= TWO_LEVELS_PAST for c in caps)
-    assert any(c > TWO_LEVELS_PAST and c % GROUP for c in caps)
+    assert planned_parts(cache, lengths[::-1]) == {3, 9, 13, 17, 35, 64}  # (attend's order below)
+    assert GROUP < 9 < 13 <= TWO_LEVELS_PAST < 17 and 17 % GROUP == 1 and 35 % GROUP == 3 and 64 == 8 * GROUP
     ids = [cache.allocate() for _ in lengths]
     d, dtype = scheme.head_dim, scheme.q_dtype
     for seq, n in zip(ids, lengths):

@@ -202,6 +202,9 @@ def test_what_the_kernels_refuse_of_a_scale_only_format_before_compiling():
             QuantizeConfig.of(_with(fmt), "k")
         DequantizeConfig.of(_with(fmt), "k")  # the other kernels do not quantize
         HOPPER.can_implement(_with(fmt), 128)
+        for arch in (HOPPER, BLACKWELL):  # a cache quantizes on append: refused when built, before any append
+            with pytest.raises(Unsupported, match=rf"^Scheme\.k\.format: .*{reason}"):
+                arch.check_cache(_with(fmt), 128, 64 + 256 + 128)
 
     class CentredSymInt4(SymInt4):
         name = "centred-sym4"
