@@ -1,7 +1,7 @@
 """A chunk of new tokens over a long cached prefix (chunked prefill, a prefix-cache hit, a new turn), in one
 process: what FOSCAR does today against the two baselines of issue 25 item 2.
 
-    python -m benchmarks.extend [--prefix 100000] [--chunks 16,128,1024,8192] [--method int2-kc128]
+    python -m benchmarks.extend [--prefix 100000] [--chunks 16,128,1024,8192] [--method int2-kc128] [--decode-up-to 1024]
 
 Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, one sequence, causal within the chunk):
 
@@ -11,8 +11,12 @@ Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, on
   (``foscar.kernels.dequantize``), the 16-bit sink + window slots and the chunk gathered next to them, then
   FlashInfer's ragged batch prefill (``BatchPrefillWithRaggedKVCacheWrapper``, NHD: the gather writes that layout,
   one copy as a concatenation would be) over them. Extra memory: the whole prefix in BF16.
-* ``foscar-attend-chunk``: ``PagedKVCache.attend_chunk`` on a kernel cache (``foscar.chunk_attention``: the packed
-  pages dequantized a block at a time into a fused attention, merged by LSE).
+* ``foscar-attend-chunk``: ``PagedKVCache.attend_chunk`` on a kernel cache (``foscar.chunk_attention``), its packed
+  pages attended one of two ways, a row each (the call takes the decode kernel up to ``DECODE_COLUMNS`` query rows
+  per KV head, blocks past it): ``blocks``, dequantized a block at a time into a fused attention; ``decode``, by the
+  folded decode kernel with the chunk's tokens as query heads (``PackedPrefix``: the pages read once per 16 rows,
+  never in BF16), measured up to ``--decode-up-to`` tokens. The 16-bit slots and the chunk's own tokens take the
+  fused attention either way; all merge by LSE.
 * ``foscar-attend-chunk, growing prefix``: the same, each call after a one-token append, as in serving, where the
   prefix is one step longer at every call: the last block and the slots are new shapes each time (what a fused
   attention that plans per shape would pay at every call; ``foscar.chunk_attention`` keeps cuDNN off them).
@@ -29,6 +33,7 @@ prefix). Correctness of each path is the tests' business (``tests/test_cache_chu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -132,7 +137,19 @@ def flashinfer_ragged(flashinfer, workspace, n, chunk, q_heads, kv_heads, d):
     return wrapper.run
 
 
-def measure(method: str, prefix: int, chunks, reps: int):
+@contextlib.contextmanager
+def decode_columns(columns: int):
+    """``attend_chunk`` with its threshold ``foscar.cache.DECODE_COLUMNS`` set to ``columns`` (0: blocks always)."""
+    import foscar.cache
+
+    kept, foscar.cache.DECODE_COLUMNS = foscar.cache.DECODE_COLUMNS, columns
+    try:
+        yield
+    finally:
+        foscar.cache.DECODE_COLUMNS = kept
+
+
+def measure(method: str, prefix: int, chunks, reps: int, decode_up_to: int):
     flashinfer = import_flashinfer()
     q_heads, kv_heads, d = MODELS["qwen3-8b"]
     scheme = scheme_of(method)
@@ -162,7 +179,15 @@ def measure(method: str, prefix: int, chunks, reps: int):
         def foscar():
             return cache.attend_chunk(0, [seq], q[None], k_new[None], v_new[None])
 
-        for name, fn in (("flashinfer-bf16", bf16), ("dequant+flashinfer", oscar), ("foscar-attend-chunk", foscar)):
+        def packed_by(path):  # attend_chunk with its packed pages taken one way
+            def call():
+                with decode_columns(0 if path == "blocks" else 1 << 30):
+                    return foscar()
+            return call
+
+        paths = ("blocks", "decode") if chunk <= decode_up_to else ("blocks",)
+        for name, fn in (("flashinfer-bf16", bf16), ("dequant+flashinfer", oscar),
+                         *((f"foscar-attend-chunk, {p}", packed_by(p)) for p in paths)):
             us, extra, first = timed(fn, reps)
             rows.append({"prefix": prefix, "chunk": chunk, "method": name, "us": us, "extra_mib": extra,
                          "first_us": first})
@@ -195,6 +220,8 @@ def main(argv=None):
     parser.add_argument("--chunks", default="16,128,1024,8192", help="new tokens, comma-separated")
     parser.add_argument("--method", default="int2-kc128", help="the FOSCAR format, <format>-k<t|c><group>")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--decode-up-to", type=int, default=1024,
+                        help="the longest chunk whose packed pages are also timed through the decode kernel")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--tag", default="extend")
     args = parser.parse_args(argv)
@@ -210,7 +237,7 @@ def main(argv=None):
         parser.error(f"--method: {args.method!r} is not <format>-k<t|c><group>")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.extend needs a CUDA GPU")
-    rows = measure(args.method, args.prefix, chunks, args.reps)
+    rows = measure(args.method, args.prefix, chunks, args.reps, args.decode_up_to)
     meta = run_meta("benchmarks.extend", argv, _versions(), method=args.method)
     text = table(rows)
     write(args.out, args.tag, f"A chunk over a cached prefix ({args.method})", meta, rows, text,

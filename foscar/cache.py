@@ -61,6 +61,7 @@ channels, which cuts the 2-bit error. V is not rotated.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numbers
@@ -70,7 +71,7 @@ from typing import NamedTuple
 import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
-from .chunk_attention import CUDNN_TOKENS, chunk_attention
+from .chunk_attention import CUDNN_TOKENS, DECODE_COLUMNS, PackedPrefix, chunk_attention
 from .kernels.dequantize import dequantize_pages
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
@@ -841,9 +842,11 @@ class PagedKVCache:
         Returns ``out [B, L, Hq, D]`` (q's dtype) and, if asked, ``lse [B, L, Hq]`` (fp32, as :meth:`attend`).
         The cache is not changed. Host-planned: not capturable in a CUDA graph. Two computations:
 
-        * a kernel cache (GPU): per sequence, the packed pages are dequantized into q's dtype one block at a
-          time and attended by a fused attention with the 16-bit slots and, causally, the new tokens, merged
-          by their LSE (``foscar.chunk_attention``): extra memory is one block and the chunk, not the prefix;
+        * a kernel cache (GPU): per sequence, the packed pages are attended by the decode kernel with the new
+          tokens as query heads (``gqa_ratio x L <= foscar.chunk_attention.DECODE_COLUMNS``), or else dequantized
+          into q's dtype one block at a time and attended by a fused attention; the 16-bit slots and, causally, the
+          new tokens by the fused attention; all merged by their LSE (``foscar.chunk_attention``): extra memory is
+          one block and the chunk, not the prefix;
         * the torch path's cache: one fp32 softmax per block of query tokens over its fp32 copies of the pages,
           the 16-bit slots and the new tokens (a block's scores take at most ``CHUNK_SCORES`` elements).
         """
@@ -868,8 +871,9 @@ class PagedKVCache:
                              f"max_seq_len={self.max_seq_len}")
         q, k = self._rotate(q), self._rotate(k)
         if self._dequantized is None:
-            parts = [chunk_attention(q[b], k[b], v[b], self._cached_blocks(layer, seq, n, q.dtype), sm_scale)
-                     for b, (seq, n) in enumerate(zip(ids, held))]
+            prefixes = [self._packed_prefix(layer, seq, n, tokens, sm_scale) for seq, n in zip(ids, held)]
+            parts = [chunk_attention(q[b], k[b], v[b], self._cached_blocks(layer, seq, n, q.dtype, prefix is None),
+                                     sm_scale, prefix) for b, (seq, n, prefix) in enumerate(zip(ids, held, prefixes))]
             out, lse = (torch.stack(x) for x in zip(*parts))
             return (out, lse) if return_lse else out
         plan = self._attend_plan(layer, ids, index, 0)
@@ -880,12 +884,33 @@ class PagedKVCache:
         out = torch.cat([o for o, _ in parts], dim=1).to(q.dtype)
         return (out, torch.cat([lse for _, lse in parts], dim=1)) if return_lse else out
 
-    def _cached_blocks(self, layer, seq, n, dtype):
+    def _packed_prefix(self, layer, seq, n, tokens, sm_scale) -> PackedPrefix | None:
+        """The packed pages of sequence ``seq`` (``n`` tokens) for ``chunk_attention`` to attend through the decode
+        kernel (``PackedPrefix``), where a chunk of ``tokens`` is short enough for that to beat dequantized blocks
+        (``gqa_ratio x tokens <= DECODE_COLUMNS``) and the kernel takes the chunk's tokens as query heads; else None
+        (``_cached_blocks`` dequantizes them)."""
+        quantized, gqa = self.quantized_tokens(n), self.scheme.gqa_ratio
+        step = self.arch.max_query_tokens(self.scheme)[0]
+        if self.device.type != "cuda" or not quantized or step < 1 or gqa * tokens > DECODE_COLUMNS:
+            return None
+        scheme = dataclasses.replace(self.scheme, gqa_ratio=gqa * step)  # one compiled variant per cache scheme
+        try:
+            self.arch.can_implement(scheme, self.page_size)
+        except ValueError:  # a ratio past the kernel's, a config that does not build
+            return None
+        tiles, pages = -(-tokens // step), -(-quantized // self.page_size)
+        table = self.page_table[seq, :pages].expand(tiles, pages).contiguous()  # every tile reads the same pages
+        lengths = torch.full((tiles,), quantized, dtype=torch.int32, device=self.device)
+        splits = plan_splits(tiles, self.kv_heads, pages * self.page_size, self._num_sms)
+        codes = self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer]
+        return PackedPrefix(step, lambda q: self.arch.run_decode(q, *codes, table, lengths, sm_scale, scheme, splits))
+
+    def _cached_blocks(self, layer, seq, n, dtype, packed: bool = True):
         """What sequence ``seq`` of ``n`` tokens holds, as blocks ``(k, v) [kv_heads, T, D]`` in ``dtype`` for
-        ``chunk_attention``: its packed pages dequantized at most ``BLOCK_BYTES`` at a time, whole multiples of
-        ``CUDNN_TOKENS`` tokens where a block holds that many (the dequantize kernel on a GPU cache, in its arch's
-        bit order; the torch dequantizer on a CPU cache), then its 16-bit slots."""
-        quantized, ps = self.quantized_tokens(n), self.page_size
+        ``chunk_attention``: its packed pages (unless not ``packed``) dequantized at most ``BLOCK_BYTES`` at a time,
+        whole multiples of ``CUDNN_TOKENS`` tokens where a block holds that many (the dequantize kernel on a GPU cache,
+        in its arch's bit order; the torch dequantizer on a CPU cache), then its 16-bit slots."""
+        quantized, ps = self.quantized_tokens(n) if packed else 0, self.page_size
         per_block = block_pages(self.kv_heads, ps, self.scheme.head_dim, dtype)
         pages = -(-quantized // ps)
         for first in range(0, pages, per_block):

@@ -22,24 +22,32 @@ heads of a KV head fold into the rows of one attention (``[kv_heads, gqa * L, D]
 block's K/V are read once per KV head. A chunk too short to fill the GPU with its rows splits a block into
 ``pieces``, strided views of it given to one attention as a batch.
 
-This is the dequantize-then-attend algebra with a bounded working set, not a folded kernel: the values of a block
-are written once and read back. It rounds the dequantized values, and each block's output, to the query's dtype,
-as a BF16 (FP16) PyTorch computation on the same cache rounds its values and P.
+The blocks are the dequantize-then-attend algebra with a bounded working set, not a folded kernel: the values of a
+block are written once and read back. They round the dequantized values, and each block's output, to the query's
+dtype, as a BF16 (FP16) PyTorch computation on the same cache rounds its values and P.
+
+A short chunk (at most ``DECODE_COLUMNS`` query rows per KV head) skips the blocks: the packed pages go to the
+folded decode kernel with the chunk's tokens as more query heads (:class:`PackedPrefix`), which reads them once per
+16 query rows and never writes them in 16 bits; the fused attention then takes only the 16-bit slots and the chunk.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Merged", "chunk_attention", "fused_attention"]
+__all__ = ["Merged", "PackedPrefix", "chunk_attention", "fused_attention"]
 
 CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (_cudnn_rows)
 CUDNN_TOKENS = 8192  # cuDNN attends blocks of a multiple of this many keys: the full blocks, a bounded set of shapes
 MIN_PIECE = 1024  # tokens: the shortest piece of a block that is its own batch entry
 ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward kernel (head_dim <= 128 on sm_90)
 CTAS_PER_SM = 2  # pieces are added until the grid fills the GPU this many times
+DECODE_COLUMNS = 512  # query rows per KV head (gqa x chunk tokens) up to which the decode kernel attends the packed
+# pages (PackedPrefix) rather than dequantized blocks: it reads them once per 16 rows, the blocks once in all
 HELD_BYTES = 64 << 20  # FP32 bytes of partial outputs Merged holds before it merges them (its working memory)
 
 
@@ -161,10 +169,37 @@ def _attend_block(queries, rows: int, k, v, sm_scale: float, merged: Merged) -> 
         merged.add(out, lse)
 
 
-def chunk_attention(q, k_new, v_new, blocks, sm_scale: float):
+@dataclass(frozen=True)
+class PackedPrefix:
+    """The packed pages of a prefix, attended by the folded decode kernel instead of dequantized blocks: the chunk's
+    tokens become more query heads of a decode, ``step`` tokens per launch column tile (``gqa x step`` columns per
+    KV head; every token sees the whole prefix, so no mask), and the ``n`` tiles of a chunk are ``n`` sequences of one
+    launch that share the prefix's pages. ``decode(q [n, kv_heads * gqa * step, D])`` returns that decode's ``(out,
+    lse)``, in q's dtype and fp32."""
+
+    step: int
+    decode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+    def attend(self, q: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [L, Hq, D]`` over the prefix: ``(out [kv_heads, gqa * L, D], lse [kv_heads, gqa * L])``, the rows of
+        :func:`chunk_attention`'s blocks (row ``g * L + t``)."""
+        tokens, q_heads, d = q.shape
+        group, n = q_heads // kv_heads, -(-tokens // self.step)
+        padded = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, n * self.step - tokens))  # zero tokens past the chunk
+        # [n, step, kv_heads, gqa, D] -> [n, kv_heads, step, gqa, D]: column t * gqa + g of a KV head's tile
+        folded = padded.view(n, self.step, kv_heads, group, d).transpose(1, 2).reshape(n, -1, d)
+        out, lse = self.decode(folded)
+        out = out.view(n, kv_heads, self.step, group, d).permute(1, 3, 0, 2, 4).reshape(kv_heads, group, -1, d)
+        lse = lse.view(n, kv_heads, self.step, group).permute(1, 3, 0, 2).reshape(kv_heads, group, -1)
+        return (out[:, :, :tokens].reshape(kv_heads, group * tokens, d),
+                lse[:, :, :tokens].reshape(kv_heads, group * tokens))
+
+
+def chunk_attention(q, k_new, v_new, blocks, sm_scale: float, packed: PackedPrefix | None = None):
     """Attention of ``L`` new tokens ``q [L, Hq, D]`` over the cached ``blocks`` (an iterable of ``(k, v)``
-    ``[kv_heads, T, D]`` in q's dtype, each fully visible; empty ones are skipped) and, causally, their own
-    ``k_new, v_new [kv_heads, L, D]``. Returns ``out [L, Hq, D]`` (q's dtype) and ``lse [L, Hq]`` (fp32)."""
+    ``[kv_heads, T, D]`` in q's dtype, each fully visible; empty ones are skipped), the ``packed`` prefix where
+    given (fully visible too), and, causally, their own ``k_new, v_new [kv_heads, L, D]``. Returns ``out [L, Hq,
+    D]`` (q's dtype) and ``lse [L, Hq]`` (fp32)."""
     tokens, q_heads, d = q.shape
     kv_heads = k_new.shape[0]
     group = q_heads // kv_heads
@@ -179,6 +214,8 @@ def chunk_attention(q, k_new, v_new, blocks, sm_scale: float):
         return padded.expand(pieces, -1, -1, -1).contiguous()
 
     merged = Merged()
+    if packed is not None:
+        merged.add(*(x[None] for x in packed.attend(q, kv_heads)))
     for k, v in blocks:
         if k.shape[1]:
             _attend_block(queries, group * tokens, k, v, sm_scale, merged)

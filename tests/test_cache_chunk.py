@@ -352,14 +352,20 @@ GPU_SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed_by", ["blocks", "decode"])
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("scheme", GPU_SCHEMES, ids=lambda s: s.name)
-def test_attend_chunk_on_a_kernel_cache(scheme, rotate, rng, monkeypatch):
-    """The kernel path's cache (no fp32 copies; pages dequantized per call): chunks against float64 attention
-    over what the cache holds (its dense(), read from the packed pages), chunks appended in turn; blocks of one
-    page, cut into pieces of 64 tokens (the dequantize kernel given page-table slices past the first page)."""
+def test_attend_chunk_on_a_kernel_cache(scheme, rotate, packed_by, rng, monkeypatch):
+    """The kernel path's cache (no fp32 copies): chunks against float64 attention over what the cache holds (its
+    dense(), read from the packed pages), chunks appended in turn. The packed pages either dequantized per call, in
+    blocks of one page cut into pieces of 64 tokens (the dequantize kernel given page-table slices past the first
+    page), or attended by the decode kernel with the chunk's tokens as query heads (``PackedPrefix``: tiles of
+    ``16 // gqa`` tokens, the last one padded)."""
+    monkeypatch.setattr(foscar.cache, "DECODE_COLUMNS", 10**9 if packed_by == "decode" else 0)
     monkeypatch.setattr(foscar.cache, "BLOCK_BYTES", 1)
     monkeypatch.setattr(foscar.chunk_attention, "MIN_PIECE", 64)
+    dequantize, dequantized = foscar.cache.dequantize_pages, []
+    monkeypatch.setattr(foscar.cache, "dequantize_pages", lambda *a, **kw: dequantized.append(a[4]) or dequantize(*a, **kw))
     cache = gpu_cache(scheme, rotate)
     assert cache.use_kernels and cache._dequantized is None
     ids = [cache.allocate() for _ in range(3)]
@@ -368,6 +374,7 @@ def test_attend_chunk_on_a_kernel_cache(scheme, rotate, rng, monkeypatch):
     for tokens in CHUNKS:
         k_new, v_new = check_chunk(cache, ids[::-1], lambda seq: cache.dense(0, seq), rng, tokens)
         cache.append(0, ids[::-1], k_new.cuda(), v_new.cuda())
+    assert bool(dequantized) == (packed_by == "blocks")  # the path asked for took the packed pages
 
 
 @pytest.mark.gpu

@@ -36,6 +36,35 @@ def test_blocks_pieces_and_own_tokens_against_float64(dtype, pieces, tokens, rng
                            rounded_partials=True)
 
 
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("step", [1, 3, 4])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_packed_prefix_folds_the_chunk_into_query_heads(group, step, tokens, rng):
+    """``PackedPrefix``: the chunk's tokens as ``step`` more query heads per head of a decode over the prefix (here a
+    float64 attention standing in for the kernel, rounded to q's dtype), unfolded into the blocks' rows and merged
+    with a block of 16-bit slots and the chunk's own tokens: the chunk's attention over all of them."""
+    kv_heads, d, prefix, slots = 2, 64, 300, 40
+    k = (torch.randn(kv_heads, prefix + slots + tokens, d, generator=rng) + torch.randn(d, generator=rng))
+    k, v = k.to(torch.bfloat16), torch.randn(kv_heads, prefix + slots + tokens, d, generator=rng).to(torch.bfloat16)
+    q = torch.randn(tokens, kv_heads * group, d, generator=rng).to(torch.bfloat16)
+    seen = []
+
+    def decode(folded):  # [n, kv_heads * group * step, D]: n sequences, each the whole prefix
+        seen.append(tuple(folded.shape))
+        heads = folded.shape[1] // kv_heads
+        scores = torch.einsum("nhd,htd->nht", folded.double(), k[:, :prefix].double().repeat_interleave(heads, 0))
+        scores *= SM_SCALE
+        out = torch.einsum("nht,htd->nhd", torch.softmax(scores, -1), v[:, :prefix].double().repeat_interleave(heads, 0))
+        return out.to(q.dtype), torch.logsumexp(scores, -1).float()
+
+    packed = chunk_attention.PackedPrefix(step, decode)
+    cached = [(k[:, prefix:prefix + slots], v[:, prefix:prefix + slots])]
+    out, lse = chunk_attention.chunk_attention(q, k[:, -tokens:], v[:, -tokens:], cached, SM_SCALE, packed)
+    assert seen == [(-(-tokens // step), kv_heads * group * step, d)]
+    assert out.shape == q.shape and lse.shape == (tokens, kv_heads * group)
+    assert_within_the_rule(out, lse, q, k.float(), v.float(), SM_SCALE, (group, step, tokens), rounded_partials=True)
+
+
 def test_nothing_cached_is_causal_attention_of_the_chunk(rng):
     kv_heads, group, d, tokens = 1, 2, 32, 9
     k, v = (torch.randn(kv_heads, tokens, d, generator=rng).to(torch.bfloat16) for _ in range(2))
