@@ -899,7 +899,7 @@ class PagedKVCache:
         except ValueError:  # a ratio past the kernel's, a config that does not build
             return None
         tiles, pages = -(-tokens // step), -(-quantized // self.page_size)
-        table = self.page_table[seq, :pages].expand(tiles, pages).contiguous()  # every tile reads the same pages
+        table = self.page_table[seq, :pages].expand(tiles, pages).clone()  # the same pages for every tile; aligned
         lengths = torch.full((tiles,), quantized, dtype=torch.int32, device=self.device)
         splits = plan_splits(tiles, self.kv_heads, pages * self.page_size, self._num_sms)
         codes = self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from foscar.decode import decode
+from foscar.scheme import Scheme
 from foscar.testing import check_output, coverage_matrix, random_problem
 
 pytestmark = pytest.mark.gpu
@@ -38,6 +39,20 @@ def test_split_counts_and_query_dtypes(num_splits, q_dtype):
     decode(q, cache, return_lse=True, num_splits=num_splits, out=out, lse=lse)
     acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
     assert out.dtype == q_dtype and acc.ok, acc
+
+
+@pytest.mark.parametrize("scheme", [Scheme.make(2, "token", 128, "token", 128, 128, 4),
+                                    Scheme.make(2, "channel", 128, "token", 128, 128, 16),
+                                    Scheme.make(4, "token", 128, "token", 128, 128, 4)], ids=lambda s: s.name)
+def test_one_cta_over_a_long_sequence(scheme):
+    """One split: a CTA accumulates every tile of 64K tokens into its O (the plan of a large batch of long
+    sequences: 16 x 100K gets one split). The MMA's FP32 accumulation truncates; a V operand bias summed over the
+    whole split once put these 3-8x past the rule (benchmarks/NOTES.md section 30)."""
+    q, cache = random_problem(scheme, [65536, 30001], kv_heads=2, page_size=128)
+    out, lse = _poisoned(q)
+    decode(q, cache, return_lse=True, num_splits=1, out=out, lse=lse)
+    acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
+    assert acc.ok, acc
 
 
 def test_second_call_with_other_lengths_does_not_recompile():

@@ -189,7 +189,10 @@ def v_fragments(mma: WarpMma, operand, vw, md: int, cfg):
 @register(VTokenWise)
 class VTokenHooks(_Hooks):
     """P^T scaled per token by s'[l,j], one copy per channel block j; the offsets add
-    sum_l z[l,j] P[l] to every channel of block j, and -(bias x P^T) is summed like O."""
+    sum_l z[l,j] P[l] to every channel of block j. A tile's PV starts at its own -(bias x P^T) and is added
+    to O^T by an FP32 add: an accumulator that carried the bias (2^E, up to 256x the code weight) over a
+    whole split lost its low bits to the MMA's truncating accumulation, an error growing with the split's
+    tokens (4x the accuracy rule at 32K tokens per CTA, benchmarks/NOTES.md section 30)."""
 
     @property
     def psets(self) -> int:
@@ -204,8 +207,7 @@ class VTokenHooks(_Hooks):
         return st
 
     def setup_output(self, mma: WarpMma, st):
-        """-(bias x P^T) per channel block j, summed (and rescaled) like O^T."""
-        st.v_bias = [[mma.zero_accumulator() for _ in range(mma.NB)] for _ in range(self.fold.channel_blocks)]
+        return None
 
     def load_params(self, mma: WarpMma, vpar, rows, valid):
         nj = self.fold.channel_blocks
@@ -239,26 +241,29 @@ class VTokenHooks(_Hooks):
         return None
 
     def rescale(self, mma: WarpMma, st, accO, alpha):
-        for row in accO + st.v_bias:
+        return None  # accumulate rescales O in the FMA that adds a tile
+
+    def rescale_direct(self, mma: WarpMma, st, accO, alpha):
+        for row in accO:
             for nb in range(mma.NB):
                 for i in range(4):
                     row[nb][i] = row[nb][i] * alpha[i % 2 + 2 * nb]
 
-    def rescale_direct(self, mma: WarpMma, st, accO, alpha):
-        self.rescale(mma, st, accO, alpha)
-
     def accumulate(self, mma: WarpMma, st, tp, acc_p, accO, pB, vw, alpha):
         cfg = self.cfg
+        # per channel block and n8 block: the initial value of the tile's PV accumulators
+        pv_bias = [[mma.zero_accumulator() for _ in range(mma.NB)] for _ in range(self.fold.channel_blocks)]
         for j in range(self.fold.channel_blocks):
             for nb in range(mma.NB):
-                self.operand.cancel_bias(mma, st.v_bias[j][nb], [pB[tb][nb][j] for tb in range(TOKEN_BLOCKS)],
+                self.operand.cancel_bias(mma, pv_bias[j][nb], [pB[tb][nb][j] for tb in range(TOKEN_BLOCKS)],
                                          range(TOKEN_BLOCKS))
         for md in range(cfg.MB_V):
             vfr = v_fragments(mma, self.operand, vw, md, cfg)
+            j = (16 * md) // self.fold.group  # the channel block of these 16 channels
             for nb in range(mma.NB):
-                j = (16 * md) // self.fold.group  # the channel block of these 16 channels
-                for tb in range(TOKEN_BLOCKS):
-                    mma.gemm(accO[md][nb], vfr[tb], pB[tb][nb][j])
+                accV = mma.chain(pv_bias[j][nb], [(vfr[tb], pB[tb][nb][j]) for tb in range(TOKEN_BLOCKS)])
+                for i in range(4):
+                    accO[md][nb][i] = accO[md][nb][i] * alpha[i % 2 + 2 * nb] + accV[i]
 
     def finish(self, mma: WarpMma, st):
         for x in range(self.fold.channel_blocks * mma.NS):
@@ -266,7 +271,7 @@ class VTokenHooks(_Hooks):
 
     def output(self, mma: WarpMma, st, val, md: int, nb: int, i: int):
         j = (16 * md) // self.fold.group
-        return val + st.corr[j * mma.NS + i % 2 + 2 * nb] + st.v_bias[j][nb][i]
+        return val + st.corr[j * mma.NS + i % 2 + 2 * nb]
 
 
 @register(VChannelWise)
