@@ -78,6 +78,43 @@ def test_operand_bias_cancellation_costs_less_than_the_fp16_rounding(bits, min_r
     assert sorted(ratios)[len(ratios) // 2] >= min_ratio, ratios
 
 
+def _truncated_fp32(x):
+    """float64 ``x`` to the float32 next toward zero: an MMA's FP32 accumulation truncates rather than rounds."""
+    y = x.float()
+    return torch.where(y.double().abs() > x.abs(), torch.nextafter(y, torch.zeros_like(y)), y)
+
+
+def test_the_v_operand_bias_is_cancelled_per_tile(rng):
+    """O^T += (bias + c/4)^T P^T per k16 block, each MMA truncated to FP32, over 256 tiles (16K tokens of a split):
+    cancelling the V bias (up to 256x the code weight) in an accumulator summed over the whole split and adding it
+    at the end (the kernel before benchmarks/NOTES.md section 30) errs >= 10x more than cancelling it per tile and
+    adding each tile to O in FP32 (the kernel now), whose error stays at the per-tile level (errors per unit of
+    sum P, i.e. of the normalized output, in code units)."""
+    from foscar.layouts import TileGeometry
+    from foscar.operands import hopper_tile_biases
+
+    bias = hopper_tile_biases(TileGeometry("v", 2, 128)).T  # [channels, tokens of a tile]
+    summed_o, summed_bias, per_tile_o = (torch.zeros(128, 8) for _ in range(3))
+    exact, psum = torch.zeros(128, 8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
+    blocks = [slice(16 * kb, 16 * kb + 16) for kb in range(4)]
+    for _ in range(256):
+        c = torch.randint(0, 4, (128, 64), generator=rng).double() / 4
+        p = torch.rand(64, 8, generator=rng, dtype=torch.float64).half().double()  # P^T, the FP16 B operand
+        tile = torch.zeros(128, 8)
+        for sl in blocks:  # the bias MMAs, then the data MMAs over the biased operands
+            summed_bias = _truncated_fp32(summed_bias.double() - bias[:, sl] @ p[sl])
+            tile = _truncated_fp32(tile.double() - bias[:, sl] @ p[sl])
+        for sl in blocks:
+            summed_o = _truncated_fp32(summed_o.double() + (bias[:, sl] + c[:, sl]) @ p[sl])
+            tile = _truncated_fp32(tile.double() + (bias[:, sl] + c[:, sl]) @ p[sl])
+        per_tile_o = (per_tile_o.double() + tile.double()).float()  # the FMA that adds the tile to O
+        exact += c @ p
+        psum += p.sum(0)
+    summed = float(((summed_o.double() + summed_bias.double() - exact) / psum).abs().max())
+    per_tile = float(((per_tile_o.double() - exact) / psum).abs().max())
+    assert per_tile <= 2e-5 and summed >= 10 * per_tile, (summed, per_tile)
+
+
 def _attend_with_operands(q, cache, sm_scale, round_q, round_p):
     """Attention over the float64 dequantized cache with only the MMA operands Q and P rounded."""
     k, v = (t.double() for t in cache.dequantize(torch.float64))
