@@ -192,7 +192,7 @@ class VTokenHooks(_Hooks):
     sum_l z[l,j] P[l] to every channel of block j. A tile's PV starts at its own -(bias x P^T) and is added
     to O^T by an FP32 add: an accumulator that carried the bias (2^E, up to 256x the code weight) over a
     whole split lost its low bits to the MMA's truncating accumulation, an error growing with the split's
-    tokens (4x the accuracy rule at 32K tokens per CTA, benchmarks/NOTES.md section 30)."""
+    tokens (3x the accuracy rule at 32K tokens per CTA, benchmarks/NOTES.md section 30)."""
 
     @property
     def psets(self) -> int:
@@ -205,9 +205,6 @@ class VTokenHooks(_Hooks):
         for x in range(nj * mma.NS):
             st.corr[x] = Float32(0.0)
         return st
-
-    def setup_output(self, mma: WarpMma, st):
-        return None
 
     def load_params(self, mma: WarpMma, vpar, rows, valid):
         nj = self.fold.channel_blocks
@@ -283,9 +280,6 @@ class VChannelHooks(_Hooks):
 
     def setup(self, mma: WarpMma):
         return _State()
-
-    def setup_output(self, mma: WarpMma, st):
-        return None
 
     def load_params(self, mma: WarpMma, vpar, rows, valid):
         cfg, ng = self.cfg, self.fold.tile_groups

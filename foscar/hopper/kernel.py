@@ -470,7 +470,6 @@ class HopperDecodeKernel:
             l_run[cs] = Float32(0.0)
         vst = vf.setup(mma)
         acc_o = [[mma.zero_accumulator() for _ in range(mma.NB)] for _ in range(self.cfg.MB_V)]
-        vf.setup_output(mma, vst)
         return WarpState(m_run, l_run, acc_o, vst)
 
     @cute.jit
