@@ -1,7 +1,8 @@
 """A chunk of new tokens over a long cached prefix (chunked prefill, a prefix-cache hit, a new turn), in one
 process: what FOSCAR does today against the two baselines of issue 25 item 2.
 
-    python -m benchmarks.extend [--prefix 100000] [--chunks 16,128,1024,8192] [--method int2-kc128] [--decode-up-to 1024]
+    python -m benchmarks.extend [--prefix 100000] [--chunks 16,128,1024,8192] [--method int2-kc128]
+                                [--decode-up-to 1024]
 
 Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, one sequence, causal within the chunk):
 

@@ -24,6 +24,8 @@ before reading the other CTAs' partials.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -33,7 +35,7 @@ from .device import NEG_INF, at, fsel, store
 from .softmax import lse_weight, merged_lse
 from .work_list import MAX_SPLITS
 
-__all__ = ["SplitMerge", "PartialSum", "VEC", "BATCH", "GROUP", "TWO_LEVELS_PAST", "counter_words"]
+__all__ = ["CacheOutput", "SplitMerge", "PartialSum", "VEC", "BATCH", "GROUP", "TWO_LEVELS_PAST", "counter_words"]
 
 
 VEC = 4  # fp32 channels a thread loads at once (16 bytes)
@@ -74,6 +76,21 @@ class PartialSum:
                 for i in cutlass.range_constexpr(VEC):
                     acc[i] += fsel(lse_s > Float32(NEG_INF), weight * parts[k][i], Float32(0.0))
 
+
+@dataclass(frozen=True)
+class CacheOutput:
+    """Where a cache decode's result goes (both arches'): the output ``out [B, Hq, D]`` (q dtype) and ``lse [B,
+    Hq]``, the fp32 partials ``o_part``, ``lse_part`` (one launch: per work item, ``[items, R, D]`` and ``[items,
+    R]``; Hopper's two launches: row-major ``[B, Hq, parts, D]``, ``[B, Hq, parts]``), and the completion
+    ``counters`` (int32: one per (sequence, KV head), ``heads`` = B x kv_heads of them, then the group counters:
+    :func:`counter_words`)."""
+
+    o_part: cute.Pointer
+    lse_part: cute.Pointer
+    out: cute.Pointer
+    lse: cute.Pointer
+    counters: cute.Pointer
+    heads: Int32
 
 class SplitMerge:
     """Device side, for ``threads`` threads (``threads / 32`` warps) of a CTA that meet at named
@@ -135,12 +152,13 @@ class SplitMerge:
                 cute.make_tensor(lse_part + first, cute.make_layout((R, total), stride=(1, step * R))))
 
     @cute.jit
-    def merge_items(self, scratch: cute.Pointer, flag: cute.Pointer, counters: cute.Pointer, heads: Int32,
-                    head: Int32, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer, lse: cute.Pointer,
-                    item0: Int32, part: Int32, parts: Int32, row0, kv_heads: Int32, tc: Int32):
-        """After this CTA wrote work item ``item0 + part``'s partial: count it, and merge where it was the last
-        (see the module docstring). ``head``: the (sequence, KV head)'s index of ``heads`` (its counter;
-        its group counters follow all ``heads`` counters); the rest as :meth:`merge`."""
+    def merge_items(self, scratch: cute.Pointer, flag: cute.Pointer, output: CacheOutput, head: Int32, item0: Int32,
+                    part: Int32, parts: Int32, row0, kv_heads: Int32, tc: Int32):
+        """After this CTA wrote work item ``item0 + part``'s partial into ``output``: count it, and merge where it was
+        the last (see the module docstring). ``head``: the (sequence, KV head)'s index of ``output.heads`` (its
+        counter; its group counters follow all ``heads`` counters); the rest as :meth:`merge`."""
+        counters, heads = output.counters, output.heads
+        o_part, lse_part, out, lse = output.o_part, output.lse_part, output.out, output.lse
         counts = Int32(1)  # whether this CTA counts on the (sequence, KV head)'s counter: a part, or a group
         inputs, step = parts, Int32(1)  # what the last to count there merges: items item0, item0 + step, ...
         if parts > TWO_LEVELS_PAST:

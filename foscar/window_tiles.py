@@ -21,6 +21,8 @@ by their copies, not read, and masked out of the scores.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -29,11 +31,24 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from .device import NEG_INF, cp_async_16, fsel, movmatrix_trans, pack_bf16x2, pack_f16x2
 from .query_rows import QueryRows
 
-__all__ = ["ROW_PAD", "BLOCK", "WindowOperands", "slot_holds_token", "slot_position", "quantized_tokens",
+__all__ = ["ROW_PAD", "BLOCK", "WindowOperands", "WindowSlots", "slot_holds_token", "slot_position", "quantized_tokens",
            "query_columns", "shared_word_index", "fsel_i32", "window_blocks"]
 
 ROW_PAD = 8  # 16-bit elements of padding per shared K / V row (16 bytes: rows 4 banks apart)
 BLOCK = 16  # slots per MMA block (the m16 of S^T)
+
+
+@dataclass(frozen=True)
+class WindowSlots:
+    """A cache layer's 16-bit slots (``[max_seqs, kv_heads, sink + ring, D]``, q's dtype) as a cache decode reads
+    them: ``sink`` slots, then a ring of ``ring`` for the most recent ``window`` tokens
+    (``foscar.cache.PagedKVCache``)."""
+
+    k_win: cute.Pointer
+    v_win: cute.Pointer
+    sink: Int32
+    ring: Int32
+    window: Int32
 
 
 def query_columns(rows: int) -> int:

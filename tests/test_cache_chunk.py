@@ -365,7 +365,8 @@ def test_attend_chunk_on_a_kernel_cache(scheme, rotate, packed_by, rng, monkeypa
     monkeypatch.setattr(foscar.cache, "BLOCK_BYTES", 1)
     monkeypatch.setattr(foscar.chunk_attention, "MIN_PIECE", 64)
     dequantize, dequantized = foscar.cache.dequantize_pages, []
-    monkeypatch.setattr(foscar.cache, "dequantize_pages", lambda *a, **kw: dequantized.append(a[4]) or dequantize(*a, **kw))
+    monkeypatch.setattr(foscar.cache, "dequantize_pages",
+                        lambda *a, **kw: dequantized.append(a[4]) or dequantize(*a, **kw))
     cache = gpu_cache(scheme, rotate)
     assert cache.use_kernels and cache._dequantized is None
     ids = [cache.allocate() for _ in range(3)]

@@ -54,7 +54,8 @@ def test_packed_prefix_folds_the_chunk_into_query_heads(group, step, tokens, rng
         heads = folded.shape[1] // kv_heads
         scores = torch.einsum("nhd,htd->nht", folded.double(), k[:, :prefix].double().repeat_interleave(heads, 0))
         scores *= SM_SCALE
-        out = torch.einsum("nht,htd->nhd", torch.softmax(scores, -1), v[:, :prefix].double().repeat_interleave(heads, 0))
+        values = v[:, :prefix].double().repeat_interleave(heads, 0)
+        out = torch.einsum("nht,htd->nhd", torch.softmax(scores, -1), values)
         return out.to(q.dtype), torch.logsumexp(scores, -1).float()
 
     packed = chunk_attention.PackedPrefix(step, decode)

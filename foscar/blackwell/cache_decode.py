@@ -25,8 +25,6 @@ order (the append kernel writes its arch's order). Compile-verified only (no Bla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -41,13 +39,13 @@ from ..kernels.quantize import granule_of
 from ..pipeline import PackedPages
 from ..query_rows import KvHead, Output
 from ..softmax import finite_reference, merged_lse
-from ..split_merge import SplitMerge
-from ..window_tiles import WindowOperands
+from ..split_merge import CacheOutput, SplitMerge
+from ..window_tiles import WindowOperands, WindowSlots
 from ..work_list import MAX_SPLITS, CacheWork, WorkList
 from .kernel import BlackwellConfig, BlackwellDecodeKernel, MmaSetup
 from .primitives import WG, scalar
 from .sequence import PlannedHead, PlannedSequence, WindowQuery
-from .window import WindowBlocks, WindowSlots, cache_areas, cache_bytes
+from .window import WindowBlocks, cache_areas, cache_bytes
 
 __all__ = ["BlackwellCacheDecodeKernel", "cache_decode_config"]
 
@@ -62,22 +60,6 @@ def cache_decode_config(scheme, page_size: int, tokens: int = 1) -> BlackwellCon
         raise NotImplementedError(f"{scheme.name}: a ring of {cfg.RING} x {cfg.STAGE_BYTES} B is smaller than the "
                                   f"packed result ({cfg.R} x {cfg.D} fp32 and its lse)")
     return cfg
-
-
-@dataclass(frozen=True)
-class CacheOutput:
-    """Where the epilogue's result goes: the output ``out [B, Hq, D]`` (q dtype) and ``lse [B, Hq]``, the per-item
-    fp32 partials ``o_part [items, R, D]``, ``lse_part [items, R]``, the completion ``counters`` (int32: one per
-    (sequence, KV head), ``heads`` = B x kv_heads of them, then the merge's group counters:
-    ``foscar.split_merge.counter_words``). (Its shared areas, the window's result and the merge's scratch, come from
-    ``seq.areas``: ``foscar.blackwell.window.cache_words``.)"""
-
-    o_part: cute.Pointer
-    lse_part: cute.Pointer
-    out: cute.Pointer
-    lse: cute.Pointer
-    counters: cute.Pointer
-    heads: Int32
 
 
 class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
@@ -254,6 +236,6 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
         """The last of the (sequence, KV head)'s CTAs merges its parts' partials (``foscar.split_merge``: past 16
         parts in two levels, as Hopper's)."""
         _b, _h, part, parts, item0, _facts, _valid = seq.item()
-        self.merger.merge_items(seq.areas.merge.data_ptr(), seq.areas.last.data_ptr(), out.counters, out.heads,
-                                head.b * head.kv_heads + head.h, out.o_part, out.lse_part, out.out, out.lse, item0,
-                                part, parts, self.cfg.rows.first(head.b, head.h, head.kv_heads), head.kv_heads, t)
+        self.merger.merge_items(seq.areas.merge.data_ptr(), seq.areas.last.data_ptr(), out,
+                                head.b * head.kv_heads + head.h, item0, part, parts,
+                                self.cfg.rows.first(head.b, head.h, head.kv_heads), head.kv_heads, t)

@@ -62,7 +62,7 @@ class PlannedSequence(DecodeSequence):
     (:meth:`item`: ``(b, h, part, parts, first item, (tokens, row), valid)``; the CTA's index read again too, so
     no register holds it across the role dispatch): part ``part`` of ``parts`` of
     cache row ``row``'s packed pages, whose ``seq_lengths[row]`` tokens keep ``quantized_tokens`` of them
-    packed, the rest in the 16-bit ``slots`` (``foscar.blackwell.window.WindowSlots``), which the softmax warpgroup
+    packed, the rest in the 16-bit ``slots`` (``foscar.window_tiles.WindowSlots``), which the softmax warpgroup
     attends with ``query`` (:class:`WindowQuery`)."""
 
     def __init__(self, work, areas, page_table, max_pages, slots, granule: int, query):

@@ -24,8 +24,6 @@ plan and merge scratch. (Q in shared rows too did not fit next to the decode ker
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import operator
 
 import cutlass
@@ -42,7 +40,7 @@ from ..window_tiles import BLOCK, WindowOperands, slot_holds_token, slot_positio
 from ..work_list import PLAN_WORDS
 from .primitives import WG
 
-__all__ = ["cache_areas", "cache_bytes", "WindowSlots", "WindowBlocks"]
+__all__ = ["cache_areas", "cache_bytes", "WindowBlocks"]
 
 
 def cache_words(ops: WindowOperands) -> dict[str, int]:
@@ -69,18 +67,6 @@ def cache_bytes(ops: WindowOperands) -> int:
     """Shared memory of :func:`cache_areas`, with the 1 KB the decode kernel's ``SharedStorage`` may be aligned past
     it (its own alignment)."""
     return sum((4 * words + 15) // 16 * 16 for words in cache_words(ops).values()) + 1024
-
-
-@dataclass(frozen=True)
-class WindowSlots:
-    """The cache layer's 16-bit slots (``[max_seqs, kv_heads, sink + ring, D]``, q's dtype): ``sink`` slots, then
-    a ring of ``ring`` for the most recent ``window`` tokens (``foscar.cache.PagedKVCache``)."""
-
-    k_win: cute.Pointer
-    v_win: cute.Pointer
-    sink: Int32
-    ring: Int32
-    window: Int32
 
 
 class WindowBlocks:

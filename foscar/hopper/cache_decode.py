@@ -49,8 +49,8 @@ from ..layouts.fragment import THREADS
 from ..pipeline import PackedPages, Ring, TileSpan
 from ..query_rows import KvHead, Output
 from ..softmax import finite_reference
-from ..split_merge import SplitMerge
-from ..window_tiles import (BLOCK, WindowOperands, quantized_tokens, slot_holds_token, slot_position,
+from ..split_merge import CacheOutput, SplitMerge
+from ..window_tiles import (BLOCK, WindowOperands, WindowSlots, quantized_tokens, slot_holds_token, slot_position,
                             window_blocks)
 from ..warp_mma import WarpMma
 from ..work_list import MAX_SPLITS, PLAN_WORDS, CacheWork, WorkList
@@ -87,14 +87,8 @@ class CacheLayer:
 
     q: cute.Pointer  # [B, Hq, D] q dtype
     pages: PackedPages  # page table int32 [max_seqs, max_pages]
-    k_win: cute.Pointer  # [max_seqs, kv_heads, sink + ring, D] q dtype
-    v_win: cute.Pointer
-    o_part: cute.Pointer  # fp32 partials (see HopperCacheDecodeKernel.__call__)
-    lse_part: cute.Pointer
-    out: cute.Pointer  # [B, Hq, D] q dtype
-    lse: cute.Pointer  # fp32 [B, Hq]
-    counters: cute.Pointer  # int32 [>= split_merge.counter_words(B * kv_heads, MAX_SPLITS)], zero (left zero)
-    heads: Int32  # B * kv_heads: the (sequence, KV head) counters before the group counters
+    slots: WindowSlots
+    output: CacheOutput
 
 
 @dataclass(frozen=True)
@@ -114,28 +108,18 @@ class CachePart:
     item0: Int32 | None = None
 
 
-@dataclass(frozen=True)
-class WindowSlots:
-    """The 16-bit part of each sequence: ``sink`` slots, then a ring of ``ring`` slots for the most
-    recent ``window`` tokens (``foscar.cache.PagedKVCache``)."""
-
-    sink: Int32
-    ring: Int32
-    window: Int32
-
-
 class CacheWindow:
     """One CTA's window tiles (built in the kernel from its runtime values): tile ``i`` is block
     ``split + num_splits * i`` of the sequence's 16-slot blocks and local tile ``i`` of the ring, before
     the packed tiles; their count is rounded up to whole runs of ``TPG`` (so the packed runs stay
     aligned to channel-wise K groups), the extra tiles' slots all past the cache row."""
 
-    def __init__(self, cfg: DecodeConfig, layer: CacheLayer, part: CachePart, slots: WindowSlots, kv_heads, qlen,
-                 q_row0, first):
+    def __init__(self, cfg: DecodeConfig, layer: CacheLayer, part: CachePart, kv_heads, qlen, q_row0, first):
         """``qlen``: the sequence's packed tokens; ``q_row0``: the row of the KV head's query column 0; ``first``:
-        the element of the (sequence, KV head)'s slot 0 in ``layer.k_win`` / ``layer.v_win``."""
+        the element of the (sequence, KV head)'s slot 0 in ``layer.slots.k_win`` / ``v_win``."""
         self.cfg, self.ops = cfg, cfg.window
-        self.k_win, self.v_win, self.q_ptr = layer.k_win, layer.v_win, layer.q
+        slots = layer.slots
+        self.k_win, self.v_win, self.q_ptr = slots.k_win, slots.v_win, layer.q
         self.q_row0, self.kv_heads, self.first = q_row0, kv_heads, first
         self.n, self.qlen, self.sink, self.ring = part.n, qlen, slots.sink, slots.ring
         self.slots = slots.sink + slots.ring
@@ -286,14 +270,14 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         stage_ring = self.ring_of(storage)  # (``ring``: the window's slots)
         self.init_ring_barriers(stage_ring, tidx)
-        layer = CacheLayer(q_ptr, PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages), k_win, v_win, o_part,
-                           lse_part, out, lse, counters, batch * kv_heads)
-        slots = WindowSlots(sink, ring, window)
+        layer = CacheLayer(q_ptr, PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages),
+                           WindowSlots(k_win, v_win, sink, ring, window),
+                           CacheOutput(o_part, lse_part, out, lse, counters, batch * kv_heads))
         if cutlass.const_expr(cfg.window is None):  # two launches: the grid is (split, KV head, sequence)
             split, h, b = cute.arch.block_idx()
             row = at(seq_rows, b)  # the sequence's row (Int64)
             part = CachePart(b, h, row, Int32(at(seq_lengths, row)), split, num_splits, split, parts)
-            self.attend_part(tiled_mma, storage, stage_ring, layer, part, slots, kv_heads, scale_log2, tidx)
+            self.attend_part(tiled_mma, storage, stage_ring, layer, part, kv_heads, scale_log2, tidx)
             # (budget: the work list's only)
         else:
             x, _, _ = cute.arch.block_idx()
@@ -308,17 +292,17 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             if valid:
                 self.attend_part(tiled_mma, storage, stage_ring, layer,
                                  CachePart(b, h, row.to(Int64), n, part, n_parts, item0 + part, n_parts, item0),
-                                 slots, kv_heads, scale_log2, tidx)
+                                 kv_heads, scale_log2, tidx)
             # (num_splits, parts: the two-launch grid's only)
 
     @cute.jit
     def attend_part(self, tiled_mma: cute.TiledMma, storage, ring: Ring, layer: CacheLayer, part: CachePart,
-                    slots: WindowSlots, kv_heads: Int32, scale_log2: Float32, tidx: Int32):
+                    kv_heads: Int32, scale_log2: Float32, tidx: Int32):
         """``part`` (:class:`CachePart`) of ``layer``'s cache: its window tiles, then its packed tiles, into
         partial ``part.out_index`` of ``part.out_count`` per row (two launches: row-major ``[B, Hq,
         out_count, D]``), or with ``part.item0`` the output (one part) or work item ``out_index``'s partial,
         the last of its CTAs merging."""
-        cfg = self.cfg
+        cfg, slots = self.cfg, layer.slots
         role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumers
         head = KvHead(part.b, part.h, kv_heads, Int32(part.row))
         qlen = quantized_tokens(part.n, slots.sink, slots.window, self.granule)
@@ -328,7 +312,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         # (built in each branch: a Python object cannot be carried through a runtime `if`)
         window_of = lambda: None  # noqa: E731  (two launches: no window tiles)
         if cutlass.const_expr(cfg.window is not None):
-            window_of = lambda: CacheWindow(cfg, layer, part, slots, kv_heads, qlen, q_row0, first)  # noqa: E731
+            window_of = lambda: CacheWindow(cfg, layer, part, kv_heads, qlen, q_row0, first)  # noqa: E731
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -351,15 +335,15 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
                    tc: Int32):
         """The consumer threads' end of ``part``: merge the warps' results into the part's partial or the output;
         the last of several parts' CTAs then merges the partials."""
+        out = layer.output
         if cutlass.const_expr(part.item0 is None):  # row-major partials; the window kernel merges
-            self.merge_and_store(merge, Output(layer.o_part, layer.lse_part, True, part.out_index, part.out_count),
+            self.merge_and_store(merge, Output(out.o_part, out.lse_part, True, part.out_index, part.out_count),
                                  head, tc)
         elif part.n_parts == 1:
-            self.merge_and_store(merge, Output(layer.out, layer.lse, False, part.part, part.n_parts), head, tc)
+            self.merge_and_store(merge, Output(out.out, out.lse, False, part.part, part.n_parts), head, tc)
         else:
-            self.merge_and_store(merge, Output(layer.o_part, layer.lse_part, True, part.part, part.n_parts,
+            self.merge_and_store(merge, Output(out.o_part, out.lse_part, True, part.part, part.n_parts,
                                                part.out_index), head, tc)
-            self.merger.merge_items(storage.merge_scratch.data_ptr(), storage.last.data_ptr(), layer.counters,
-                                    layer.heads, head.b * head.kv_heads + head.h, layer.o_part, layer.lse_part,
-                                    layer.out, layer.lse, part.item0, part.part, part.n_parts, q_row0, head.kv_heads,
-                                    tc)
+            self.merger.merge_items(storage.merge_scratch.data_ptr(), storage.last.data_ptr(), out,
+                                    head.b * head.kv_heads + head.h, part.item0, part.part, part.n_parts, q_row0,
+                                    head.kv_heads, tc)
