@@ -55,8 +55,13 @@ def test_validation_takes_4d_q_and_names_lengths_shorter_than_the_tokens():
 @pytest.mark.parametrize("scheme, tokens", [(INT2_KT, 4), (INT4_KC, 3), (INT4_KC, 8)], ids=str)
 def test_decode_of_several_tokens_compiles(arch, scheme, tokens):
     art = compile_decode(scheme, arch.name, 128, True, tokens)
-    if scheme.k.axis is Axis.TOKEN or scheme.gqa_ratio * tokens <= 8:
-        # (channel-wise K at 16 columns spills a little, as in the cache decode: benchmarks/NOTES.md section 20)
+    if arch is HOPPER and scheme.gqa_ratio * tokens > 8:
+        # Hopper at 16 columns: channel-wise K spills a little, as in the cache decode (benchmarks/NOTES.md section
+        # 20); token-wise K reloads a few loop-invariant words per tile since the V fold of section 30 (7 LDL.64
+        # where the loop lost 75 instructions), and stores nothing in its loop
+        loop = art.loop_mix()
+        assert scheme.k.axis is Axis.CHANNEL or (loop["LDL"] <= 8 and loop["STL"] == 0), loop
+    else:
         assert art.resources().local_bytes == 0, art.resources()
 
 
