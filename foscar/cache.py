@@ -76,7 +76,7 @@ from .kernels.dequantize import dequantize_pages
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups, stack_params
-from .query_rows import launches
+from .query_rows import MAX_QUERY_COLUMNS, launches
 from .scheme import PARAM_DTYPE, Scheme
 from .split_merge import counter_words
 from .work_list import CTAS_PER_SM, MAX_SPLITS, plan_splits
@@ -843,10 +843,10 @@ class PagedKVCache:
         The cache is not changed. Host-planned: not capturable in a CUDA graph. Two computations:
 
         * a kernel cache (GPU): per sequence, the packed pages are attended by the decode kernel with the new
-          tokens as query heads (``gqa_ratio x L <= foscar.chunk_attention.DECODE_COLUMNS``), or else dequantized
-          into q's dtype one block at a time and attended by a fused attention; the 16-bit slots and, causally, the
-          new tokens by the fused attention; all merged by their LSE (``foscar.chunk_attention``): extra memory is
-          one block and the chunk, not the prefix;
+          tokens as query heads (tiles of 16 columns, ``foscar.chunk_attention.DECODE_COLUMNS`` in all), or else
+          dequantized into q's dtype one block at a time and attended by a fused attention; the 16-bit slots and,
+          causally, the new tokens by the fused attention; all merged by their LSE (``foscar.chunk_attention``):
+          extra memory is one block and the chunk, not the prefix;
         * the torch path's cache: one fp32 softmax per block of query tokens over its fp32 copies of the pages,
           the 16-bit slots and the new tokens (a block's scores take at most ``CHUNK_SCORES`` elements).
         """
@@ -887,11 +887,13 @@ class PagedKVCache:
     def _packed_prefix(self, layer, seq, n, tokens, sm_scale) -> PackedPrefix | None:
         """The packed pages of sequence ``seq`` (``n`` tokens) for ``chunk_attention`` to attend through the decode
         kernel (``PackedPrefix``), where a chunk of ``tokens`` is short enough for that to beat dequantized blocks
-        (``gqa_ratio x tokens <= DECODE_COLUMNS``) and the kernel takes the chunk's tokens as query heads; else None
-        (``_cached_blocks`` dequantizes them)."""
+        (its tiles, one pass over the pages each, hold at most ``DECODE_COLUMNS`` query columns) and the kernel
+        takes the chunk's tokens as query heads; else None (``_cached_blocks`` dequantizes them)."""
         quantized, gqa = self.quantized_tokens(n), self.scheme.gqa_ratio
         step = self.arch.max_query_tokens(self.scheme)[0]
-        if self.device.type != "cuda" or not quantized or step < 1 or gqa * tokens > DECODE_COLUMNS:
+        if self.device.type != "cuda" or not quantized or step < 1:
+            return None
+        if -(-tokens // step) * MAX_QUERY_COLUMNS > DECODE_COLUMNS:  # more passes over the pages than blocks cost
             return None
         scheme = dataclasses.replace(self.scheme, gqa_ratio=gqa * step)  # one compiled variant per cache scheme
         try:

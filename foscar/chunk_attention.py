@@ -26,9 +26,10 @@ The blocks are the dequantize-then-attend algebra with a bounded working set, no
 block are written once and read back. They round the dequantized values, and each block's output, to the query's
 dtype, as a BF16 (FP16) PyTorch computation on the same cache rounds its values and P.
 
-A short chunk (at most ``DECODE_COLUMNS`` query rows per KV head) skips the blocks: the packed pages go to the
-folded decode kernel with the chunk's tokens as more query heads (:class:`PackedPrefix`), which reads them once per
-16 query rows and never writes them in 16 bits; the fused attention then takes only the 16-bit slots and the chunk.
+A short chunk (tiles of ``DECODE_COLUMNS`` query columns per KV head at most, in all) skips the blocks: the packed
+pages go to the folded decode kernel with the chunk's tokens as more query heads (:class:`PackedPrefix`), which
+reads them once per tile of 16 columns and never writes them in 16 bits; the fused attention then takes only the
+16-bit slots and the chunk.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ CUDNN_TOKENS = 8192  # cuDNN attends blocks of a multiple of this many keys: the
 MIN_PIECE = 1024  # tokens: the shortest piece of a block that is its own batch entry
 ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward kernel (head_dim <= 128 on sm_90)
 CTAS_PER_SM = 2  # pieces are added until the grid fills the GPU this many times
-DECODE_COLUMNS = 512  # query rows per KV head (gqa x chunk tokens) up to which the decode kernel attends the packed
-# pages (PackedPrefix) rather than dequantized blocks: it reads them once per 16 rows, the blocks once in all
+DECODE_COLUMNS = 512  # query columns per KV head (tiles of 16, one pass over the pages each) up to which the decode
+# kernel attends the packed pages (PackedPrefix) rather than dequantized blocks, which read them once in all
 HELD_BYTES = 64 << 20  # FP32 bytes of partial outputs Merged holds before it merges them (its working memory)
 
 
@@ -187,7 +188,8 @@ class PackedPrefix:
         group, n = q_heads // kv_heads, -(-tokens // self.step)
         padded = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, n * self.step - tokens))  # zero tokens past the chunk
         # [n, step, kv_heads, gqa, D] -> [n, kv_heads, step, gqa, D]: column t * gqa + g of a KV head's tile
-        folded = padded.view(n, self.step, kv_heads, group, d).transpose(1, 2).reshape(n, -1, d)
+        # (contiguous: the kernel reads rows densely, and pad keeps a transposed q's strides)
+        folded = padded.view(n, self.step, kv_heads, group, d).transpose(1, 2).reshape(n, -1, d).contiguous()
         out, lse = self.decode(folded)
         out = out.view(n, kv_heads, self.step, group, d).permute(1, 3, 0, 2, 4).reshape(kv_heads, group, -1, d)
         lse = lse.view(n, kv_heads, self.step, group).permute(1, 3, 0, 2).reshape(kv_heads, group, -1)

@@ -11,8 +11,10 @@ K (``S^T = K . Q^T``, scores in the log2 domain, ``sm_scale*log2(e)`` folded in)
 V (``O^T += V^T . P^T``):
   ``setup()``; ``load_params(vpar, rows, valid)`` (zero past the sequence end); ``pack_p`` the P^T
   B-fragment register of (tb, nb, hr) for P copy ``ps`` (scaled or not) and its correction;
-  ``accumulate`` the tile's MMAs into O^T; ``rescale`` O's state when the running max moved;
-  ``rescale_direct`` the same before a tile that adds its P V to O^T itself (a 16-bit window tile);
+  ``accumulate`` the tile's MMAs into O^T, rescaling O^T by the tile's alpha (every tile; 1 where the running
+  max did not move) in the FMA that adds them; ``rescale`` O's state when the running max moved (both V cases:
+  nothing, accumulate does it); ``rescale_direct`` O^T times alpha before a tile that adds its P V to O^T itself
+  (a 16-bit window tile);
   ``output`` an O^T element with the correction the case adds at the end.
 
 Thread coordinates: lane ``4*g + tq``; accumulator rows are tokens ``16*tb + g + 8*hr`` (index

@@ -531,7 +531,7 @@ class HopperDecodeKernel:
         vf.accumulate(mma, state.v, vtp, acc_p, state.acc_o, pB, vw, alpha)
 
     def rescale_output(self, mma: WarpMma, state: WarpState, alpha):
-        """O (and the V case's state summed like it) times alpha."""
+        """The V case's state beside O times alpha (both V cases rescale O in ``accumulate`` instead: nothing)."""
         self.v_hooks.rescale(mma, state.v, state.acc_o, alpha)
 
     def load_query(self, mma: WarpMma, q_ptr: cute.Pointer, head: KvHead):
