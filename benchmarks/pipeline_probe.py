@@ -104,9 +104,9 @@ class PipelineOnly(HopperDecodeKernel):
                     bulk_copy_g2s(dst + U * cfg.K_TW, pages.v_codes + codes, 4 * cfg.K_TW * U, full + s)
                     if cutlass.const_expr(self.copies != "codes"):
                         kp = dst + 2 * U * cfg.K_TW
-                        bulk_copy_g2s(kp, pages.k_params + self.params_element(page_head, slot0, "k"),
+                        bulk_copy_g2s(kp, pages.k_params + self.params_element(cfg.plan.k, page_head, slot0),
                                       4 * cfg.KPW * U, full + s)
-                        bulk_copy_g2s(kp + U * cfg.KPW, pages.v_params + self.params_element(page_head, slot0, "v"),
+                        bulk_copy_g2s(kp + U * cfg.KPW, pages.v_params + self.params_element(cfg.plan.v, page_head, slot0),
                                       4 * cfg.VPW * U, full + s)
 
     @cute.jit
@@ -124,7 +124,7 @@ class PipelineOnly(HopperDecodeKernel):
         for x in cutlass.range_constexpr(cfg.K_TW // 4 // 32):  # 16-byte pieces of V codes per lane
             piece = 4 * (32 * x + lane)
             cp_async_16(dst + cfg.K_TW + piece, pages.v_codes + codes + piece)
-        vrow = self.params_element(page_head, slot0, "v")
+        vrow = self.params_element(cfg.plan.v, page_head, slot0)
         for x in cutlass.range_constexpr((cfg.VPW // 4 + 31) // 32):
             piece = 4 * (32 * x + lane)
             if piece < cfg.VPW:
@@ -134,7 +134,7 @@ class PipelineOnly(HopperDecodeKernel):
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(full + s, 4 * (cfg.K_TW + cfg.KPW))
             bulk_copy_g2s(dst, pages.k_codes + codes, 4 * cfg.K_TW, full + s)
-            bulk_copy_g2s(dst + 2 * cfg.K_TW, pages.k_params + self.params_element(page_head, slot0, "k"), 4 * cfg.KPW,
+            bulk_copy_g2s(dst + 2 * cfg.K_TW, pages.k_params + self.params_element(cfg.plan.k, page_head, slot0), 4 * cfg.KPW,
                           full + s)
 
     @cute.jit

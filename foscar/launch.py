@@ -3,10 +3,10 @@ on torch CUDA tensors.
 
 An arch's decode kernels are a :class:`KernelSet` subclass in its ``decode`` module
 (``foscar.hopper.decode``, ``foscar.blackwell.decode``) that says only what differs: its kernel classes
-and their configs, its compile options (Hopper: ``consumers``), the argument order of its cache-decode
-launch, and whether that launch attends the 16-bit sink + window itself. This module builds the argument
-lists (stand-ins to compile against and pointers to launch with, both from :data:`POINTERS` and
-:data:`SCALARS`), keys the compile cache, allocates the outputs and partials, and runs the helper launches
+and their configs (the kernels' limits and entries: ``foscar.decode_kernel``), its compile options (Hopper:
+``consumers``) and whether its cache-decode launch attends the 16-bit sink + window itself. This module builds
+the argument lists of both arches' entries (:func:`decode_args`, :data:`CACHE_ARGS`: stand-ins to compile against
+and pointers to launch with, from :data:`POINTERS` and :data:`SCALARS`), keys the compile cache, allocates the outputs and partials, and runs the helper launches
 around the arch's: the split combine (``foscar.kernels.combine``) and the sink + window kernel
 (``foscar.kernels.sink_window``).
 
@@ -35,13 +35,12 @@ from .jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
 from .kernels.combine import combine_splits
 from .kernels.quantize import granule_of
 from .kernels.sink_window import check_sink_window, sink_window_attend, window_ctas
-from .formats import Unsupported, affine_mismatch, kernel_construction
 from .query_rows import MAX_QUERY_COLUMNS
-from .scheme import Axis, Scheme
+from .scheme import Scheme
 from .split_merge import counter_words
 from .work_list import MAX_SPLITS, grid_ctas
 
-__all__ = ["KernelSet", "POINTERS", "SCALARS", "decode_args"]
+__all__ = ["KernelSet", "POINTERS", "SCALARS", "CACHE_ARGS", "decode_args"]
 
 # The launches' arguments by name. A pointer's element type (None: q's 16-bit type):
 POINTERS = {"q": None, "k_codes": Int32, "k_params": Float16, "v_codes": Int32, "v_params": Float16,
@@ -52,8 +51,15 @@ SCALARS = {"batch": Int32, "kv_heads": Int32, "max_pages": Int32, "budget": Int3
            "parts": Int32, "sink": Int32, "ring": Int32, "window": Int32, "sm_scale": Float32}
 
 
+# The cache decode's arguments (both arches': ``foscar.decode_kernel.CacheDecodeBase``), in order; the stream follows.
+CACHE_ARGS = ("q", "k_codes", "k_params", "v_codes", "v_params", "page_table", "seq_rows", "seq_lengths", "k_win",
+              "v_win", "o_part", "lse_part", "out", "lse", "counters", "batch", "kv_heads", "max_pages", "budget",
+              "num_splits", "parts", "sink", "ring", "window", "sm_scale")
+
+
 def decode_args(partial_output: bool) -> tuple[str, ...]:
-    """The decode kernel's arguments (both arches'), in order; the stream follows."""
+    """The decode kernel's arguments (both arches': ``foscar.decode_kernel.DecodeKernelBase``), in order; the
+    stream follows."""
     outputs = ("o_part", "lse_part") if partial_output else ("out", "lse")
     return ("q", "k_codes", "k_params", "v_codes", "v_params", "page_table", "lengths", *outputs, "batch",
             "kv_heads", "max_pages", "num_splits", "sm_scale")
@@ -79,43 +85,15 @@ class KernelSet:
 
     name: str  # the compile keys' prefix: "hopper"
     arch: str  # the compile target its kernels are written for
-    decode_kernel: type  # built from config()
+    decode_kernel: type  # a foscar.decode_kernel.DecodeKernelBase, built from config(); its limits are the set's
     cache_kernel: type  # built from cache_config()
-    cache_args: tuple[str, ...]  # the cache-decode kernel's arguments (POINTERS, SCALARS), in order
-    max_gqa_ratio: int  # query heads per KV head the kernels take (their query tile's columns)
-    page_sizes: tuple[int, ...]
-    min_group: int  # smallest group (either axis) the kernels read
 
     def can_implement(self, scheme: Scheme, page_size: int) -> None:
         """Return if the decode kernels build ``scheme`` at ``page_size``; else raise a ValueError naming the
         field (TypeError for a non-Scheme; ``foscar.formats.Unsupported`` for a format the arch's MMA cannot
-        take). Compiles nothing; the config (the checks that need its geometry) is built once per variant."""
-        if not isinstance(scheme, Scheme):
-            raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
-        if type(page_size) is not int or page_size not in self.page_sizes:
-            raise ValueError(f"page_size must be one of {list(self.page_sizes)} for the {self.arch} kernel, "
-                             f"got {page_size!r}")
-        if not 1 <= scheme.gqa_ratio <= self.max_gqa_ratio:
-            raise ValueError(f"Scheme.gqa_ratio={scheme.gqa_ratio}: the {self.arch} kernel takes "
-                             f"1..{self.max_gqa_ratio} query heads per KV head")
-        for name, quant in (("k", scheme.k), ("v", scheme.v)):
-            try:
-                construction = quant.format.construction(self.arch)
-            except Unsupported as err:
-                raise Unsupported(f"Scheme.{name}.format: {err}") from None
-            built = kernel_construction(self.arch, quant.bits)
-            if construction != built:
-                raise Unsupported(f"Scheme.{name}.format: {quant.format.name} asks for {construction.name} operands; "
-                                  f"the {self.arch} kernel builds {built.name if built else 'none'} from "
-                                  f"{quant.bits}-bit codes")
-            mismatch = affine_mismatch(quant.format)
-            if mismatch:
-                raise Unsupported(f"Scheme.{name}.format: {mismatch}")
-            if quant.group < self.min_group:
-                raise ValueError(f"Scheme.{name}.group={quant.group}: the {self.arch} kernel needs groups of at "
-                                 f"least {self.min_group}")
-            if quant.axis is Axis.CHANNEL and page_size % quant.group:
-                raise ValueError(f"Scheme.{name}.group={quant.group} (channel-wise) must divide page_size={page_size}")
+        take): the kernel class's limits (``DecodeKernelBase.can_implement``), then its config (the checks that
+        need its geometry, built once per variant). Compiles nothing."""
+        self.decode_kernel.can_implement(scheme, page_size)
         try:
             self._config_builds(scheme, page_size)
         except (NotImplementedError, ValueError) as err:
@@ -212,7 +190,7 @@ class KernelSet:
         key = (f"{self.name}_cache_decode", scheme, int(page_size), *opts, self.arch)
         key += (int(tokens),) if tokens > 1 else ()
         return cached_compile(key, lambda: self._compile(self.cache_kernel(self.cache_config(
-            scheme, page_size, tokens, *opts)), self.cache_args))
+            scheme, page_size, tokens, *opts)), CACHE_ARGS))
 
     def cache_partials(self, scheme: Scheme, page_size: int, batch: int, kv_heads: int, num_splits: int,
                        budget: int, slots: int, tokens: int = 1, **options) -> tuple[int, ...]:
@@ -259,7 +237,7 @@ class KernelSet:
                       kv_heads=kv_heads, max_pages=page_table.shape[1], budget=budget, num_splits=num_splits,
                       parts=0 if one_launch else shape[2], sink=sink, ring=slots - sink, window=window,
                       sm_scale=float(sm_scale))
-        compiled(*_launch_args(self.cache_args, half_type(q.dtype), values, q.device))
+        compiled(*_launch_args(CACHE_ARGS, half_type(q.dtype), values, q.device))
         if not one_launch:
             sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters,
                                num_splits, sink, window, granule_of(scheme), sm_scale, self.arch)

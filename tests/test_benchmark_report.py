@@ -68,3 +68,22 @@ def test_vs_fi_fp8_is_against_the_faster_fp8_baseline():
     assert geo["int2-kt128 vs flashinfer-fp8-xqa"] == pytest.approx(2.0)  # the one config it ran
     assert "int2-kt128 vs flashinfer-bf16" not in geo  # no BF16 rows here
     assert "XQA mha_sm90" in table and "failed: RuntimeError: x" in table
+
+
+def test_compare_takes_ratios_of_times_per_method():
+    """benchmarks.compare: the geo-mean of after / before times per method over the configs both timed, the
+    slowest-moving row, and the serving shapes' rows (a missing or untimed row is left out)."""
+    from benchmarks.compare import compare
+
+    def record(times):
+        return {"rows": [{"model": m, "batch": b, "context": c, "method": meth, "us": us}
+                         for (m, b, c, meth), us in times.items()]}
+
+    before = {("qwen3-8b", 1, 32768, "int2-kt128"): 10.0, ("qwen3-8b", 8, 32768, "int2-kt128"): 40.0,
+              ("tp8-70b", 1, 131072, "int2-kt128"): 20.0, ("qwen3-8b", 1, 32768, "int4-kt128"): 30.0}
+    after = {("qwen3-8b", 1, 32768, "int2-kt128"): 10.0, ("qwen3-8b", 8, 32768, "int2-kt128"): 44.0,
+             ("tp8-70b", 1, 131072, "int2-kt128"): 20.0, ("qwen3-8b", 1, 32768, "int4-kt128"): None}
+    text = compare(record(before), record(after))
+    assert f"| int2-kt128 | {1.1 ** (1 / 3):.4f} | 1.100 (qwen3-8b 8 x 32768) | 3 |" in text
+    assert "int4-kt128" not in text  # untimed after: no ratio
+    assert "| tp8-70b 1 x 131072 | 20.0 -> 20.0 (+0.0%) |" in text

@@ -9,19 +9,18 @@ import torch
 import foscar.launch
 from foscar import Scheme
 from foscar.archs import ARCHS, BLACKWELL, HOPPER
-from foscar.launch import decode_args
+from foscar.launch import CACHE_ARGS, decode_args
 from foscar.split_merge import counter_words
 from foscar.work_list import MAX_SPLITS
 
-# the kernels' parameter names that differ from the host's argument names
-HOST_NAMES = {"q_ptr": "q", "kc_ptr": "k_codes", "kp_ptr": "k_params", "vc_ptr": "v_codes", "vp_ptr": "v_params",
-              "pt_ptr": "page_table", "len_ptr": "lengths", "o_ptr": "o_part", "lse_ptr": "lse_part", "total": "parts"}
+# the decode entry's output parameters, which the host fills with the final output or the split partials
+DECODE_OUTPUTS = {"o": "o_part", "lse": "lse_part"}
 
 
-def _parameters(kernel) -> tuple[str, ...]:
+def _parameters(kernel, host_names=None) -> tuple[str, ...]:
     names = list(inspect.signature(kernel.__call__).parameters)
     assert names[0] == "self" and names[-1] == "stream", names
-    return tuple(HOST_NAMES.get(n, n) for n in names[1:-1])
+    return tuple((host_names or {}).get(n, n) for n in names[1:-1])
 
 
 @pytest.mark.parametrize("arch", ARCHS.values(), ids=lambda a: a.name)
@@ -30,9 +29,9 @@ def test_argument_lists_follow_the_kernels_signatures(arch):
     type would compile to the same code and read the wrong tensor."""
     kernels = arch._kernels()
     assert kernels.arch == arch.name
-    assert _parameters(kernels.decode_kernel) == decode_args(True)
-    assert _parameters(kernels.cache_kernel) == kernels.cache_args
-    assert set(kernels.cache_args) <= set(foscar.launch.POINTERS) | set(foscar.launch.SCALARS)
+    assert _parameters(kernels.decode_kernel, DECODE_OUTPUTS) == decode_args(True)
+    assert _parameters(kernels.cache_kernel) == CACHE_ARGS
+    assert set(CACHE_ARGS) <= set(foscar.launch.POINTERS) | set(foscar.launch.SCALARS)
 
 
 @pytest.mark.parametrize("arch, scheme, page_size, one_launch", [
@@ -66,3 +65,28 @@ def test_cache_launch_values_are_checked_before_compiling(monkeypatch, arch, sch
         with pytest.raises(ValueError, match=message):
             kernels.run_cache_decode(args["q"], k_codes, None, None, None, None, args["k_win"], args["k_win"], None,
                                      None, args["counters"], 64, 256, 1.0, scheme, args["num_splits"], args["budget"])
+
+
+@pytest.mark.parametrize("arch", ARCHS.values(), ids=lambda a: a.name)
+def test_the_kernel_classes_state_their_limits(arch):
+    """can_implement lives on the kernel classes (foscar.decode_kernel.DecodeKernelBase, as the CUTLASS examples'
+    kernel classes): a page size or gqa ratio beyond the class's limits is refused by the class itself,
+    naming the field, without a config or a compile; the kernel set asks the same class."""
+    kernels = arch._kernels()
+    kernel = kernels.decode_kernel
+    assert kernel.arch == arch.name and issubclass(kernels.cache_kernel, kernel)
+    with pytest.raises(ValueError, match="page_size must be one of"):
+        kernel.can_implement(Scheme.make(2), 96)
+    with pytest.raises(ValueError, match="gqa_ratio=17"):
+        kernel.can_implement(Scheme.make(2, gqa_ratio=17), 128)
+    kernel.can_implement(Scheme.make(2, gqa_ratio=4), 128)
+    with pytest.raises(ValueError, match="page_size must be one of"):
+        kernels.can_implement(Scheme.make(2), 96)
+
+
+def test_both_arches_share_the_entries_and_the_tile_copies():
+    """One host entry per launch kind and one producer copy of a packed tile for both arches' kernels."""
+    hopper, blackwell = HOPPER._kernels(), BLACKWELL._kernels()
+    assert hopper.decode_kernel.__call__ is blackwell.decode_kernel.__call__
+    assert hopper.cache_kernel.__call__ is blackwell.cache_kernel.__call__
+    assert hopper.decode_kernel.copy_tile is blackwell.decode_kernel.copy_tile

@@ -4,7 +4,7 @@ inside a function, goes down the layers, and there is no import circle.
     core (formats, folds, scheme, layouts, operands, quantize, references, targets, chunk_attention)
       <- compile (jit, compile cache, inspect)
       <- shared device components (device, pipeline, softmax, split_merge, work_list, window_tiles, warp_mma,
-         barriers)
+         barriers, query_rows, decode_kernel)
       <- kernels: arch kernels (hopper/, blackwell/) over the host launch path (launch) and the helper kernels
          it runs (kernels/)
       <- arch registry (archs)
@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).parent.parent / "foscar"
 CORE = {"formats", "folds", "scheme", "operands", "quantize", "reference", "targets", "layouts", "chunk_attention"}
 COMPILE = {"jit", "compile_cache", "inspect"}
 DEVICE = {"device", "pipeline", "softmax", "split_merge", "work_list", "window_tiles", "warp_mma", "barriers",
-          "query_rows"}
+          "query_rows", "decode_kernel"}
 KERNELS = {"kernels": 3, "launch": 3, "hopper": 4, "blackwell": 4}  # host path, helper kernels below the arch kernels
 
 

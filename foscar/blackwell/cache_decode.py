@@ -33,6 +33,7 @@ from cutlass import Float32, Int32
 from cutlass.pipeline import NamedBarrier
 
 from ..barriers import BlackwellDecodeBarrier
+from ..decode_kernel import CacheArgs, CacheDecodeBase
 from ..device import LN2, LOG2E, fsel
 from ..jit import half_type
 from ..kernels.quantize import granule_of
@@ -56,13 +57,13 @@ def cache_decode_config(scheme, page_size: int, tokens: int = 1) -> BlackwellCon
     rows = BlackwellConfig(scheme, page_size, True, tokens).rows  # raises what the variant cannot build
     cfg = BlackwellConfig(scheme, page_size, True, tokens, window=WindowOperands(scheme.head_dim, rows,
                                                                                 half_type(scheme.q_dtype)))
-    if cfg.RING * cfg.STAGE_BYTES < 4 * (cfg.R * cfg.D + cfg.R):  # the epilogue's packed result over the ring
-        raise NotImplementedError(f"{scheme.name}: a ring of {cfg.RING} x {cfg.STAGE_BYTES} B is smaller than the "
+    if cfg.RING * cfg.TILE_BYTES < 4 * (cfg.R * cfg.D + cfg.R):  # the epilogue's packed result over the ring
+        raise NotImplementedError(f"{scheme.name}: a ring of {cfg.RING} x {cfg.TILE_BYTES} B is smaller than the "
                                   f"packed result ({cfg.R} x {cfg.D} fp32 and its lse)")
     return cfg
 
 
-class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
+class BlackwellCacheDecodeKernel(CacheDecodeBase, BlackwellDecodeKernel):
     """See the module docstring; ``cfg`` from :func:`cache_decode_config`."""
 
     def __init__(self, cfg: BlackwellConfig):
@@ -72,71 +73,35 @@ class BlackwellCacheDecodeKernel(BlackwellDecodeKernel):
         super().__init__(cfg)
         self.granule = granule_of(cfg.scheme)
         self.work = WorkList(cfg.threads, MAX_SPLITS)
-        self.cache_work = CacheWork(cfg.STAGE_BYTES, cfg.D, self.granule)
+        self.cache_work = CacheWork(cfg.TILE_BYTES, cfg.D, self.granule)
         self.window = WindowBlocks(cfg)
         self.merger = SplitMerge(cfg.D, cfg.rows, WG, BlackwellDecodeBarrier.MERGE, cfg.q_dtype, MAX_SPLITS)
 
-    @cute.jit
-    def __call__(
-        self,
-        q_ptr: cute.Pointer,  # [B, Hq, D] q dtype
-        kc_ptr: cute.Pointer,  # the layer's packed pages, as BlackwellDecodeKernel
-        kp_ptr: cute.Pointer,
-        vc_ptr: cute.Pointer,
-        vp_ptr: cute.Pointer,
-        pt_ptr: cute.Pointer,  # int32 [max_seqs, max_pages]
-        seq_rows: cute.Pointer,  # int64 [B]: the sequences' rows
-        seq_lengths: cute.Pointer,  # int64 [max_seqs]: tokens per sequence (this layer)
-        k_win: cute.Pointer,  # [max_seqs, kv_heads, sink + ring, D] q dtype: the 16-bit slots
-        v_win: cute.Pointer,
-        o_part: cute.Pointer,  # fp32 [grid_ctas, R, D]: per work item
-        lse_part: cute.Pointer,  # fp32 [grid_ctas, R]
-        out: cute.Pointer,  # [B, Hq, D] q dtype
-        lse: cute.Pointer,  # fp32 [B, Hq]
-        counters: cute.Pointer,  # int32 [>= split_merge.counter_words(B * kv_heads, MAX_SPLITS)], zero (left zero)
-        batch: Int32,
-        kv_heads: Int32,
-        max_pages: Int32,
-        budget: Int32,  # the CTAs of a wave, which the work list fills (foscar.work_list)
-        sink: Int32,
-        ring: Int32,
-        window: Int32,
-        sm_scale: Float32,
-        stream: cuda.CUstream,
-    ):
+    def launch_cache(self, args: CacheArgs, stream: cuda.CUstream):
+        """One CTA per work item (``foscar.work_list.grid_ctas``)."""
         mmas = self.mmas_and_layouts()
         SharedStorage = self.shared_storage(*mmas[3:])
-        self.launch(self.kernel(*mmas, SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
-                                seq_lengths, k_win, v_win, o_part, lse_part, out, lse, counters, batch, kv_heads,
-                                max_pages, budget, sink, ring, window, sm_scale * LOG2E),
-                    (budget + batch * kv_heads, 1, 1),  # foscar.work_list.grid_ctas
+        self.launch(self.kernel(*mmas, SharedStorage, args), (args.budget + args.batch * args.kv_heads, 1, 1),
                     SharedStorage.size_in_bytes() + cache_bytes(self.cfg.window), stream)
 
     @cute.kernel
     def kernel(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, desc_mma: cute.TiledMma,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
-               sP_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr, q_ptr: cute.Pointer,
-               kc_ptr: cute.Pointer, kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer,
-               pt_ptr: cute.Pointer, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, k_win: cute.Pointer,
-               v_win: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer,
-               lse: cute.Pointer, counters: cute.Pointer, batch: Int32, kv_heads: Int32, max_pages: Int32,
-               budget: Int32, sink: Int32, ring: Int32, window: Int32, scale_log2: Float32):
+               sP_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr, args: CacheArgs):
         x, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         # the cache decode's areas, apart from the decode's SharedStorage, which run() allocates as in the decode
         # kernel (the work list needs its plan words before the role dispatch)
         areas = cutlass.memory.SmemAllocator().allocate(cache_areas(self.cfg.window))
-        pages = PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages)
-        slots = WindowSlots(k_win, v_win, sink, ring, window)
+        slots = args.slots
         win_units = self.cache_work.window_units(slots.sink, slots.ring)
-        work_of = lambda b: self.cache_work.sequence(seq_rows, seq_lengths, b, slots.sink, slots.window,  # noqa: E731
-                                                     win_units)
-        *_item, valid = self.work.find(x, batch, kv_heads, budget, work_of, areas.plan.data_ptr(), tidx)
+        work_of = lambda b: self.cache_work.sequence(args.seq_rows, args.seq_lengths, b, slots.sink,  # noqa: E731
+                                                     slots.window, win_units)
+        *_item, valid = self.work.find(x, args.batch, args.kv_heads, args.budget, work_of, areas.plan.data_ptr(), tidx)
         if valid:  # (CTAs past the last item exit)
             self.attend_item(MmaSetup(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout),
-                             SharedStorage, areas, q_ptr, pages, slots,
-                             CacheOutput(o_part, lse_part, out, lse, counters, batch * kv_heads),
-                             kv_heads, scale_log2)
+                             SharedStorage, areas, args.q, args.pages, slots, args.output, args.kv_heads,
+                             args.scale_log2)
 
     @cute.jit
     def attend_item(self, mmas: MmaSetup, SharedStorage, areas, q_ptr: cute.Pointer, pages: PackedPages,

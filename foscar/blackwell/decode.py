@@ -17,13 +17,7 @@ __all__ = ["BlackwellKernels", "KERNELS"]
 
 class BlackwellKernels(KernelSet):
     name, arch = "blackwell", "sm_100a"
-    # limits (BlackwellConfig): at most 16 query columns, each split into hi/lo halves; sKinfo holds the unscales
-    # and corrections of at most 4 channel-wise K groups per 128-token step, so groups of >= 32 tokens
-    max_gqa_ratio, page_sizes, min_group = 16, (64, 128, 256), 32
-    decode_kernel, cache_kernel = BlackwellDecodeKernel, BlackwellCacheDecodeKernel
-    cache_args = ("q", "k_codes", "k_params", "v_codes", "v_params", "page_table", "seq_rows", "seq_lengths",
-                  "k_win", "v_win", "o_part", "lse_part", "out", "lse", "counters", "batch", "kv_heads", "max_pages",
-                  "budget", "sink", "ring", "window", "sm_scale")
+    decode_kernel, cache_kernel = BlackwellDecodeKernel, BlackwellCacheDecodeKernel  # (limits: the kernel classes)
 
     def config(self, scheme, page_size, partial_output, tokens):
         return BlackwellConfig(scheme, page_size, partial_output, tokens, packed_causal=True)

@@ -86,11 +86,12 @@ from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.pipeline import NamedBarrier
 
 from ..barriers import BlackwellDecodeBarrier
-from ..device import LOG2E, NEG_INF, fsel
+from ..decode_kernel import DecodeArgs, DecodeKernelBase, StageLayout
+from ..device import NEG_INF, fsel
 from ..query_rows import KvHead, Output, QueryRows
 from ..jit import half_type
 from ..layouts.fragment import TILE_TOKENS
-from ..pipeline import Channel, PackedPages, bulk_copy_g2s
+from ..pipeline import Channel, PackedPages
 from ..softmax import fast_exp2, normalize, online_update
 from ..quantize import check_page_size
 from ..scheme import Scheme
@@ -111,7 +112,7 @@ OPERAND_SMEM_DTYPE = Float8E4M3FN  # one byte per A element in smem (FP4: b4x16_
 SMEM_BUDGET = 227 * 1024 - 2048  # sm_100 dynamic shared memory per CTA, minus a margin
 
 
-class BlackwellConfig:
+class BlackwellConfig(StageLayout):
     """Static configuration derived from a Scheme's sm_100a plan and a page size (compile-time).
 
     Per tensor it reads the plan's fold case (``plan.k``, ``plan.v``: group, bits, construction,
@@ -174,13 +175,7 @@ class BlackwellConfig:
         # others: the softmax warpgroup copies the step's (scale, offset) rows from the ring into a
         # small smem area (sVp, one buffer per P buffer) handed over with alpha / Psum (st_ch), so
         # the ring stages are released as early as before.
-        self.KPW = self.kfold.tile_param_words  # param_fields fp16 per group
-        self.VPW = self.vfold.tile_param_words
-        self.K_TW, self.V_TW = self.k_op.words, self.v_op.words
-        self.K_CODES, self.V_CODES, self.K_PARAMS = 0, self.K_TW, self.K_TW + self.V_TW
-        self.V_PARAMS = self.K_PARAMS + self.KPW
-        self.STAGE_WORDS = self.V_PARAMS + self.VPW
-        self.STAGE_BYTES = 4 * self.STAGE_WORDS
+        self.lay_out_stage(self.plan, self.k_op.words, self.v_op.words)  # foscar.decode_kernel
         # ---- stage counts from the shared-memory budget: operand stages (prep -> MMA), P stages
         # (softmax -> MMA, with the per-step softmax statistics for the output WG), ring tiles
         # (producer -> prep + softmax). Upgraded in order of benefit while they fit.
@@ -223,7 +218,7 @@ class BlackwellConfig:
         q_stages = self.kh.q_buffers(self.OP_STAGES)
         operands = self.OP_STAGES * (al(STEP * self.D) + al(self.MT * STEP * STEP)) + q_stages * al(self.NQK * self.D)
         p = self.P_BUFS * (al(self.NM * STEP * self.P_STAGES) + 4 * (sm_.ALPHA_WORDS + sm_.PSUM_WORDS))
-        ring = al(self.RING * self.STAGE_BYTES)
+        ring = al(self.RING * self.TILE_BYTES)
         corr = self.vh.corr_words * 4
         misc = self.kh.qf_words * 4 + sm_.MAX_STEP_GROUPS * self.D * 4 + 2 * 4 * sm_.red_words(self.P_STAGES) + 4096
         vp = self.P_BUFS * self.vh.vp_words * 4
@@ -274,11 +269,16 @@ class MmaSetup:
     sP: cute.ComposedLayout
 
 
-class BlackwellDecodeKernel:
+class BlackwellDecodeKernel(DecodeKernelBase):
     """Fused paged INT2/INT4 decode attention for sm_100a (see the module docstring)."""
 
+    arch = "sm_100a"
+    # limits (BlackwellConfig): at most 16 query columns, each split into hi/lo halves; sKinfo holds the unscales
+    # and corrections of at most 4 channel-wise K groups per 128-token step, so groups of >= 32 tokens
+    max_gqa_ratio, page_sizes, min_group = 16, (64, 128, 256), 32
+
     def __init__(self, cfg: BlackwellConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.kh, self.vh = cfg.kh, cfg.vh  # the fold cases' hooks (foscar.blackwell.folds)
 
     # ------------------------------------------------------------------------------------------
@@ -334,30 +334,11 @@ class BlackwellDecodeKernel:
         }
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
-    @cute.jit
-    def __call__(
-        self,
-        q_ptr: cute.Pointer,  # q dtype [B, Hq, D]
-        kc_ptr: cute.Pointer,  # int32 [P, H, SUB, TW]
-        kp_ptr: cute.Pointer,  # fp16 [P, H, PS, D/G, 2] (token-wise) or [P, H, PS/G, D, 2]
-        vc_ptr: cute.Pointer,
-        vp_ptr: cute.Pointer,
-        pt_ptr: cute.Pointer,  # int32 [B, max_pages]
-        len_ptr: cute.Pointer,  # int32 [B]
-        o_ptr: cute.Pointer,
-        lse_ptr: cute.Pointer,
-        batch: Int32,
-        kv_heads: Int32,
-        max_pages: Int32,
-        num_splits: Int32,
-        sm_scale: Float32,
-        stream: cuda.CUstream,
-    ):
+    def launch_decode(self, args: DecodeArgs, grid, stream: cuda.CUstream):
+        """Launch the CTAs of ``grid`` (split, KV head, sequence) over ``args``."""
         mmas = self.mmas_and_layouts()
         SharedStorage = self.shared_storage(*mmas[3:])
-        self.launch(self.kernel(*mmas, SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, len_ptr, o_ptr,
-                                lse_ptr, kv_heads, max_pages, num_splits, sm_scale * LOG2E),
-                    (num_splits, kv_heads, batch), SharedStorage.size_in_bytes(), stream)
+        self.launch(self.kernel(*mmas, SharedStorage, args), grid, SharedStorage.size_in_bytes(), stream)
 
     def launch(self, kernel, grid, smem_bytes: int, stream):
         """Launch a traced ``kernel`` (one CTA per (split, KV head, batch entry)) with ``smem_bytes`` of shared
@@ -374,35 +355,15 @@ class BlackwellDecodeKernel:
     # device side
     # ------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(
-        self,
-        mma_qk: cute.TiledMma,
-        mma_pv: cute.TiledMma,
-        desc_mma: cute.TiledMma,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sQ_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
-        SharedStorage: cutlass.Constexpr,
-        q_ptr: cute.Pointer,
-        kc_ptr: cute.Pointer,
-        kp_ptr: cute.Pointer,
-        vc_ptr: cute.Pointer,
-        vp_ptr: cute.Pointer,
-        pt_ptr: cute.Pointer,
-        len_ptr: cute.Pointer,
-        o_ptr: cute.Pointer,
-        lse_ptr: cute.Pointer,
-        kv_heads: Int32,
-        max_pages: Int32,
-        num_splits: Int32,
-        scale_log2: Float32,
-    ):
+    def kernel(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, desc_mma: cute.TiledMma,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
+               sP_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr, args: DecodeArgs):
         split, h, b = cute.arch.block_idx()
-        seq = DecodeSequence(pt_ptr, len_ptr, max_pages, b, split, num_splits)
-        self.run(MmaSetup(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout), SharedStorage, q_ptr,
-                 PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages),
-                 Output(o_ptr, lse_ptr, self.cfg.split, split, seq.partials()), KvHead(b, h, kv_heads), scale_log2, seq)
+        pages = args.pages
+        seq = DecodeSequence(pages.page_table, args.lengths, pages.max_pages, b, split, args.num_splits)
+        self.run(MmaSetup(mma_qk, mma_pv, desc_mma, sK_layout, sV_layout, sQ_layout, sP_layout), SharedStorage, args.q,
+                 pages, Output(args.o, args.lse, self.cfg.split, split, seq.partials()), KvHead(b, h, args.kv_heads),
+                 args.scale_log2, seq)
 
     @cute.jit
     def run(self, mmas: MmaSetup, SharedStorage, q_ptr: cute.Pointer, pages: PackedPages, out: Output, head: KvHead,
@@ -507,26 +468,13 @@ class BlackwellDecodeKernel:
             page_head, sub, slot0 = self.tile_head(seq, head.kv_heads, head.h, tiles.n_tiles(), tiles.begin + i)
             st = ring.stage(i)
             ring.wait_empty(i)
-            cute.arch.mbarrier_arrive_and_expect_tx(ring.full(st), cfg.STAGE_BYTES)
-            dst = ch.ring_words + cute.assume(st * cfg.STAGE_WORDS, divby=4)
-            tile = page_head * cfg.SUB + sub
-            k_codes = cute.assume(tile * cfg.K_TW, divby=4)
-            v_codes = k_codes if cfg.V_TW == cfg.K_TW else cute.assume(tile * cfg.V_TW, divby=4)
-            bulk_copy_g2s(dst + cfg.K_CODES, pages.k_codes + k_codes, 4 * cfg.K_TW, ring.full(st))
-            bulk_copy_g2s(dst + cfg.V_CODES, pages.v_codes + v_codes, 4 * cfg.V_TW, ring.full(st))
-            bulk_copy_g2s(dst + cfg.K_PARAMS, pages.k_params + self.params_element(cfg.kfold, page_head, slot0),
-                          4 * cfg.KPW, ring.full(st))
-            bulk_copy_g2s(dst + cfg.V_PARAMS, pages.v_params + self.params_element(cfg.vfold, page_head, slot0),
-                          4 * cfg.VPW, ring.full(st))
+            cute.arch.mbarrier_arrive_and_expect_tx(ring.full(st), cfg.TILE_BYTES)
+            self.copy_tile(ch.ring_words + cute.assume(st * cfg.STAGE_WORDS, divby=4), ring.full(st), pages, page_head,
+                           sub, slot0)
 
     def tile_head(self, seq, kv_heads, h, n_tiles, tile):
         """``seq.tile_head`` (a call on the kernel: the DSL takes only the kernel's methods in loops)."""
         return seq.tile_head(kv_heads, h, n_tiles, tile, self.cfg.page_size)
-
-    def params_element(self, fold, head, slot0):
-        """fp16 element of a tile's first param (the fold case's params layout); a tile starts at a multiple of 64
-        groups (token-wise) or of head_dim (channel-wise), which the bulk copy's 16-byte alignment needs."""
-        return fold.param_fields * cute.assume(fold.params_row(head, slot0, self.cfg.page_size), divby=4)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

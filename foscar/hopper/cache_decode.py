@@ -42,15 +42,16 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..barriers import HopperDecodeBarrier
-from ..device import LOG2E, at
+from ..decode_kernel import CacheArgs, CacheDecodeBase
+from ..device import at
 from ..jit import half_type
 from ..kernels.quantize import granule_of
 from ..layouts.fragment import THREADS
-from ..pipeline import PackedPages, Ring, TileSpan
+from ..pipeline import Ring, TileSpan
 from ..query_rows import KvHead, Output
 from ..softmax import finite_reference
 from ..split_merge import CacheOutput, SplitMerge
-from ..window_tiles import (BLOCK, WindowOperands, WindowSlots, quantized_tokens, slot_holds_token, slot_position,
+from ..window_tiles import (BLOCK, WindowOperands, quantized_tokens, slot_holds_token, slot_position,
                             window_blocks)
 from ..warp_mma import WarpMma
 from ..work_list import MAX_SPLITS, PLAN_WORDS, CacheWork, WorkList
@@ -81,17 +82,6 @@ def fuses_window(scheme, page_size: int, consumers: int) -> bool:
 
 
 @dataclass(frozen=True)
-class CacheLayer:
-    """The device tensors of one cache-decode launch (the launch's own arguments, bundled for the CTA's
-    functions): the queries, the layer's packed pages and 16-bit slots, and where results go."""
-
-    q: cute.Pointer  # [B, Hq, D] q dtype
-    pages: PackedPages  # page table int32 [max_seqs, max_pages]
-    slots: WindowSlots
-    output: CacheOutput
-
-
-@dataclass(frozen=True)
 class CachePart:
     """What one CTA attends: part ``part`` of ``n_parts`` of sequence ``b`` (cache row ``row``, ``n``
     tokens), KV head ``h``, into partial ``out_index`` of ``out_count`` per row; ``item0``: the (sequence,
@@ -114,12 +104,12 @@ class CacheWindow:
     the packed tiles; their count is rounded up to whole runs of ``TPG`` (so the packed runs stay
     aligned to channel-wise K groups), the extra tiles' slots all past the cache row."""
 
-    def __init__(self, cfg: DecodeConfig, layer: CacheLayer, part: CachePart, kv_heads, qlen, q_row0, first):
+    def __init__(self, cfg: DecodeConfig, args: CacheArgs, part: CachePart, kv_heads, qlen, q_row0, first):
         """``qlen``: the sequence's packed tokens; ``q_row0``: the row of the KV head's query column 0; ``first``:
-        the element of the (sequence, KV head)'s slot 0 in ``layer.slots.k_win`` / ``v_win``."""
+        the element of the (sequence, KV head)'s slot 0 in ``args.slots.k_win`` / ``v_win``."""
         self.cfg, self.ops = cfg, cfg.window
-        slots = layer.slots
-        self.k_win, self.v_win, self.q_ptr = slots.k_win, slots.v_win, layer.q
+        slots = args.slots
+        self.k_win, self.v_win, self.q_ptr = slots.k_win, slots.v_win, args.q
         self.q_row0, self.kv_heads, self.first = q_row0, kv_heads, first
         self.n, self.qlen, self.sink, self.ring = part.n, qlen, slots.sink, slots.ring
         self.slots = slots.sink + slots.ring
@@ -190,7 +180,7 @@ class CacheWindow:
         ring.release(stage)
 
 
-class HopperCacheDecodeKernel(HopperDecodeKernel):
+class HopperCacheDecodeKernel(CacheDecodeBase, HopperDecodeKernel):
     """See the module docstring; ``cfg`` from :func:`cache_decode_config`."""
 
     def __init__(self, cfg: DecodeConfig):
@@ -212,44 +202,15 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             plan=cute.struct.MemRange[Int32, PLAN_WORDS],  # WorkList.find's scratch and answer
         )
 
-    @cute.jit
-    def __call__(
-        self,
-        q_ptr: cute.Pointer,  # [B, Hq, D] q dtype
-        kc_ptr: cute.Pointer,  # the layer's packed pages, as HopperDecodeKernel
-        kp_ptr: cute.Pointer,
-        vc_ptr: cute.Pointer,
-        vp_ptr: cute.Pointer,
-        pt_ptr: cute.Pointer,  # int32 [max_seqs, max_pages]
-        seq_rows: cute.Pointer,  # int64 [B]: the sequences' rows
-        seq_lengths: cute.Pointer,  # int64 [max_seqs]: tokens per sequence (this layer)
-        k_win: cute.Pointer,  # [max_seqs, kv_heads, sink + ring, D] q dtype: the 16-bit slots
-        v_win: cute.Pointer,
-        o_part: cute.Pointer,  # fp32 one launch: [grid_ctas, R, D] (per work item); two: [B, Hq, parts, D]
-        lse_part: cute.Pointer,  # fp32 one launch: [grid_ctas, R]; two: [B, Hq, parts]
-        out: cute.Pointer,  # [B, Hq, D] q dtype
-        lse: cute.Pointer,  # fp32 [B, Hq]
-        counters: cute.Pointer,  # int32 [>= split_merge.counter_words(B * kv_heads, MAX_SPLITS)], zero (left zero)
-        batch: Int32,
-        kv_heads: Int32,
-        max_pages: Int32,
-        budget: Int32,  # one launch: the CTAs of a wave, which the work list fills (foscar.work_list)
-        num_splits: Int32,  # two launches: splits per (sequence, KV head)
-        parts: Int32,  # two launches: partials per query row, the window kernel's after the splits'
-        sink: Int32,
-        ring: Int32,
-        window: Int32,
-        sm_scale: Float32,
-        stream: cuda.CUstream,
-    ):
+    def launch_cache(self, args: CacheArgs, stream: cuda.CUstream):
+        """One CTA per work item (``foscar.work_list.grid_ctas``), or, with no window tiles, per (split, KV head,
+        sequence)."""
         cfg = self.cfg
         SharedStorage = self.cache_storage()
-        grid = (budget + batch * kv_heads, 1, 1)  # foscar.work_list.grid_ctas
-        if cutlass.const_expr(cfg.window is None):
-            grid = (num_splits, kv_heads, batch)
-        self.kernel(self.tiled_mma(), SharedStorage, q_ptr, kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, seq_rows,
-                    seq_lengths, k_win, v_win, o_part, lse_part, out, lse, counters, batch, kv_heads, max_pages,
-                    budget, num_splits, parts, sink, ring, window, sm_scale * LOG2E).launch(
+        grid = (args.budget + args.batch * args.kv_heads, 1, 1)
+        if cfg.window is None:
+            grid = (args.num_splits, args.kv_heads, args.batch)
+        self.kernel(self.tiled_mma(), SharedStorage, args).launch(
             grid=grid,
             block=(cfg.threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
@@ -258,51 +219,42 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         )
 
     @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr, q_ptr: cute.Pointer,
-               kc_ptr: cute.Pointer, kp_ptr: cute.Pointer, vc_ptr: cute.Pointer, vp_ptr: cute.Pointer,
-               pt_ptr: cute.Pointer, seq_rows: cute.Pointer, seq_lengths: cute.Pointer, k_win: cute.Pointer,
-               v_win: cute.Pointer, o_part: cute.Pointer, lse_part: cute.Pointer, out: cute.Pointer,
-               lse: cute.Pointer, counters: cute.Pointer, batch: Int32, kv_heads: Int32, max_pages: Int32,
-               budget: Int32, num_splits: Int32, parts: Int32, sink: Int32, ring: Int32, window: Int32,
-               scale_log2: Float32):
+    def kernel(self, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr, args: CacheArgs):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        stage_ring = self.ring_of(storage)  # (``ring``: the window's slots)
+        stage_ring = self.ring_of(storage)
         self.init_ring_barriers(stage_ring, tidx)
-        layer = CacheLayer(q_ptr, PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages),
-                           WindowSlots(k_win, v_win, sink, ring, window),
-                           CacheOutput(o_part, lse_part, out, lse, counters, batch * kv_heads))
         if cutlass.const_expr(cfg.window is None):  # two launches: the grid is (split, KV head, sequence)
             split, h, b = cute.arch.block_idx()
-            row = at(seq_rows, b)  # the sequence's row (Int64)
-            part = CachePart(b, h, row, Int32(at(seq_lengths, row)), split, num_splits, split, parts)
-            self.attend_part(tiled_mma, storage, stage_ring, layer, part, kv_heads, scale_log2, tidx)
+            row = at(args.seq_rows, b)  # the sequence's row (Int64)
+            part = CachePart(b, h, row, Int32(at(args.seq_lengths, row)), split, args.num_splits, split, args.parts)
+            self.attend_part(tiled_mma, storage, stage_ring, args, part, tidx)
             # (budget: the work list's only)
         else:
             x, _, _ = cute.arch.block_idx()
             # a (sequence, KV head)'s work: its packed tiles' bytes and its window tiles', in 256-byte
             # units; its parts: at most one per MIN_TOKENS_PER_SPLIT packed tokens (foscar.work_list.plan_splits);
             # the sequence's token count and row come back with the item
-            win_units = self.cache_work.window_units(sink, ring)
-            work_of = lambda b: self.cache_work.sequence(seq_rows, seq_lengths, b, sink, window,  # noqa: E731
-                                                         win_units)
-            b, h, part, n_parts, item0, (n, row), valid = self.work.find(x, batch, kv_heads, budget, work_of,
-                                                                         storage.plan.data_ptr(), tidx)
+            slots = args.slots
+            win_units = self.cache_work.window_units(slots.sink, slots.ring)
+            work_of = lambda b: self.cache_work.sequence(args.seq_rows, args.seq_lengths, b, slots.sink,  # noqa: E731
+                                                         slots.window, win_units)
+            b, h, part, n_parts, item0, (n, row), valid = self.work.find(x, args.batch, args.kv_heads, args.budget,
+                                                                         work_of, storage.plan.data_ptr(), tidx)
             if valid:
-                self.attend_part(tiled_mma, storage, stage_ring, layer,
-                                 CachePart(b, h, row.to(Int64), n, part, n_parts, item0 + part, n_parts, item0),
-                                 kv_heads, scale_log2, tidx)
+                self.attend_part(tiled_mma, storage, stage_ring, args,
+                                 CachePart(b, h, row.to(Int64), n, part, n_parts, item0 + part, n_parts, item0), tidx)
             # (num_splits, parts: the two-launch grid's only)
 
     @cute.jit
-    def attend_part(self, tiled_mma: cute.TiledMma, storage, ring: Ring, layer: CacheLayer, part: CachePart,
-                    kv_heads: Int32, scale_log2: Float32, tidx: Int32):
-        """``part`` (:class:`CachePart`) of ``layer``'s cache: its window tiles, then its packed tiles, into
+    def attend_part(self, tiled_mma: cute.TiledMma, storage, ring: Ring, args: CacheArgs, part: CachePart,
+                    tidx: Int32):
+        """``part`` (:class:`CachePart`) of the layer's cache (``args``): its window tiles, then its packed tiles, into
         partial ``part.out_index`` of ``part.out_count`` per row (two launches: row-major ``[B, Hq,
         out_count, D]``), or with ``part.item0`` the output (one part) or work item ``out_index``'s partial,
         the last of its CTAs merging."""
-        cfg, slots = self.cfg, layer.slots
+        cfg, slots, kv_heads = self.cfg, args.slots, args.kv_heads
         role = cute.arch.make_warp_uniform(tidx // THREADS)  # 0: producer, 1..NC: consumers
         head = KvHead(part.b, part.h, kv_heads, Int32(part.row))
         qlen = quantized_tokens(part.n, slots.sink, slots.window, self.granule)
@@ -312,7 +264,7 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
         # (built in each branch: a Python object cannot be carried through a runtime `if`)
         window_of = lambda: None  # noqa: E731  (two launches: no window tiles)
         if cutlass.const_expr(cfg.window is not None):
-            window_of = lambda: CacheWindow(cfg, layer, part, kv_heads, qlen, q_row0, first)  # noqa: E731
+            window_of = lambda: CacheWindow(cfg, args, part, kv_heads, qlen, q_row0, first)  # noqa: E731
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -321,21 +273,20 @@ class HopperCacheDecodeKernel(HopperDecodeKernel):
             if cutlass.const_expr(cfg.window is not None):
                 window_of().produce(ring, pw, lane)  # the window tiles first
                 ring_first = window_of().tiles
-            self.produce(ring, layer.pages, head, tiles, pw, lane, ring_first=ring_first)
+            self.produce(ring, args.pages, head, tiles, pw, lane, ring_first=ring_first)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             warp, lane = cute.arch.make_warp_uniform(tidx // 32 - 4), tidx % 32
             window = window_of()
-            merge = self.attend_tiles(WarpMma(tiled_mma, lane, cfg.NB), warp, ring, layer.q, head, tiles, scale_log2,
-                                      window=window)
-            self.store_part(storage, layer, part, head, q_row0, merge, warp * 32 + lane)
+            merge = self.attend_tiles(WarpMma(tiled_mma, lane, cfg.NB), warp, ring, args.q, head, tiles,
+                                      args.scale_log2, window=window)
+            self.store_part(storage, args.output, part, head, q_row0, merge, warp * 32 + lane)
 
     @cute.jit
-    def store_part(self, storage, layer: CacheLayer, part: CachePart, head: KvHead, q_row0: Int64, merge: cute.Tensor,
+    def store_part(self, storage, out: CacheOutput, part: CachePart, head: KvHead, q_row0: Int64, merge: cute.Tensor,
                    tc: Int32):
         """The consumer threads' end of ``part``: merge the warps' results into the part's partial or the output;
         the last of several parts' CTAs then merges the partials."""
-        out = layer.output
         if cutlass.const_expr(part.item0 is None):  # row-major partials; the window kernel merges
             self.merge_and_store(merge, Output(out.o_part, out.lse_part, True, part.out_index, part.out_count),
                                  head, tc)

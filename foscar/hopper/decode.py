@@ -16,12 +16,7 @@ __all__ = ["HopperKernels", "KERNELS"]
 
 class HopperKernels(KernelSet):
     name, arch = "hopper", "sm_90a"
-    # limits (DecodeConfig): query columns padded to at most two n8 blocks; a group spans whole k16/m16 MMA blocks
-    max_gqa_ratio, page_sizes, min_group = 16, (64, 128, 256), 16
-    decode_kernel, cache_kernel = HopperDecodeKernel, HopperCacheDecodeKernel
-    cache_args = ("q", "k_codes", "k_params", "v_codes", "v_params", "page_table", "seq_rows", "seq_lengths",
-                  "k_win", "v_win", "o_part", "lse_part", "out", "lse", "counters", "batch", "kv_heads", "max_pages",
-                  "budget", "num_splits", "parts", "sink", "ring", "window", "sm_scale")
+    decode_kernel, cache_kernel = HopperDecodeKernel, HopperCacheDecodeKernel  # (limits: the kernel classes)
 
     def options(self, scheme: Scheme, tokens: int, consumers: int | None = None) -> tuple[int]:
         """``consumers``: consumer warpgroups per CTA (None: :func:`~foscar.hopper.kernel.default_consumers`)."""

@@ -73,10 +73,11 @@ from cutlass.cute.nvgpu import warp as warp_mma
 from cutlass.pipeline import NamedBarrier
 
 from ..barriers import HopperDecodeBarrier
-from ..device import LOG2E, NEG_INF, at, fsel, movmatrix_trans, reduce_over_rows, store
+from ..decode_kernel import DecodeArgs, DecodeKernelBase, StageLayout
+from ..device import NEG_INF, at, fsel, movmatrix_trans, reduce_over_rows, store
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
-from ..pipeline import Channel, PackedPages, Ring, TileSpan, bulk_copy_g2s
+from ..pipeline import Channel, PackedPages, Ring, TileSpan
 from ..query_rows import KvHead, Output, QueryRows
 from ..scheme import Scheme
 from ..softmax import finite_reference, normalize, online_update
@@ -160,7 +161,7 @@ class WarpState:
     v: object
 
 
-class DecodeConfig:
+class DecodeConfig(StageLayout):
     """Static configuration of one build: the variant's plan (``Scheme.plan("sm_90a")``: per tensor
     its fold case and operand construction), page size, output format and consumer warpgroups.
 
@@ -200,14 +201,8 @@ class DecodeConfig:
         self.NW = 4 * consumers
         self.threads = THREADS * (1 + consumers)
         self.consumer_regs = min(240, (REGISTERS - THREADS * PRODUCER_REGS) // (THREADS * consumers) // 8 * 8)
-        # stage of the ring (int32 words): K codes | V codes | K params | V params
-        self.K_TW, self.V_TW = self.k_operand.words, self.v_operand.words
-        self.KPW, self.VPW = plan.k.tile_param_words, plan.v.tile_param_words  # param_fields fp16 per group
-        self.K_CODES, self.V_CODES = 0, self.K_TW
-        self.K_PARAMS = self.K_TW + self.V_TW
-        self.V_PARAMS = self.K_PARAMS + self.KPW
-        self.STAGE_WORDS = self.V_PARAMS + self.VPW
-        self.TILE_BYTES = 4 * self.STAGE_WORDS  # what a packed tile's copies bring
+        # stage of the ring (int32 words): K codes | V codes | K params | V params (foscar.decode_kernel)
+        self.lay_out_stage(plan, self.k_operand.words, self.v_operand.words)
         # a stage may instead hold a window tile (``window``: foscar.window_tiles.WindowOperands of the
         # 16-bit sink + window slots, foscar.hopper.cache_decode): BLOCK slots' padded K rows | V rows
         self.window = window
@@ -232,58 +227,27 @@ class DecodeConfig:
         self.RING_WORDS = max(self.STAGES * self.STAGE_WORDS, self.NW * self.MERGE_WARP)
 
 
-class HopperDecodeKernel:
+class HopperDecodeKernel(DecodeKernelBase):
     """Fused paged INT2/INT4 decode attention for sm_90a (see the module docstring)."""
 
+    arch = "sm_90a"
+    # limits (DecodeConfig): query columns padded to at most two n8 blocks; a group spans whole k16/m16 MMA blocks
+    max_gqa_ratio, page_sizes, min_group = 16, (64, 128, 256), 16
+
     def __init__(self, cfg: DecodeConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.k_hooks = hooks_for(cfg.plan.k, cfg)  # the fold cases' device hooks (foscar.hopper.folds)
         self.v_hooks = hooks_for(cfg.plan.v, cfg)
 
     # ------------------------------------------------------------------------------------------
     # host side
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(
-        self,
-        q_ptr: cute.Pointer,  # bf16 [B, Hq, D]
-        kc_ptr: cute.Pointer,  # int32 [P, H, SUB, TW]
-        kp_ptr: cute.Pointer,  # fp16 token [P, H, PS, D/G, 2] | channel [P, H, PS/G, D, 2]
-        vc_ptr: cute.Pointer,
-        vp_ptr: cute.Pointer,
-        pt_ptr: cute.Pointer,  # int32 [B, max_pages]
-        len_ptr: cute.Pointer,  # int32 [B]
-        o_ptr: cute.Pointer,  # bf16 [B, Hq, D] | fp32 [B, Hq, S, D]
-        lse_ptr: cute.Pointer,  # fp32 [B, Hq] | [B, Hq, S]
-        batch: Int32,
-        kv_heads: Int32,
-        max_pages: Int32,
-        num_splits: Int32,
-        sm_scale: Float32,
-        stream: cuda.CUstream,
-    ):
-        cfg = self.cfg
+    def launch_decode(self, args: DecodeArgs, grid, stream: cuda.CUstream):
+        """Launch the CTAs of ``grid`` (split, KV head, sequence) over ``args``."""
         SharedStorage = self.shared_storage()
-        scale_log2 = sm_scale * LOG2E
-        self.kernel(
-            self.tiled_mma(),
-            SharedStorage,
-            q_ptr,
-            kc_ptr,
-            kp_ptr,
-            vc_ptr,
-            vp_ptr,
-            pt_ptr,
-            len_ptr,
-            o_ptr,
-            lse_ptr,
-            kv_heads,
-            max_pages,
-            num_splits,
-            scale_log2,
-        ).launch(
-            grid=(num_splits, kv_heads, batch),
-            block=(cfg.threads, 1, 1),
+        self.kernel(self.tiled_mma(), SharedStorage, args).launch(
+            grid=grid,
+            block=(self.cfg.threads, 1, 1),
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,  # with reqntid: ptxas keeps setmaxnreg and allocates per role
@@ -309,24 +273,7 @@ class HopperDecodeKernel:
     # device side
     # ------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(
-        self,
-        tiled_mma: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
-        q_ptr: cute.Pointer,
-        kc_ptr: cute.Pointer,
-        kp_ptr: cute.Pointer,
-        vc_ptr: cute.Pointer,
-        vp_ptr: cute.Pointer,
-        pt_ptr: cute.Pointer,
-        len_ptr: cute.Pointer,
-        o_ptr: cute.Pointer,
-        lse_ptr: cute.Pointer,
-        kv_heads: Int32,
-        max_pages: Int32,
-        num_splits: Int32,
-        scale_log2: Float32,
-    ):
+    def kernel(self, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr, args: DecodeArgs):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
@@ -335,20 +282,19 @@ class HopperDecodeKernel:
         smem = cutlass.memory.SmemAllocator()
         ring = self.ring_of(smem.allocate(SharedStorage))
         self.init_ring_barriers(ring, tidx)
-        head = KvHead(b, h, kv_heads, b)
+        head = KvHead(b, h, args.kv_heads, b)
         # whole runs of TPG tiles per split, so that a split starts at a K group boundary
-        tiles = TileSpan.of_split(at(len_ptr, b), split, num_splits, cfg.TPG)
+        tiles = TileSpan.of_split(at(args.lengths, b), split, args.num_splits, cfg.TPG)
 
         if role == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            pages = PackedPages(kc_ptr, kp_ptr, vc_ptr, vp_ptr, pt_ptr, max_pages)
-            self.produce(ring, pages, head, tiles, cute.arch.make_warp_uniform(tidx // 32), tidx % 32)
+            self.produce(ring, args.pages, head, tiles, cute.arch.make_warp_uniform(tidx // 32), tidx % 32)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             warp = cute.arch.make_warp_uniform(tidx // 32 - 4)
             mma = WarpMma(tiled_mma, tidx % 32, cfg.NB)
-            self.consume(mma, warp, ring, q_ptr, head, tiles, Output(o_ptr, lse_ptr, cfg.split, split, num_splits),
-                         scale_log2)
+            self.consume(mma, warp, ring, args.q, head, tiles,
+                         Output(args.o, args.lse, cfg.split, split, args.num_splits), args.scale_log2)
 
     def ring_of(self, storage) -> Ring:
         """The stage ring in ``storage`` (:meth:`shared_storage`)."""
@@ -399,26 +345,9 @@ class HopperDecodeKernel:
                     cute.arch.mbarrier_arrive_and_expect_tx(ring.barriers.full(s), cfg.TILE_BYTES)
                     if cutlass.const_expr(cfg.FULL_ARRIVALS > 1):  # the arrivals a window tile's lanes make
                         cute.arch.mbarrier_arrive(ring.barriers.full(s), arrive_count=cfg.FULL_ARRIVALS - 1)
-                    self.copy_tile(ring, pages, page.to(Int64) * head.kv_heads + head.h, tile % SUB, s)
-
-    def copy_tile(self, ring: Ring, pages: PackedPages, page_head, sub, s):
-        """The four bulk copies of tile ``sub`` of (page, KV head) ``page_head`` into stage ``s``."""
-        cfg = self.cfg
-        slot0 = sub * TILE_TOKENS  # first slot of the tile in its page
-        dst = ring.stage(s)
-        full = ring.barriers.full(s)
-        tile_index = page_head * cfg.SUB + sub
-        bulk_copy_g2s(dst + cfg.K_CODES, pages.k_codes + tile_index * cfg.K_TW, 4 * cfg.K_TW, full)
-        bulk_copy_g2s(dst + cfg.V_CODES, pages.v_codes + tile_index * cfg.V_TW, 4 * cfg.V_TW, full)
-        bulk_copy_g2s(dst + cfg.K_PARAMS, pages.k_params + self.params_element(page_head, slot0, "k"), 4 * cfg.KPW,
-                      full)
-        bulk_copy_g2s(dst + cfg.V_PARAMS, pages.v_params + self.params_element(page_head, slot0, "v"), 4 * cfg.VPW,
-                      full)
-
-    def params_element(self, head, slot0, tensor: str):
-        """fp16 element of the first param of a tile's K or V params (the fold case's layout)."""
-        fold = self.cfg.plan.k if tensor == "k" else self.cfg.plan.v
-        return fold.param_fields * fold.params_row(head, slot0, self.cfg.page_size)
+                    sub = tile % SUB
+                    self.copy_tile(ring.stage(s), ring.barriers.full(s), pages,
+                                   page.to(Int64) * head.kv_heads + head.h, sub, sub * TILE_TOKENS)
 
     # ------------------------------------------------------------------------------------------
     # consumer warp w: runs w, w+NW, ... of TPG consecutive tiles, each tile whole
