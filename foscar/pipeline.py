@@ -18,6 +18,14 @@ Barriers of stage ``s`` (``full[s]``, ``empty[s]``):
   read; the producer waits before overwriting the stage. A fresh barrier counts as completed for
   parity 1, so the producer's first pass over the ring waits on ``phase ^ 1`` and does not block.
 
+Why not the DSL's ``cutlass.pipeline.PipelineTmaAsync``: the Hopper cache decode's ring holds 16-bit window
+tiles between the packed ones, whose fill is 32 lanes' ``cp.async`` arrivals and no transaction bytes, where the
+library class has one producer arrival and one ``tx_count`` per pipeline; and on the plain decode's ring (where it
+fits) it measured no better: consumer main loop 720 / 931 / 755 SASS instructions per tile against this module's
+717 / 930 / 754 (INT2 K token-wise, INT2 K channel-wise, INT4; its release is one signalling lane per warp behind a
+predicate), producer loop 161 against 163 (2026-12-03, sm_90a, benchmarks/NOTES.md section 33). One ring for
+both kernels, then.
+
 Local tile ``i`` of a CTA uses stage ``i % stages`` in phase ``(i // stages) % 2``. A consumer must
 never wait on a stage two phases ahead of its fill (the parity would read as complete): the Hopper
 kernel makes every stage belong to one consumer warp, which waits on it right after its own

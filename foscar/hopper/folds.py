@@ -12,9 +12,8 @@ V (``O^T += V^T . P^T``):
   ``setup()``; ``load_params(vpar, rows, valid)`` (zero past the sequence end); ``pack_p`` the P^T
   B-fragment register of (tb, nb, hr) for P copy ``ps`` (scaled or not) and its correction;
   ``accumulate`` the tile's MMAs into O^T, rescaling O^T by the tile's alpha (every tile; 1 where the running
-  max did not move) in the FMA that adds them; ``rescale`` O's state when the running max moved (both V cases:
-  nothing, accumulate does it); ``rescale_direct`` O^T times alpha before a tile that adds its P V to O^T itself
-  (a 16-bit window tile);
+  max did not move) in the FMA that adds them; ``rescale_direct`` O^T times alpha before a tile that adds its
+  P V to O^T itself (a 16-bit window tile, when the running max moved);
   ``output`` an O^T element with the correction the case adds at the end.
 
 Thread coordinates: lane ``4*g + tq``; accumulator rows are tokens ``16*tb + g + 8*hr`` (index
@@ -239,9 +238,6 @@ class VTokenHooks(_Hooks):
     def end_p(self, mma: WarpMma, acc_p):
         return None
 
-    def rescale(self, mma: WarpMma, st, accO, alpha):
-        return None  # accumulate rescales O in the FMA that adds a tile
-
     def rescale_direct(self, mma: WarpMma, st, accO, alpha):
         for row in accO:
             for nb in range(mma.NB):
@@ -318,9 +314,6 @@ class VChannelHooks(_Hooks):
     def end_p(self, mma: WarpMma, pg):
         for x in range(self.fold.tile_groups * mma.NS):
             pg[x] = reduce_over_rows(pg[x], operator.add)  # Psum per token group and column
-
-    def rescale(self, mma: WarpMma, st, accO, alpha):
-        return None  # accumulate rescales O in the FMA that adds a tile
 
     def rescale_direct(self, mma: WarpMma, st, accO, alpha):
         for row in accO:

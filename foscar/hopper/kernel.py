@@ -452,16 +452,10 @@ class HopperDecodeKernel(DecodeKernelBase):
 
         sc = self.scores(mma, query.k_state, ktp, kw, rows, valid)
         # under the causal mask a column may see none of the tile's tokens
-        alpha, rescale = self.online_softmax(mma, sc, state, may_be_empty=cfg.packed_causal)
+        alpha, _moved = self.online_softmax(mma, sc, state, may_be_empty=cfg.packed_causal)
         vf.rescale_corrections(mma, state.v, alpha)
         pB, acc_p = self.p_operands(mma, state, vtp, sc)
-        if rescale:  # the running max moved for some column of the warp
-            self.rescale_output(mma, state, alpha)
-        vf.accumulate(mma, state.v, vtp, acc_p, state.acc_o, pB, vw, alpha)
-
-    def rescale_output(self, mma: WarpMma, state: WarpState, alpha):
-        """The V case's state beside O times alpha (both V cases rescale O in ``accumulate`` instead: nothing)."""
-        self.v_hooks.rescale(mma, state.v, state.acc_o, alpha)
+        vf.accumulate(mma, state.v, vtp, acc_p, state.acc_o, pB, vw, alpha)  # O = O * alpha + the tile's PV
 
     def load_query(self, mma: WarpMma, q_ptr: cute.Pointer, head: KvHead):
         """fp32 q values of the thread's Q^T B-fragment positions (``q_index`` order); 0 for the
