@@ -6,9 +6,9 @@ An arch's decode kernels are a :class:`KernelSet` subclass in its ``decode`` mod
 and their configs (the kernels' limits and entries: ``foscar.decode_kernel``), its compile options (Hopper:
 ``consumers``) and whether its cache-decode launch attends the 16-bit sink + window itself. This module builds
 the argument lists of both arches' entries (:func:`decode_args`, :data:`CACHE_ARGS`: stand-ins to compile against
-and pointers to launch with, from :data:`POINTERS` and :data:`SCALARS`), keys the compile cache, allocates the outputs and partials, and runs the helper launches
-around the arch's: the split combine (``foscar.kernels.combine``) and the sink + window kernel
-(``foscar.kernels.sink_window``).
+and pointers to launch with, from :data:`POINTERS` and :data:`SCALARS`), keys the compile cache, allocates the
+outputs and partials, and runs the helper launches around the arch's: the split combine
+(``foscar.kernels.combine``) and the sink + window kernel (``foscar.kernels.sink_window``).
 
 The compiled kernels take raw pointers, a few runtime int32 extents (batch, kv_heads, max_pages,
 num_splits, ...) and the fp32 sm_scale, so one compilation serves every batch size, sequence length, page
@@ -114,6 +114,11 @@ class KernelSet:
         gives (none here; a TypeError names an unknown one)."""
         return ()
 
+    def launch_options(self, scheme: Scheme, tokens: int, tokens_per_cta: int) -> dict:
+        """The keyword options :meth:`run_decode` compiles with when its caller gives none, for CTAs that each
+        attend up to ``tokens_per_cta`` tokens (the page table's capacity over the splits; none here)."""
+        return {}
+
     def config(self, scheme: Scheme, page_size: int, partial_output: bool, tokens: int, *options):
         """The decode kernel's config for ``tokens`` query tokens per sequence, the last tokens of its packed
         pages (causal); building it runs the checks that need its geometry."""
@@ -146,13 +151,15 @@ class KernelSet:
         """Launch on validated CUDA tensors (``foscar.decode.decode_paged`` validates); returns ``(out,
         lse)``, written in place when given (q's dtype and shape, ``[B, Hq, D]`` or ``[B, tokens, Hq, D]``;
         fp32 of q's shape but the last dim: a caller can poison them, or keep them static for CUDA graphs).
-        With ``num_splits > 1`` the kernel writes fp32 partials that ``foscar.kernels.combine`` merges into
-        them."""
+        ``options``: the arch's compile options (default: :meth:`launch_options`). With ``num_splits > 1`` the
+        kernel writes fp32 partials that ``foscar.kernels.combine`` merges into them."""
         tokens = q.shape[1] if q.dim() == 4 else 1
         batch, d = q.shape[0], q.shape[-1]
         rows = tokens * q.shape[-2]  # query rows per sequence, token-major (foscar.query_rows)
         partial = num_splits > 1
-        compiled = self.compile_decode(scheme, k_codes.shape[2] * 64, partial, tokens, **options)
+        page_size = k_codes.shape[2] * 64
+        options = options or self.launch_options(scheme, tokens, page_table.shape[1] * page_size // num_splits)
+        compiled = self.compile_decode(scheme, page_size, partial, tokens, **options)
         out = torch.empty_like(q) if out is None else out
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
         o_part = torch.empty(batch, rows, num_splits, d, dtype=torch.float32, device=q.device) if partial else None

@@ -69,16 +69,22 @@ def rotated(cache, x):
     return (x.to(cache.device).float() @ cache.rotation).to(x.dtype).to(x.device)
 
 
-def check_chunk(cache, ids, cached, rng, tokens, layer=0, sm_scale=0.1):
+def check_chunk(cache, ids, cached, rng, tokens, layer=0, sm_scale=0.1, transposed_q=False):
     """``attend_chunk`` of ``tokens`` fresh random tokens on ``ids`` equals float64 attention over what each
     sequence holds (``cached(seq)``: fp32 ``(k, v) [kvh, n, D]``) and the new tokens within the project's rule
-    (``assert_within_the_rule``); the cache is unchanged. Returns the new tokens' ``(k, v)``."""
+    (``assert_within_the_rule``); the cache is unchanged. Returns the new tokens' ``(k, v)``. ``transposed_q``: q
+    is a transposed view of ``[batch, heads, tokens, D]``, as transformers' attention passes it."""
     scheme, dev = cache.scheme, cache.device
-    q = torch.randn(len(ids), tokens, cache.kv_heads * scheme.gqa_ratio, scheme.head_dim, generator=rng)
+    heads = cache.kv_heads * scheme.gqa_ratio
+    q = torch.randn(len(ids), tokens, heads, scheme.head_dim, generator=rng)
+    if transposed_q:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
     q = q.to(scheme.q_dtype)
     k_new, v_new = kv(rng, scheme, len(ids), tokens, heads=cache.kv_heads)
     before = snapshot(cache)
-    out, lse = cache.attend_chunk(layer, ids, q.to(dev), k_new.to(dev), v_new.to(dev), sm_scale=sm_scale,
+    q_dev = q.to(dev)
+    assert q_dev.is_contiguous() != transposed_q
+    out, lse = cache.attend_chunk(layer, ids, q_dev, k_new.to(dev), v_new.to(dev), sm_scale=sm_scale,
                                   return_lse=True)
     assert_unchanged(cache, before)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
@@ -376,6 +382,23 @@ def test_attend_chunk_on_a_kernel_cache(scheme, rotate, packed_by, rng, monkeypa
         k_new, v_new = check_chunk(cache, ids[::-1], lambda seq: cache.dense(0, seq), rng, tokens)
         cache.append(0, ids[::-1], k_new.cuda(), v_new.cuda())
     assert bool(dequantized) == (packed_by == "blocks")  # the path asked for took the packed pages
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa", [9, 16])
+def test_attend_chunk_by_the_decode_kernel_at_one_token_per_tile(gqa, rng, monkeypatch):
+    """gqa 9-16: ``PackedPrefix`` puts one chunk token per tile of 16 query columns, where folding q is a view; with
+    the transposed q transformers passes, the kernel must still read rows densely (a strided q mixed KV heads'
+    rows). Against float64, chunks crossing the sink, the window and pages."""
+    monkeypatch.setattr(foscar.cache, "DECODE_COLUMNS", 10**9)
+    scheme = Scheme.make(2, "channel", 128, "token", 128, 128, gqa)
+    cache = gpu_cache(scheme)
+    ids = [cache.allocate() for _ in range(2)]
+    k0, v0 = kv(rng, scheme, 2, 700)
+    cache.append(0, ids, k0.cuda(), v0.cuda())
+    for tokens in (2, 5, 16, 33):  # (one token: a transposed view is contiguous)
+        k_new, v_new = check_chunk(cache, ids, lambda seq: cache.dense(0, seq), rng, tokens, transposed_q=True)
+        cache.append(0, ids, k_new.cuda(), v_new.cuda())
 
 
 @pytest.mark.gpu

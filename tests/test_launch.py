@@ -90,3 +90,42 @@ def test_both_arches_share_the_entries_and_the_tile_copies():
     assert hopper.decode_kernel.__call__ is blackwell.decode_kernel.__call__
     assert hopper.cache_kernel.__call__ is blackwell.cache_kernel.__call__
     assert hopper.decode_kernel.copy_tile is blackwell.decode_kernel.copy_tile
+
+
+def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
+    """Hopper's decode launches compile with 2 consumer warpgroups where the default is 3 and each CTA attends at
+    most SHORT_SPLIT_TOKENS (the page table's capacity over the splits), else the default; a caller's own count
+    wins; decode_paged's compile-ahead of several launches asks for the same options."""
+    from foscar.hopper.decode import KERNELS, SHORT_SPLIT_TOKENS
+    from foscar.hopper.kernel import default_consumers
+
+    scheme = Scheme.make(2, "channel", 128, "token", 128, 128, 4)
+    assert default_consumers(scheme) == 3
+    assert KERNELS.launch_options(scheme, 1, SHORT_SPLIT_TOKENS) == {"consumers": 2}
+    assert KERNELS.launch_options(scheme, 1, SHORT_SPLIT_TOKENS + 1) == {"consumers": 3}
+    int4 = Scheme.make(4, "channel", 128, "token", 128, 128, 4)  # 2 by default: kept
+    assert KERNELS.launch_options(int4, 1, 64) == {"consumers": default_consumers(int4)} == {"consumers": 2}
+    assert HOPPER.launch_options(scheme, 1, 64) == KERNELS.launch_options(scheme, 1, 64)
+    assert BLACKWELL.launch_options(scheme, 1, 64) == {}
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def compile_(scheme, page_size, partial, tokens, **options):
+        asked.append(options)
+        raise Stop
+
+    monkeypatch.setattr(KERNELS, "compile_decode", compile_)
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    codes = torch.zeros(1, 2, 2, 8, dtype=torch.int32)  # [pages, kv_heads, tiles per page (128 tokens), words]
+    for max_pages, splits, consumers in ((256, 16, 2), (256, 2, 3)):  # 2K and 16K tokens per CTA
+        with pytest.raises(Stop):
+            KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, max_pages, dtype=torch.int32), None, 0.1,
+                               scheme, splits)
+        assert asked[-1] == {"consumers": consumers}
+    with pytest.raises(Stop):
+        KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, 256, dtype=torch.int32), None, 0.1, scheme, 16,
+                           consumers=3)
+    assert asked[-1] == {"consumers": 3}

@@ -1,8 +1,9 @@
 """The Hopper decode kernels as the shared host path (``foscar.launch``) takes them: the decode kernel
 (``foscar.hopper.kernel``) and the cache decode (``foscar.hopper.cache_decode``: one launch whose work list fills
 the GPU, or, where :func:`~foscar.hopper.cache_decode.fuses_window` says no, the quantized splits' partials, then
-the window kernel), compiled with ``consumers`` consumer warpgroups per CTA (``default_consumers(scheme,
-tokens)`` unless a benchmark asks for another count; part of the compile key)."""
+the window kernel), compiled with ``consumers`` consumer warpgroups per CTA (part of the compile key):
+``default_consumers(scheme, tokens)``, but 2 for a decode launch whose CTAs attend short splits
+(:meth:`HopperKernels.launch_options`), unless a benchmark asks for another count."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from ..scheme import Scheme
 from .cache_decode import HopperCacheDecodeKernel, cache_decode_config, fuses_window
 from .kernel import DecodeConfig, HopperDecodeKernel, default_consumers
 
-__all__ = ["HopperKernels", "KERNELS"]
+__all__ = ["HopperKernels", "KERNELS", "SHORT_SPLIT_TOKENS"]
+
+SHORT_SPLIT_TOKENS = 2048  # tokens per CTA at most for which a decode launch takes 2 consumer warpgroups, not 3
 
 
 class HopperKernels(KernelSet):
@@ -21,6 +24,16 @@ class HopperKernels(KernelSet):
     def options(self, scheme: Scheme, tokens: int, consumers: int | None = None) -> tuple[int]:
         """``consumers``: consumer warpgroups per CTA (None: :func:`~foscar.hopper.kernel.default_consumers`)."""
         return (int(default_consumers(scheme, tokens) if consumers is None else consumers),)
+
+    def launch_options(self, scheme: Scheme, tokens: int, tokens_per_cta: int) -> dict:
+        """Two consumer warpgroups instead of three where each CTA attends at most ``SHORT_SPLIT_TOKENS``: with
+        ~3 tiles per warp the per-warp set-up and the warps' merge outweigh the third warpgroup (H200, INT2 K
+        channel-wise g128, 1 x 32K in 16 splits of 2K tokens: 15.3 us with 2, 17.0 with 3; 32 x 8K, one split of 8K:
+        70.7 against 69.2; benchmarks/NOTES.md section 34)."""
+        consumers = default_consumers(scheme, tokens)
+        if consumers == 3 and tokens_per_cta <= SHORT_SPLIT_TOKENS:
+            consumers = 2
+        return {"consumers": consumers}
 
     def config(self, scheme, page_size, partial_output, tokens, consumers):
         return DecodeConfig(scheme, page_size, partial_output, consumers, tokens=tokens, packed_causal=True)
