@@ -28,6 +28,7 @@ import json
 import math
 import os
 import importlib
+import importlib.util
 import platform
 import re
 import statistics
@@ -329,8 +330,6 @@ def import_user_formats(spec: str):
         return importlib.import_module(spec)
     if not os.path.isfile(spec):
         raise SystemExit(f"--user-formats: no such file {spec!r}")
-    import importlib.util
-
     name = os.path.splitext(os.path.basename(spec))[0]
     module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, spec))
     sys.modules[name] = module
@@ -550,7 +549,8 @@ def save(rows, meta, ceiling, stem):
                 f"'vs {FASTEST_FP8}'); a FlashInfer row's note names the path it ran.\n\n{table}\n\n")
         f.write("Geo-means over the standard sweep (speedups, and fractions of the read ceiling):\n\n")
         f.write("\n".join(f"- {k}: {v:.2f}" for k, v in geo.items() if v) + "\n")
-        f.write("\nSASS main loop per KV element (shift/logic; all instructions):\n\n")
+        f.write("\nSASS main loop per KV element (shift/logic; all instructions), of the default build (split launches "
+                "of <= 2K tokens per CTA run 2 consumer warpgroups: benchmarks/NOTES.md section 34):\n\n")
         for method, st in meta["sass_main_loop"].items():
             f.write(f"- {method}: " + (f"{st['shift_logic_per_element']:.2f}; {st['instructions_per_element']:.2f}\n"
                                       if "error" not in st else st["error"] + "\n"))

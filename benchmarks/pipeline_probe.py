@@ -185,7 +185,8 @@ def probe_layers(scheme, batch, context, copies=("tile",)):
                  current_stream(q.device))
 
     fns = [(lambda c=c: KERNELS.run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table,
-                                           c.lengths, scheme.head_dim**-0.5, scheme, splits)) for c in sets]
+                                           c.lengths, scheme.head_dim**-0.5, scheme, splits,
+                                           consumers=default_consumers(scheme))) for c in sets]  # the probe's
     probes = {}
     for kind in copies:
         compiled = compile_pipeline_only(scheme, copies=kind)

@@ -80,10 +80,10 @@ class Arch:
         self.can_implement(scheme, page_size)
         return self._kernels().compile_decode(scheme, page_size, partial_output, tokens, **options)
 
-    def launch_options(self, scheme: Scheme, tokens: int, tokens_per_cta: int) -> dict:
-        """The compile options :meth:`run_decode` takes for CTAs of at most ``tokens_per_cta`` tokens (Hopper:
-        ``consumers``), so that a caller compiling ahead gets the same kernel."""
-        return self._kernels().launch_options(scheme, tokens, tokens_per_cta)
+    def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int) -> dict:
+        """The compile options :meth:`run_decode` takes for ``num_splits`` splits of page-table rows of ``capacity``
+        tokens (Hopper: ``consumers``), so that a caller compiling ahead gets the same kernel."""
+        return self._kernels().launch_options(scheme, tokens, capacity, num_splits)
 
     def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1):
         """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (Hopper: packed pages,

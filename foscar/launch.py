@@ -114,9 +114,9 @@ class KernelSet:
         gives (none here; a TypeError names an unknown one)."""
         return ()
 
-    def launch_options(self, scheme: Scheme, tokens: int, tokens_per_cta: int) -> dict:
-        """The keyword options :meth:`run_decode` compiles with when its caller gives none, for CTAs that each
-        attend up to ``tokens_per_cta`` tokens (the page table's capacity over the splits; none here)."""
+    def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int) -> dict:
+        """The keyword options :meth:`run_decode` compiles with where its caller gives none (or None), for a launch of
+        ``num_splits`` splits over page-table rows of ``capacity`` tokens (none here)."""
         return {}
 
     def config(self, scheme: Scheme, page_size: int, partial_output: bool, tokens: int, *options):
@@ -158,7 +158,8 @@ class KernelSet:
         rows = tokens * q.shape[-2]  # query rows per sequence, token-major (foscar.query_rows)
         partial = num_splits > 1
         page_size = k_codes.shape[2] * 64
-        options = options or self.launch_options(scheme, tokens, page_table.shape[1] * page_size // num_splits)
+        options = {k: v for k, v in options.items() if v is not None}
+        options = options or self.launch_options(scheme, tokens, page_table.shape[1] * page_size, num_splits)
         compiled = self.compile_decode(scheme, page_size, partial, tokens, **options)
         out = torch.empty_like(q) if out is None else out
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse

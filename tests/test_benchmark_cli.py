@@ -80,3 +80,24 @@ def test_xqa_names_the_kernel_it_runs_and_the_bundle_its_variants():
     assert xqa_kernel((9, 0), 128).startswith("XQA mha_sm90") and xqa_kernel((9, 0), 256).startswith("XQA mha_sm90")
     assert xqa_kernel((10, 0), 128) == xqa_kernel((9, 0), 512) == "XQA mha.cu (generic)"
     assert xqa_variants({"a": (32, 8, 128), "b": (64, 8, 128), "c": (16, 4, 256)}) == [(128, 4), (128, 8), (256, 4)]
+
+
+@pytest.mark.parametrize("spec", ["tests/user_formats.py", "user_formats"])
+def test_user_formats_load_by_path_or_module_name(spec, monkeypatch):
+    """``--user-formats`` takes a file path or a dotted module name (the module form raised UnboundLocalError:
+    a function-local ``import importlib.util`` shadowed the module-level name)."""
+    import pathlib
+    import sys
+
+    from benchmarks.decode import import_user_formats
+
+    import foscar.formats
+
+    root = pathlib.Path(__file__).parent
+    monkeypatch.chdir(root.parent)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, "user_formats", raising=False)  # imported afresh, registered afresh:
+    for name in ("int8", "sym-int4"):  # in a copy of the registry, the test's own
+        monkeypatch.delitem(foscar.formats.FORMATS, name, raising=False)
+    module = import_user_formats(spec)
+    assert module.INT8.name == "int8"

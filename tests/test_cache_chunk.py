@@ -391,6 +391,7 @@ def test_attend_chunk_by_the_decode_kernel_at_one_token_per_tile(gqa, rng, monke
     the transposed q transformers passes, the kernel must still read rows densely (a strided q mixed KV heads'
     rows). Against float64, chunks crossing the sink, the window and pages."""
     monkeypatch.setattr(foscar.cache, "DECODE_COLUMNS", 10**9)
+    monkeypatch.setattr(foscar.cache, "dequantize_pages", lambda *a, **kw: pytest.fail("took the blocks path"))
     scheme = Scheme.make(2, "channel", 128, "token", 128, 128, gqa)
     cache = gpu_cache(scheme)
     ids = [cache.allocate() for _ in range(2)]

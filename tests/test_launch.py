@@ -93,20 +93,22 @@ def test_both_arches_share_the_entries_and_the_tile_copies():
 
 
 def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
-    """Hopper's decode launches compile with 2 consumer warpgroups where the default is 3 and each CTA attends at
-    most SHORT_SPLIT_TOKENS (the page table's capacity over the splits), else the default; a caller's own count
-    wins; decode_paged's compile-ahead of several launches asks for the same options."""
+    """Hopper's split decode launches compile with 2 consumer warpgroups where the default is 3 and each CTA attends
+    at most SHORT_SPLIT_TOKENS (the page table's capacity over the splits), else the default (an unsplit launch of
+    short sequences too); a caller's own count wins, a None count is no count; the arch registry (decode_paged's
+    compile-ahead of several launches) gives the same options."""
     from foscar.hopper.decode import KERNELS, SHORT_SPLIT_TOKENS
     from foscar.hopper.kernel import default_consumers
 
     scheme = Scheme.make(2, "channel", 128, "token", 128, 128, 4)
     assert default_consumers(scheme) == 3
-    assert KERNELS.launch_options(scheme, 1, SHORT_SPLIT_TOKENS) == {"consumers": 2}
-    assert KERNELS.launch_options(scheme, 1, SHORT_SPLIT_TOKENS + 1) == {"consumers": 3}
+    assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS, 16) == {"consumers": 2}
+    assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS + 64, 16) == {"consumers": 3}
+    assert KERNELS.launch_options(scheme, 1, SHORT_SPLIT_TOKENS, 1) == {"consumers": 3}  # 256 x 2K: unsplit
     int4 = Scheme.make(4, "channel", 128, "token", 128, 128, 4)  # 2 by default: kept
-    assert KERNELS.launch_options(int4, 1, 64) == {"consumers": default_consumers(int4)} == {"consumers": 2}
-    assert HOPPER.launch_options(scheme, 1, 64) == KERNELS.launch_options(scheme, 1, 64)
-    assert BLACKWELL.launch_options(scheme, 1, 64) == {}
+    assert KERNELS.launch_options(int4, 1, 1024, 16) == {"consumers": default_consumers(int4)} == {"consumers": 2}
+    assert HOPPER.launch_options(scheme, 1, 1024, 16) == KERNELS.launch_options(scheme, 1, 1024, 16)
+    assert BLACKWELL.launch_options(scheme, 1, 1024, 16) == {}
 
     asked = []
 
@@ -120,7 +122,7 @@ def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
     monkeypatch.setattr(KERNELS, "compile_decode", compile_)
     q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
     codes = torch.zeros(1, 2, 2, 8, dtype=torch.int32)  # [pages, kv_heads, tiles per page (128 tokens), words]
-    for max_pages, splits, consumers in ((256, 16, 2), (256, 2, 3)):  # 2K and 16K tokens per CTA
+    for max_pages, splits, consumers in ((256, 16, 2), (256, 2, 3), (16, 1, 3)):  # 2K, 16K, 2K unsplit per CTA
         with pytest.raises(Stop):
             KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, max_pages, dtype=torch.int32), None, 0.1,
                                scheme, splits)
@@ -129,3 +131,68 @@ def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
         KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, 256, dtype=torch.int32), None, 0.1, scheme, 16,
                            consumers=3)
     assert asked[-1] == {"consumers": 3}
+    with pytest.raises(Stop):  # benchmarks.hopper_sweep's "auto"
+        KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, 256, dtype=torch.int32), None, 0.1, scheme, 16,
+                           consumers=None)
+    assert asked[-1] == {"consumers": 2}
+
+
+class _Captured(Exception):
+    pass
+
+
+class _Entry:
+    """Stands in for an arch kernel: the shared entries hand it their bundles."""
+
+    def launch_decode(self, args, grid, stream):
+        raise _Captured(args, grid)
+
+    def launch_cache(self, args, stream):
+        raise _Captured(args, None)
+
+
+def _bundled(entry, names):
+    """Run a compiled entry's Python body with each flat argument a distinct number; the bundle it builds, as a
+    dict from field path to the flat argument's name (sm_scale goes in times log2(e))."""
+    import dataclasses
+
+    values = {name: 10 + i for i, name in enumerate(names)}
+    with pytest.raises(_Captured) as caught:
+        entry.__wrapped__(_Entry(), *values.values(), None)
+    args, grid = caught.value.args
+    by_value = {v: k for k, v in values.items()}
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            x = getattr(obj, f.name)
+            if dataclasses.is_dataclass(x):
+                yield from walk(x, prefix + f.name + ".")
+            else:
+                yield prefix + f.name, x
+
+    return dict(walk(args, "")), by_value, grid, values
+
+
+def test_the_entries_bundle_every_argument_under_its_own_name():
+    """The flat arguments land in the bundle field of the same name (a swap of two pointers inside a bundle would
+    compile to the same code and read the wrong tensor): every pointer and scalar by name, the decode's outputs as
+    ``o`` / ``lse``, the score scale times log2(e), the grid (split, KV head, sequence), ``heads`` = batch x
+    kv_heads."""
+    from foscar.decode_kernel import CacheDecodeBase, DecodeKernelBase
+    from foscar.device import LOG2E
+
+    fields, by_value, grid, values = _bundled(DecodeKernelBase.__call__, decode_args(False))
+    renamed = {"out": "o", "lse": "lse"}
+    for field, x in fields.items():
+        if field == "scale_log2":
+            assert x == pytest.approx(values["sm_scale"] * LOG2E)
+        else:
+            assert renamed.get(by_value[x], by_value[x]) == field.split(".")[-1], field
+    assert set(by_value[x] for f, x in fields.items() if f != "scale_log2") == set(decode_args(False)) - {
+        "batch", "sm_scale"}
+    assert grid == (values["num_splits"], values["kv_heads"], values["batch"])
+
+    fields, by_value, _, values = _bundled(CacheDecodeBase.__call__, CACHE_ARGS)
+    assert fields.pop("output.heads") == values["batch"] * values["kv_heads"]
+    assert fields.pop("scale_log2") == pytest.approx(values["sm_scale"] * LOG2E)
+    assert {f.split(".")[-1]: by_value[x] for f, x in fields.items()} == {n: n for n in CACHE_ARGS if n != "sm_scale"}

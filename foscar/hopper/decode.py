@@ -3,7 +3,8 @@
 the GPU, or, where :func:`~foscar.hopper.cache_decode.fuses_window` says no, the quantized splits' partials, then
 the window kernel), compiled with ``consumers`` consumer warpgroups per CTA (part of the compile key):
 ``default_consumers(scheme, tokens)``, but 2 for a decode launch whose CTAs attend short splits
-(:meth:`HopperKernels.launch_options`), unless a benchmark asks for another count."""
+(:meth:`HopperKernels.launch_options`), unless a caller asks for a count. ``compile_decode`` without options (what
+``foscar.inspect`` and the notebooks show) builds the default."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .kernel import DecodeConfig, HopperDecodeKernel, default_consumers
 
 __all__ = ["HopperKernels", "KERNELS", "SHORT_SPLIT_TOKENS"]
 
-SHORT_SPLIT_TOKENS = 2048  # tokens per CTA at most for which a decode launch takes 2 consumer warpgroups, not 3
+SHORT_SPLIT_TOKENS = 2048  # tokens per CTA at most for which a split decode launch takes 2 consumer warpgroups
 
 
 class HopperKernels(KernelSet):
@@ -25,13 +26,15 @@ class HopperKernels(KernelSet):
         """``consumers``: consumer warpgroups per CTA (None: :func:`~foscar.hopper.kernel.default_consumers`)."""
         return (int(default_consumers(scheme, tokens) if consumers is None else consumers),)
 
-    def launch_options(self, scheme: Scheme, tokens: int, tokens_per_cta: int) -> dict:
-        """Two consumer warpgroups instead of three where each CTA attends at most ``SHORT_SPLIT_TOKENS``: with
-        ~3 tiles per warp the per-warp set-up and the warps' merge outweigh the third warpgroup (H200, INT2 K
-        channel-wise g128, 1 x 32K in 16 splits of 2K tokens: 15.3 us with 2, 17.0 with 3; 32 x 8K, one split of 8K:
-        70.7 against 69.2; benchmarks/NOTES.md section 34)."""
+    def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int) -> dict:
+        """Two consumer warpgroups instead of three for a split launch (too few sequences to fill the GPU) whose
+        CTAs attend at most ``SHORT_SPLIT_TOKENS`` of the ``capacity`` tokens a page-table row holds: with ~3 tiles
+        per warp the per-warp set-up and the warps' merge outweigh the third warpgroup (H200, INT2 K channel-wise
+        g128, 1 x 32K in 16 splits of 2K tokens: 15.3 us with 2, 17.0 with 3; 32 x 8K, one split of 8K: 70.7 against
+        69.2; benchmarks/NOTES.md section 34). Unsplit launches of short sequences (256 x 2K) keep the default: not
+        measured with 2."""
         consumers = default_consumers(scheme, tokens)
-        if consumers == 3 and tokens_per_cta <= SHORT_SPLIT_TOKENS:
+        if consumers == 3 and num_splits > 1 and capacity // num_splits <= SHORT_SPLIT_TOKENS:
             consumers = 2
         return {"consumers": consumers}
 
