@@ -49,6 +49,19 @@ def group_params(ptr, fold):
     return scale, group_offset(fields, scale, fold)
 
 
+def group_word(words, first, group, fold):
+    """Group ``group``'s params as one int32 word, of a params run starting at int32 word ``first`` of ``words``: the
+    (scale, offset) pair, or a scale-only format's scale in the low half (the high half zero), so a copy of it keeps
+    one layout for both."""
+    import cutlass.cute as cute
+    from cutlass import Uint16
+
+    if fold.param_fields == 2:
+        return cute.make_tensor(words + (first + group), cute.make_layout((1,)))[0]
+    scales = cute.recast_ptr(words, dtype=Uint16)
+    return cute.make_tensor(scales + (2 * first + group), cute.make_layout((1,)))[0].to(Int32)
+
+
 def reduce_over_rows(x, combine):
     """Combine ``x`` over the 8 lanes of a warp that hold one accumulator column (lane bits 2..4):
     the rows of an mma accumulator fragment. ``combine``: e.g. ``cute.arch.fmax`` or ``+``."""

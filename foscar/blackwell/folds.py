@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float16, Float32, Int32, Uint16
+from cutlass import Float16, Float32, Int32
 from cutlass.pipeline import NamedBarrier
 
 from ..barriers import BlackwellDecodeBarrier
-from ..device import fsel, group_offset, group_params, group_scale
+from ..device import fsel, group_offset, group_params, group_scale, group_word
 from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VTokenWise
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import stage
@@ -378,11 +378,7 @@ class BlackwellVChannelWise(VHooks):
             grp = (off % TILE_TOKENS) // G if G < TILE_TOKENS else 0  # group within its tile
             vp_ring = ring_words + cute.assume(stage(2 * step + off // TILE_TOKENS, cfg.RING) * cfg.STAGE_WORDS, divby=4)
             for i in range(nd):
-                if self.fold.param_fields == 2:
-                    vpw[tv * nd + i] = scalar(vp_ring, cfg.V_PARAMS + grp * D + (t + WG * i) % D)[0]
-                else:
-                    scales = cute.recast_ptr(vp_ring, dtype=Uint16)
-                    vpw[tv * nd + i] = scalar(scales, 2 * cfg.V_PARAMS + grp * D + (t + WG * i) % D)[0].to(Int32)
+                vpw[tv * nd + i] = group_word(vp_ring, cfg.V_PARAMS, grp * D + (t + WG * i) % D, self.fold)
         return vpw
 
     @cute.jit
