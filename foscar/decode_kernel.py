@@ -140,6 +140,17 @@ class DecodeKernelBase:
                           lse, kv_heads, num_splits, sm_scale * LOG2E)
         self.launch_decode(args, (num_splits, kv_heads, batch), stream)
 
+    def launch(self, kernel, grid, smem_bytes: int, stream: cuda.CUstream):
+        """Launch a traced ``kernel`` over ``grid`` with ``smem_bytes`` of shared memory, ``cfg.threads`` threads
+        per CTA."""
+        kernel.launch(
+            grid=grid,
+            block=(self.cfg.threads, 1, 1),
+            smem=smem_bytes,
+            min_blocks_per_mp=1,  # .minnctapersm (with reqntid): ptxas keeps the per-role setmaxnreg
+            stream=stream,
+        )
+
     def params_element(self, fold, page_head, slot0):
         """fp16 element of a tile's first param (the fold case's params layout); a tile starts at a multiple of 64
         groups (token-wise) or of head_dim (channel-wise), which the bulk copy's 16-byte alignment needs."""

@@ -340,17 +340,6 @@ class BlackwellDecodeKernel(DecodeKernelBase):
         SharedStorage = self.shared_storage(*mmas[3:])
         self.launch(self.kernel(*mmas, SharedStorage, args), grid, SharedStorage.size_in_bytes(), stream)
 
-    def launch(self, kernel, grid, smem_bytes: int, stream):
-        """Launch a traced ``kernel`` (one CTA per (split, KV head, batch entry)) with ``smem_bytes`` of shared
-        memory."""
-        kernel.launch(
-            grid=grid,
-            block=(self.cfg.threads, 1, 1),
-            smem=smem_bytes,
-            min_blocks_per_mp=1,  # .minnctapersm: lets ptxas honour the per-role setmaxnreg
-            stream=stream,
-        )
-
     # ------------------------------------------------------------------------------------------
     # device side
     # ------------------------------------------------------------------------------------------

@@ -210,13 +210,7 @@ class HopperCacheDecodeKernel(CacheDecodeBase, HopperDecodeKernel):
         grid = (args.budget + args.batch * args.kv_heads, 1, 1)
         if cfg.window is None:
             grid = (args.num_splits, args.kv_heads, args.batch)
-        self.kernel(self.tiled_mma(), SharedStorage, args).launch(
-            grid=grid,
-            block=(cfg.threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        self.launch(self.kernel(self.tiled_mma(), SharedStorage, args), grid, SharedStorage.size_in_bytes(), stream)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr, args: CacheArgs):

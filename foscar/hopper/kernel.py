@@ -61,6 +61,7 @@ split=False it writes o [B, Hq, D] (q's dtype) and lse fp32 [B, Hq].
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ MAX_STAGES = 48
 MERGE_PAD = 4  # fp32 words of padding per merged output row: conflict-free fragment stores
 
 
+@functools.lru_cache(maxsize=1024)
 def default_consumers(scheme: Scheme, tokens: int = 1) -> int:
     """Consumer warpgroups: as many warps as keep a warp's loop-carried state (fp32 O^T, the Q^T
     fragments, fp32 q for channel-wise K) in registers next to a tile's working set (its packed
@@ -245,13 +247,7 @@ class HopperDecodeKernel(DecodeKernelBase):
     def launch_decode(self, args: DecodeArgs, grid, stream: cuda.CUstream):
         """Launch the CTAs of ``grid`` (split, KV head, sequence) over ``args``."""
         SharedStorage = self.shared_storage()
-        self.kernel(self.tiled_mma(), SharedStorage, args).launch(
-            grid=grid,
-            block=(self.cfg.threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,  # with reqntid: ptxas keeps setmaxnreg and allocates per role
-        )
+        self.launch(self.kernel(self.tiled_mma(), SharedStorage, args), grid, SharedStorage.size_in_bytes(), stream)
 
     @staticmethod
     def tiled_mma():
