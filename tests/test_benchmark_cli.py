@@ -2,6 +2,7 @@
 choice. The message names what is missing or the choices."""
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -101,3 +102,38 @@ def test_user_formats_load_by_path_or_module_name(spec, monkeypatch):
         monkeypatch.delitem(foscar.formats.FORMATS, name, raising=False)
     module = import_user_formats(spec)
     assert module.INT8.name == "int8"
+
+
+def test_ab_loads_a_revision_as_its_own_package(tmp_path):
+    """``benchmarks.ab`` loads a git revision's ``foscar/`` (and a directory's copy of it) under its own name: its
+    schemes are its own classes and its arch registry dispatches to its own kernel modules; a bad method name fails
+    before anything compiles; the table's geo-mean is that of the rows' ratios."""
+    import subprocess
+
+    from benchmarks import ab
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    tar = subprocess.run(["git", "-C", str(ab.ROOT), "archive", "HEAD", "foscar"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(copy)], input=tar.stdout, check=True)
+    into = tmp_path / "pkgs"
+    into.mkdir()
+    try:
+        packages = ab.load(["HEAD", str(copy / "foscar"), ab.WORKTREE], into)
+        names = [pkg.__name__ for pkg in packages]
+        assert names[0] == "foscar_HEAD" and names[1].startswith("foscar_") and names[2] == "foscar"
+        for pkg in packages:
+            scheme = ab.scheme_for(pkg, "int2-kc128")
+            assert type(scheme).__module__ == pkg.__name__ + ".scheme" and scheme.name.startswith("int2-kc128")
+            arch = importlib.import_module(pkg.__name__ + ".archs").HOPPER
+            assert arch.kernel_module == pkg.__name__ + ".hopper.decode"
+        with pytest.raises(ValueError, match="method 'int3-kt128'"):
+            ab.scheme_for(packages[0], "int3-kt128")
+        rows = [{"method": "m", "shape": "1x1", "splits": 1, names[0]: 10.0, names[1]: 5.0, names[2]: 20.0},
+                {"method": "m", "shape": "2x1", "splits": 1, names[0]: 10.0, names[1]: 20.0, names[2]: 20.0}]
+        assert ab.table(["a", "b", "c"], packages, rows).splitlines()[-1] == "| geo-mean | | | 1.000 | 1.000 | 2.000 |"
+    finally:
+        sys.path.remove(str(into))
+        for name in list(sys.modules):
+            if name.startswith("foscar_"):
+                del sys.modules[name]

@@ -1,0 +1,180 @@
+"""Before / after in one process: the decode kernels of several git revisions of ``foscar`` timed side by side.
+
+    python -m benchmarks.ab --revs e3a1692,worktree --methods int2-kt128,int4-kt128 --shapes 8x32768,128x8192
+
+(On a machine that gets the checkout without its history, e.g. the device machine, give each revision as a directory
+holding its ``foscar/``, made here with ``git archive <rev> foscar | tar -x -C <dir>``: ``--revs <dir>/foscar,...``.)
+
+Each revision's ``foscar/`` (``git archive``; ``worktree``: the package this process imports) is loaded as its own
+package (``foscar_<rev>``, so its kernels compile under their own names and its compile cache entries are its own);
+every revision attends the same caches (built by the working tree's ``foscar.testing``), each is first checked
+against the float64 reference (ragged lengths, 1 and 3 splits), and the timings interleave the revisions round by
+round (CUDA-graph replays over L2-cold copies, ``benchmarks.decode.time_layers``), so that the machine's drift over
+the run falls on all of them alike. Two runs of one kernel in two processes moved by up to 8% on the H200 here
+(benchmarks/NOTES.md section 36); side by side in one process the revisions share that drift.
+
+A method is ``benchmarks.decode``'s (``int2-kt128``: a built-in format, K token- or channel-wise, V token-wise in
+groups of 128); a shape is ``<batch>x<context>`` of Qwen3-8B attention (8 KV heads, 4 query heads each, head_dim 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKTREE = "worktree"
+
+
+def package_name(rev: str) -> str:
+    """The module name a revision's package is loaded under."""
+    return "foscar" if rev == WORKTREE else "foscar_" + re.sub(r"\W", "_", rev.rstrip("/"))
+
+
+def materialize(rev: str, into: Path) -> str:
+    """``rev``'s ``foscar/`` (a git revision, or a directory holding a copy of the package: a machine without the
+    repository's history) as package :func:`package_name` under ``into``; returns its name. The package imports
+    itself by relative imports; the two module paths it names as strings (the arch registry's kernel modules, the
+    format registry's "built-in" test) are renamed with it."""
+    name = package_name(rev)
+    if Path(rev, "__init__.py").is_file():
+        shutil.copytree(rev, into / name, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "foscar"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(into)], input=tar, check=True)
+        (into / "foscar").rename(into / name)
+    archs = into / name / "archs.py"
+    archs.write_text(re.sub(r'"foscar\.(\w+)\.decode"', rf'"{name}.\1.decode"', archs.read_text()))
+    formats = into / name / "formats.py"
+    formats.write_text(formats.read_text().replace('module.startswith("foscar.")',
+                                                   f'module.startswith(("foscar.", "{name}."))'))
+    return name
+
+
+def load(revs, into: Path) -> list:
+    """The packages of ``revs``, importable and checked to dispatch to their own kernels."""
+    sys.path.insert(0, str(into))
+    packages = []
+    for rev in revs:
+        pkg = importlib.import_module("foscar" if rev == WORKTREE else materialize(rev, into))
+        for arch in importlib.import_module(pkg.__name__ + ".archs").ARCHS.values():
+            if not arch.kernel_module.startswith(pkg.__name__ + "."):
+                raise RuntimeError(f"revision {rev}: its arch {arch.name} dispatches to {arch.kernel_module}")
+        packages.append(pkg)
+    return packages
+
+
+def scheme_for(pkg, method: str):
+    """``method``'s scheme (``<format>-k<t|c><group>``, a built-in format) built by package ``pkg``."""
+    match = re.fullmatch(r"(?P<fmt>int[248])-k(?P<axis>[tc])(?P<group>\d+)", method)
+    if match is None:
+        raise ValueError(f"method {method!r}: expected int<bits>-k<t|c><group>, e.g. int2-kt128")
+    return pkg.Scheme.make(int(match["fmt"][3:]), {"t": "token", "c": "channel"}[match["axis"]], int(match["group"]),
+                           "token", 128, 128, 4)
+
+
+def decode_call(pkg, scheme, q, cache, splits, **kw):
+    return pkg.decode.decode_paged(q, cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.page_table,
+                                   cache.lengths, scheme, 128, num_splits=splits, **kw)
+
+
+def checked(pkg, method: str) -> bool:
+    """``pkg``'s decode of ``method`` against float64 (ragged lengths, 1 and 3 splits)."""
+    from foscar.testing import check_output, random_problem
+
+    ref_scheme = scheme_for(importlib.import_module("foscar"), method)
+    q, cache = random_problem(ref_scheme, [1, 700, 4097, 129, 64, 65], kv_heads=3, page_size=128)
+    ok = True
+    for splits in (1, 3):
+        out, lse = decode_call(pkg, scheme_for(pkg, method), q, cache, splits, return_lse=True)
+        acc = check_output(out, lse, q, cache, ref_scheme.head_dim**-0.5)
+        if not acc.ok:
+            print(f"{pkg.__name__} {method} splits={splits}: {acc}", flush=True)
+        ok = ok and acc.ok
+    return ok
+
+
+def time_side_by_side(packages, method: str, batch: int, context: int, rounds: int, reps: int) -> dict:
+    """Median microseconds per call of each package's decode of one cache set, rounds interleaved."""
+    from foscar.decode import plan_splits
+    from foscar.testing import random_problem
+
+    from .decode import copies_for, time_layers
+
+    q, cache = random_problem(scheme_for(importlib.import_module("foscar"), method), [context] * batch, kv_heads=8,
+                              page_size=128, shuffle=False)
+    names = ("k_codes", "k_params", "v_codes", "v_params")
+    sets = [cache] + [type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in names}})
+                      for _ in range(copies_for(cache.nbytes()) - 1)]
+    splits = plan_splits(batch, 8, cache.max_tokens, torch.cuda.get_device_properties(0).multi_processor_count)
+    fns = {pkg.__name__: [(lambda c=c, pkg=pkg, s=scheme_for(pkg, method): decode_call(pkg, s, q, c, splits))
+                          for c in sets] for pkg in packages}
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, layer_fns in fns.items():
+            times[name].append(time_layers(layer_fns, reps=reps))
+    return {"splits": splits, **{name: statistics.median(t) for name, t in times.items()}}
+
+
+def table(revs, packages, rows) -> str:
+    names = [pkg.__name__ for pkg in packages]
+    lines = ["| method | shape | splits | " + " | ".join(f"{rev} (us, / first)" for rev in revs) + " |",
+             "|---|---|---|" + "---|" * len(revs)]
+    for row in rows:
+        first = row[names[0]]
+        lines.append(f"| {row['method']} | {row['shape']} | {row['splits']} | "
+                     + " | ".join(f"{row[n]:.1f} ({row[n] / first:.3f})" for n in names) + " |")
+    geo = [math.exp(statistics.fmean(math.log(row[n] / row[names[0]]) for row in rows)) for n in names]
+    lines.append("| geo-mean | | | " + " | ".join(f"{g:.3f}" for g in geo) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--revs", required=True, help=f"git revisions, comma-separated ({WORKTREE}: this checkout)")
+    parser.add_argument("--methods", default="int2-kt128,int2-kc128,int4-kt128")
+    parser.add_argument("--shapes", default="8x32768,128x8192,1x32768")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--out", default=None, help="write <out>/<tag>.json and .md (benchmarks.records)")
+    parser.add_argument("--tag", default="ab")
+    args = parser.parse_args(argv)
+    revs = args.revs.split(",")
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    methods = args.methods.split(",")
+    for method in methods:
+        scheme_for(importlib.import_module("foscar"), method)  # a bad name fails before anything compiles
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks.ab needs a CUDA GPU")
+    with tempfile.TemporaryDirectory(prefix="foscar-ab-") as tmp:
+        packages = load(revs, Path(tmp))
+        rows = []
+        for method in methods:
+            ok = {pkg.__name__: checked(pkg, method) for pkg in packages}
+            for batch, context in shapes:
+                row = {"method": method, "shape": f"{batch}x{context}", "checked": ok,
+                       **time_side_by_side(packages, method, batch, context, args.rounds, args.reps)}
+                rows.append(row)
+                print(row, flush=True)
+                torch.cuda.empty_cache()
+    text = table(revs, packages, rows)
+    print(text)
+    if args.out:
+        from . import records
+
+        meta = records.run_meta("benchmarks.ab", argv, {"revs": revs})
+        records.write(args.out, args.tag, "Decode kernels of several revisions, side by side", meta, rows, text)
+
+
+if __name__ == "__main__":
+    main()
