@@ -10,8 +10,9 @@ package (``foscar_<rev>``, so its kernels compile under their own names and its 
 every revision attends the same caches (built by the working tree's ``foscar.testing``), each is first checked
 against the float64 reference (ragged lengths, 1 and 3 splits), and the timings interleave the revisions round by
 round (CUDA-graph replays over L2-cold copies, ``benchmarks.decode.time_layers``), so that the machine's drift over
-the run falls on all of them alike. Two runs of one kernel in two processes moved by up to 8% on the H200 here
-(benchmarks/NOTES.md section 36); side by side in one process the revisions share that drift.
+the run falls on all of them alike. It spreads the drift, it does not remove it: on the H200 one kernel's code in two
+packages of one run measured 84.3 and 91.7 us (benchmarks/NOTES.md section 36), so repeat a run before trusting a
+few percent.
 
 A method is ``benchmarks.decode``'s (``int2-kt128``: a built-in format, K token- or channel-wise, V token-wise in
 groups of 128); a shape is ``<batch>x<context>`` of Qwen3-8B attention (8 KV heads, 4 query heads each, head_dim 128).
