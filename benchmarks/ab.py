@@ -1,6 +1,7 @@
 """Before / after in one process: the decode kernels of several git revisions of ``foscar`` timed side by side.
 
     python -m benchmarks.ab --revs e3a1692,worktree --methods int2-kt128,int4-kt128 --shapes 8x32768,128x8192
+    python -m benchmarks.ab --revs e3a1692,worktree --tokens 4     # speculative verification: 4 query tokens each
 
 (On a machine that gets the checkout without its history, e.g. the device machine, give each revision as a directory
 holding its ``foscar/``, made here with ``git archive <rev> foscar | tar -x -C <dir>``: ``--revs <dir>/foscar,...``.)
@@ -89,24 +90,34 @@ def decode_call(pkg, scheme, q, cache, splits, **kw):
                                    cache.lengths, scheme, 128, num_splits=splits, **kw)
 
 
-def checked(pkg, method: str) -> bool:
-    """``pkg``'s decode of ``method`` against float64 (ragged lengths, 1 and 3 splits)."""
-    from foscar.testing import check_output, random_problem
+def queries(q, tokens: int):
+    """``tokens`` fresh query tokens per sequence (``q [batch, tokens, q_heads, head_dim]``: the sequences' last
+    tokens, speculative verification) in place of ``random_problem``'s one (``tokens == 1``: ``q`` itself)."""
+    return q if tokens == 1 else torch.randn(q.shape[0], tokens, *q.shape[1:], device=q.device).to(q.dtype)
+
+
+def checked(pkg, method: str, tokens: int) -> bool:
+    """``pkg``'s decode of ``method`` (``tokens`` query tokens per sequence) against float64 (ragged lengths, 1 and 3
+    splits)."""
+    from foscar.testing import check_causal_output, check_output, random_problem
 
     ref_scheme = scheme_for(importlib.import_module("foscar"), method)
-    q, cache = random_problem(ref_scheme, [1, 700, 4097, 129, 64, 65], kv_heads=3, page_size=128)
+    q, cache = random_problem(ref_scheme, [tokens, 700, 4097, 129, 64, 65], kv_heads=3, page_size=128)
+    q = queries(q, tokens)
+    check = check_output if tokens == 1 else check_causal_output
     ok = True
     for splits in (1, 3):
         out, lse = decode_call(pkg, scheme_for(pkg, method), q, cache, splits, return_lse=True)
-        acc = check_output(out, lse, q, cache, ref_scheme.head_dim**-0.5)
+        acc = check(out, lse, q, cache, ref_scheme.head_dim**-0.5)
         if not acc.ok:
             print(f"{pkg.__name__} {method} splits={splits}: {acc}", flush=True)
         ok = ok and acc.ok
     return ok
 
 
-def time_side_by_side(packages, method: str, batch: int, context: int, rounds: int, reps: int) -> dict:
-    """Median microseconds per call of each package's decode of one cache set, rounds interleaved."""
+def time_side_by_side(packages, method: str, batch: int, context: int, tokens: int, rounds: int, reps: int) -> dict:
+    """Median microseconds per call of each package's decode (``tokens`` query tokens per sequence) of one cache set,
+    rounds interleaved."""
     from foscar.decode import plan_splits
     from foscar.testing import random_problem
 
@@ -114,6 +125,7 @@ def time_side_by_side(packages, method: str, batch: int, context: int, rounds: i
 
     q, cache = random_problem(scheme_for(importlib.import_module("foscar"), method), [context] * batch, kv_heads=8,
                               page_size=128, shuffle=False)
+    q = queries(q, tokens)
     names = ("k_codes", "k_params", "v_codes", "v_params")
     sets = [cache] + [type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in names}})
                       for _ in range(copies_for(cache.nbytes()) - 1)]
@@ -129,14 +141,14 @@ def time_side_by_side(packages, method: str, batch: int, context: int, rounds: i
 
 def table(revs, packages, rows) -> str:
     names = [pkg.__name__ for pkg in packages]
-    lines = ["| method | shape | splits | " + " | ".join(f"{rev} (us, / first)" for rev in revs) + " |",
-             "|---|---|---|" + "---|" * len(revs)]
+    lines = ["| method | shape | tokens | splits | " + " | ".join(f"{rev} (us, / first)" for rev in revs) + " |",
+             "|---|---|---|---|" + "---|" * len(revs)]
     for row in rows:
         first = row[names[0]]
-        lines.append(f"| {row['method']} | {row['shape']} | {row['splits']} | "
+        lines.append(f"| {row['method']} | {row['shape']} | {row['tokens']} | {row['splits']} | "
                      + " | ".join(f"{row[n]:.1f} ({row[n] / first:.3f})" for n in names) + " |")
     geo = [math.exp(statistics.fmean(math.log(row[n] / row[names[0]]) for row in rows)) for n in names]
-    lines.append("| geo-mean | | | " + " | ".join(f"{g:.3f}" for g in geo) + " |")
+    lines.append("| geo-mean | | | | " + " | ".join(f"{g:.3f}" for g in geo) + " |")
     return "\n".join(lines)
 
 
@@ -145,6 +157,8 @@ def main(argv=None):
     parser.add_argument("--revs", required=True, help=f"git revisions, comma-separated ({WORKTREE}: this checkout)")
     parser.add_argument("--methods", default="int2-kt128,int2-kc128,int4-kt128")
     parser.add_argument("--shapes", default="8x32768,128x8192,1x32768")
+    parser.add_argument("--tokens", type=int, default=1,
+                        help="query tokens per sequence (speculative verification: the sequences' last tokens)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=None, help="write <out>/<tag>.json and .md (benchmarks.records)")
@@ -161,10 +175,10 @@ def main(argv=None):
         packages = load(revs, Path(tmp))
         rows = []
         for method in methods:
-            ok = {pkg.__name__: checked(pkg, method) for pkg in packages}
+            ok = {pkg.__name__: checked(pkg, method, args.tokens) for pkg in packages}
             for batch, context in shapes:
-                row = {"method": method, "shape": f"{batch}x{context}", "checked": ok,
-                       **time_side_by_side(packages, method, batch, context, args.rounds, args.reps)}
+                row = {"method": method, "shape": f"{batch}x{context}", "tokens": args.tokens, "checked": ok,
+                       **time_side_by_side(packages, method, batch, context, args.tokens, args.rounds, args.reps)}
                 rows.append(row)
                 print(row, flush=True)
                 torch.cuda.empty_cache()

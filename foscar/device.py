@@ -106,6 +106,20 @@ def pack_bf16x2(lo, hi, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def unpack_16x2(word, bf16: bool, *, loc=None, ip=None):
+    """The two fp32 values (bits 0..15, bits 16..31) of a bf16x2 (``bf16``) or f16x2 word, exactly."""
+    if bf16:
+        lo = inline_ptx(T.f32(), [Int32(word)], "shl.b32 $0, $1, 16;", "=f,r", False, loc, ip)
+        hi = inline_ptx(T.f32(), [Int32(word)], "and.b32 $0, $1, 0xffff0000;", "=f,r", False, loc, ip)
+    else:
+        lo = inline_ptx(T.f32(), [Int32(word)], "{.reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, l;}", "=f,r",
+                        False, loc, ip)
+        hi = inline_ptx(T.f32(), [Int32(word)], "{.reg .b16 l, h; mov.b32 {l, h}, $1; cvt.f32.f16 $0, h;}", "=f,r",
+                        False, loc, ip)
+    return Float32(lo), Float32(hi)
+
+
+@dsl_user_op
 def movmatrix_trans(x, *, loc=None, ip=None):
     """Transpose an 8x8 b16 matrix held as one register per lane in the mma fragment layout (lane
     4*r + c holds row r, columns 2c, 2c+1): afterwards lane 4*r + c holds column r, rows 2c, 2c+1.

@@ -190,6 +190,12 @@ class TileSpan:
         """Tokens of local tile ``local_tile`` before the sequence's end (>= 1 for the span's tiles)."""
         return self.length - (self.begin + local_tile) * TILE_TOKENS
 
+    def leading_tiles(self, min_valid: int):
+        """How many of the span's first tiles have at least ``min_valid`` tokens before the sequence's end (the
+        ones a kernel may attend without a mask)."""
+        fitting = cutlass.max(self.length + TILE_TOKENS - min_valid, 0) // TILE_TOKENS - self.begin
+        return cutlass.min(cutlass.max(fitting, 0), self.count())
+
 
 def split_range(length, split, num_splits, align: int):
     """(n_tiles, t_begin, t_end) of split ``split``: the sequence's ``n_tiles`` 64-token tiles cut into

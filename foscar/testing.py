@@ -9,6 +9,7 @@ nearly exact in BF16 (a few BF16 ulps of an O(1) output).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -68,6 +69,39 @@ def check_output(out, lse, q, cache: QuantizedKV, sm_scale: float) -> Accuracy:
     err = float((out.double() - ref).abs().max()) if torch.isfinite(out).all() else float("inf")
     lse_err = 0.0 if lse is None else (float((lse.double() - ref_lse).abs().max()) if torch.isfinite(lse).all() else float("inf"))
     return Accuracy(err, lse_err, bf16_err, 2 * bf16_err + ATOL_FLOOR)
+
+
+def causal_attention(q, k, v, sm_scale, dtype):
+    """``(out [L, Hq, D], lse [L, Hq])`` of ``q [L, Hq, D]``, the last ``L`` of the tokens of ``k, v [kvh, n, D]``
+    (causal), computed in ``dtype`` (the lse in float64)."""
+    tokens, hq, d = q.shape
+    kvh, n = k.shape[:2]
+    later = torch.arange(n)[None, :] > torch.arange(n - tokens, n)[:, None]
+    qg = q.to(dtype).reshape(tokens, kvh, hq // kvh, d)
+    scores = (torch.einsum("lhrd,hnd->lhrn", qg, k.to(dtype)) * sm_scale).masked_fill(later[:, None, None], -math.inf)
+    p = torch.softmax(scores.double() if dtype == torch.float64 else scores.float(), -1).to(dtype)
+    out = torch.einsum("lhrn,hnd->lhrd", p, v.to(dtype)).reshape(tokens, hq, d)
+    return out, torch.logsumexp(scores.double(), -1).reshape(tokens, hq)
+
+
+def causal_references(q, k, v, sm_scale):
+    """float64 ``(out, lse)`` of :func:`causal_attention` and the same attention in q's dtype (what a PyTorch user
+    gets: the tolerance rule's yardstick)."""
+    return (*causal_attention(q, k, v, sm_scale, torch.float64), *causal_attention(q, k, v, sm_scale, q.dtype))
+
+
+def check_causal_output(out, lse, q, cache: QuantizedKV, sm_scale: float) -> Accuracy:
+    """:func:`check_output` of several query tokens per sequence (``q [batch, tokens, q_heads, head_dim]``, the
+    sequences' last ``tokens`` tokens, causal), every element of every sequence."""
+    k, v = cache.dequantize(torch.float64)
+    per_sequence = []
+    for b, n in enumerate(cache.lengths.tolist()):
+        ref, ref_lse, low, _ = causal_references(q[b].cpu(), k[b, :, :n].cpu(), v[b, :, :n].cpu(), sm_scale)
+        bf16_err = float((low.double() - ref).abs().max())
+        err = float((out[b].cpu().double() - ref).abs().max()) if torch.isfinite(out[b]).all() else float("inf")
+        lse_err = float((lse[b].cpu().double() - ref_lse).abs().max()) if torch.isfinite(lse[b]).all() else float("inf")
+        per_sequence.append(Accuracy(err, lse_err, bf16_err, 2 * bf16_err + ATOL_FLOOR))
+    return max(per_sequence, key=lambda acc: (not acc.ok, acc.err / acc.tol))  # the worst sequence
 
 
 def check_decode(scheme: Scheme, lengths=(1, 65, 1000, 4097), kv_heads: int = 2, page_size: int = 128) -> Accuracy:

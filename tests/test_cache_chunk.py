@@ -3,7 +3,6 @@ causally, their own 16-bit K/V) against float64 attention, on the CPU torch path
 path's cache; ``truncate`` / ``rollback_limit`` (a rollback equals never having appended the tokens), and the
 errors of both, which leave the cache unchanged."""
 
-import math
 
 import pytest
 import torch
@@ -11,31 +10,13 @@ import torch
 import foscar.cache
 import foscar.chunk_attention
 from foscar import Scheme
+from foscar.testing import causal_attention, causal_references
 from test_cache import SCHEMES, assert_unchanged, expected_dense, kv, make_cache, snapshot
 
 CHUNKS = [1, 2, 4, 8, 16, 3, 61, 100, 300, 1, 16, 130]  # appended in turn: lengths cross pages, granules, the window
 
 
 FLOOR = 1e-5  # test_cache_decode_gpu's: a few BF16 ulps of outputs that are nearly exact in BF16
-
-
-def causal_attention(q, k, v, sm_scale, dtype):
-    """``(out [L, Hq, D], lse [L, Hq])`` of ``q [L, Hq, D]``, the last ``L`` of the tokens of ``k, v [kvh, n, D]``
-    (causal), computed in ``dtype`` (the lse in float64)."""
-    tokens, hq, d = q.shape
-    kvh, n = k.shape[:2]
-    later = torch.arange(n)[None, :] > torch.arange(n - tokens, n)[:, None]
-    qg = q.to(dtype).reshape(tokens, kvh, hq // kvh, d)
-    scores = (torch.einsum("lhrd,hnd->lhrn", qg, k.to(dtype)) * sm_scale).masked_fill(later[:, None, None], -math.inf)
-    p = torch.softmax(scores.double() if dtype == torch.float64 else scores.float(), -1).to(dtype)
-    out = torch.einsum("lhrn,hnd->lhrd", p, v.to(dtype)).reshape(tokens, hq, d)
-    return out, torch.logsumexp(scores.double(), -1).reshape(tokens, hq)
-
-
-def causal_references(q, k, v, sm_scale):
-    """float64 ``(out, lse)`` of :func:`causal_attention` and the same attention in q's dtype (what a PyTorch user
-    gets: the tolerance rule's yardstick)."""
-    return (*causal_attention(q, k, v, sm_scale, torch.float64), *causal_attention(q, k, v, sm_scale, q.dtype))
 
 
 def assert_within_the_rule(out, lse, q, k, v, sm_scale, where, rounded_partials=False):

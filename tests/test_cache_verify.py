@@ -13,8 +13,9 @@ import torch
 from foscar import Scheme
 from foscar.archs import BLACKWELL, HOPPER
 from foscar.cache import PagedKVCache
+from foscar.testing import causal_references
 from test_cache import SCHEMES, assert_unchanged, kv, make_cache, snapshot
-from test_cache_chunk import assert_within_the_rule, causal_references, rotated
+from test_cache_chunk import assert_within_the_rule, rotated
 
 
 def causal_attention(q, k, v, sm_scale):

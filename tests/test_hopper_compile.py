@@ -52,7 +52,11 @@ def test_compiles_with_warp_mma(variant):
     n = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx))
     # No wgmma: the warps own whole tiles.
     data, k_bias, v_bias = mma_counts(cfg)
-    assert n == data + k_bias + v_bias, (n, data, k_bias, v_bias)
+    # the tile's code once in the loop's body, once more in a pipelined loop's first front and last back, and once
+    # per masked tile after the loop; a token-wise K cancels its bias once per CTA, a channel-wise one per tile
+    per_tile, once = (data + v_bias, k_bias) if scheme.k.axis.value == "token" else (data + v_bias + k_bias, 0)
+    copies = 1 + cfg.PIPELINED + cfg.MASKED_TILES
+    assert n == copies * per_tile + once, (n, data, k_bias, v_bias, cfg.PIPELINED, cfg.MASKED_TILES)
     assert "wgmma" not in ptx
     assert "movmatrix.sync.aligned.m8n8.trans.b16" in ptx  # P^T from the S^T accumulator, in registers
     # warp specialization: registers move producer -> consumers; the producer's 1-D bulk copies
@@ -81,7 +85,8 @@ def mma_counts(cfg):
 # regression fails. Measured with nvidia-cutlass-dsl 4.8.1 (pinned in pyproject.toml) and its ptxas:
 # a DSL upgrade may change the SASS and needs a re-measurement.
 LOOP_BOUNDS = [
-    ((2, "channel", 128, "token", 128, 128, 4, 128, True), 0.60),  # measured 0.578 (Q scaling included)
+    # measured 0.646: 0.578 of construction and Q scaling, the rest unpacking the 16-bit q at each group's rebuild
+    ((2, "channel", 128, "token", 128, 128, 4, 128, True), 0.67),
     ((2, "token", 128, "token", 128, 128, 4, 128, True), 0.60),  # measured 0.578
     ((4, "token", 128, "token", 128, 128, 4, 128, True), 0.66),  # measured 0.639
 ]

@@ -100,7 +100,7 @@ def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
     from foscar.hopper.decode import KERNELS, SHORT_SPLIT_TOKENS
     from foscar.hopper.kernel import default_consumers
 
-    scheme = Scheme.make(2, "channel", 128, "token", 128, 128, 4)
+    scheme = Scheme.make(2, "token", 128, "token", 128, 128, 4)
     assert default_consumers(scheme) == 3
     assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS, 16) == {"consumers": 2}
     assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS + 64, 16) == {"consumers": 3}

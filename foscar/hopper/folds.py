@@ -9,7 +9,8 @@ K (``S^T = K . Q^T``, scores in the log2 domain, ``sm_scale*log2(e)`` folded in)
   ``scores(st, tp, kfr, tb, nb)`` the 4 accumulator values of token block ``tb``, n8 block ``nb``,
   scale and offset correction applied.
 V (``O^T += V^T . P^T``):
-  ``setup()``; ``load_params(vpar, rows, valid)`` (zero past the sequence end); ``pack_p`` the P^T
+  ``setup()``; ``load_params(vpar, rows, valid)``; ``mask_params(tp, rows, valid)`` zero past the sequence end
+  (called for a tile that has tokens there); ``pack_p`` the P^T
   B-fragment register of (tb, nb, hr) for P copy ``ps`` (scaled or not) and its correction;
   ``accumulate`` the tile's MMAs into O^T, rescaling O^T by the tile's alpha (every tile; 1 where the running
   max did not move) in the FMA that adds them; ``rescale_direct`` O^T times alpha before a tile that adds its
@@ -27,9 +28,9 @@ from __future__ import annotations
 import operator
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import BFloat16, Float32, Int32
 
-from ..device import fsel, group_params, pack_f16x2, reduce_over_rows
+from ..device import fsel, group_params, pack_bf16x2, pack_f16x2, reduce_over_rows, unpack_16x2
 from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VTokenWise
 from ..warp_mma import WarpMma
 from .mma import TOKEN_BLOCKS
@@ -133,6 +134,14 @@ class KChannelHooks(_Hooks):
     def setup(self, mma: WarpMma, qv):
         cfg, ng = self.cfg, self.fold.tile_groups
         st = _State()
+        # q in its own 16-bit type (exact: it came from there), two values a register: the loop keeps these, not
+        # the 32-bit values, for rebuilding Q^T at each group (16 registers fewer of the state that spills:
+        # benchmarks/NOTES.md section 36)
+        pairs = mma.NB * cfg.KB_D * 2
+        st.q16 = cute.make_rmem_tensor((pairs,), Int32)
+        pack = pack_bf16x2 if self.bf16 else pack_f16x2
+        for x in range(pairs):
+            st.q16[x] = pack(qv[2 * x], qv[2 * x + 1])
         st.qB = [[[mma.fragment_B() for _ in range(cfg.KB_D)] for _ in range(mma.NB)] for _ in range(ng)]
         st.qz = cute.make_rmem_tensor((ng * mma.NS,), Float32)  # sum_d z q per group and column slot
         st.k_bias = [[mma.zero_accumulator() for _ in range(mma.NB)] for _ in range(ng)]
@@ -141,10 +150,18 @@ class KChannelHooks(_Hooks):
     @cute.jit
     def load_params(self, mma: WarpMma, st, kpar: cute.Pointer, rows, step: Int32, qv, scale_log2: Float32):
         if step % self.fold.tiles_per_group == 0:  # first tile of a group run: scale Q^T for its group(s)
-            self.scale_q(mma, st, qv, kpar, scale_log2)
+            self.scale_q(mma, st, kpar, scale_log2)
         return None
 
-    def scale_q(self, mma: WarpMma, st, qv, kpar, scale_log2):
+    @property
+    def bf16(self) -> bool:
+        return self.cfg.q_dtype is BFloat16
+
+    def q_pair(self, st, mma: WarpMma, nb: int, kb: int, hh: int):
+        """fp32 q at the thread's Q^T positions (e = 0, 1) of (nb, kb, hh)."""
+        return unpack_16x2(st.q16[q_index(self.cfg, nb, kb, hh, 0) // 2], self.bf16)
+
+    def scale_q(self, mma: WarpMma, st, kpar, scale_log2):
         """Q^T scaled by s'[d] of each token group of the tile into ``qB[gi]``, the per-group constant
         sum_d z[d] q[r,d] into ``qz``, and -(bias x scaled Q^T) into ``k_bias[gi]`` (the S^T
         accumulators' initial value: it cancels the operand bias against the same rounded Qs the
@@ -160,11 +177,11 @@ class KChannelHooks(_Hooks):
                         ksp.append(s * (self.scale * scale_log2))
                         kzp.append(z * scale_log2)
                     for nb in range(mma.NB):
-                        base = q_index(cfg, nb, kb, hh, 0)
-                        packed = pack_f16x2(qv[base] * ksp[0], qv[base + 1] * ksp[1])
+                        q = self.q_pair(st, mma, nb, kb, hh)
+                        packed = pack_f16x2(q[0] * ksp[0], q[1] * ksp[1])
                         cute.recast_tensor(st.qB[gi][nb][kb], Int32)[hh] = packed
                         for e in range(2):
-                            part[nb] = part[nb] + qv[base + e] * kzp[e]
+                            part[nb] = part[nb] + q[e] * kzp[e]
             for nb in range(mma.NB):
                 total = mma.reduce_over_tq(part[nb])
                 for e in range(2):
@@ -195,6 +212,8 @@ class VTokenHooks(_Hooks):
     whole split lost its low bits to the MMA's truncating accumulation, an error growing with the split's
     tokens (3x the accuracy rule at 32K tokens per CTA, benchmarks/NOTES.md section 30)."""
 
+    scales_p = True  # its params scale P before the MMA (the pipelined loop's front reads them)
+
     @property
     def psets(self) -> int:
         return self.fold.channel_blocks
@@ -212,13 +231,20 @@ class VTokenHooks(_Hooks):
         vs = cute.make_rmem_tensor((2 * TOKEN_BLOCKS * nj,), Float32)  # s' (0 past the end)
         vz = cute.make_rmem_tensor((2 * TOKEN_BLOCKS * nj,), Float32)  # z (0 past the end)
         for t in range(2 * TOKEN_BLOCKS):
-            ok = rows[t] < valid
             for j in range(nj):
                 x = t * nj + j
                 s, z = self.load_param(vpar, rows[t] * nj + j)
-                vs[x] = fsel_zero(ok, s * self.scale)
-                vz[x] = fsel_zero(ok, z)
+                vs[x] = s * self.scale
+                vz[x] = z
         return vs, vz
+
+    def mask_params(self, mma: WarpMma, tp, rows, valid):
+        vs, vz = tp
+        nj = self.fold.channel_blocks
+        for t in range(2 * TOKEN_BLOCKS):
+            for j in range(nj):
+                vs[t * nj + j] = fsel_zero(rows[t] < valid, vs[t * nj + j])
+                vz[t * nj + j] = fsel_zero(rows[t] < valid, vz[t * nj + j])
 
     def rescale_corrections(self, mma: WarpMma, st, alpha):
         for x in range(self.fold.channel_blocks * mma.NS):
@@ -275,6 +301,7 @@ class VChannelHooks(_Hooks):
     after the MMA, plus z[d,t] * Psum[t]; O is rescaled in the same FMA."""
 
     psets = 1
+    scales_p = False  # its params scale the PV partial sums after the MMA (the pipelined loop's back reads them)
 
     def setup(self, mma: WarpMma):
         return _State()
@@ -285,14 +312,21 @@ class VChannelHooks(_Hooks):
         cvs = cute.make_rmem_tensor((cfg.MB_V * 2 * ng,), Float32)
         cvz = cute.make_rmem_tensor((cfg.MB_V * 2 * ng,), Float32)
         for gi in range(ng):
-            ok = gi * self.fold.group < valid
             for md in range(cfg.MB_V):
                 for hr in range(2):
                     s, z = self.load_param(vpar, gi * cfg.D + 16 * md + mma.g + 8 * hr)
                     x = (md * 2 + hr) * ng + gi
-                    cvs[x] = fsel_zero(ok, s * self.scale)
-                    cvz[x] = fsel_zero(ok, z)
+                    cvs[x] = s * self.scale
+                    cvz[x] = z
         return cvs, cvz
+
+    def mask_params(self, mma: WarpMma, tp, rows, valid):
+        cfg, ng = self.cfg, self.fold.tile_groups
+        cvs, cvz = tp
+        for gi in range(ng):
+            for x in range(gi, cfg.MB_V * 2 * ng, ng):
+                cvs[x] = fsel_zero(gi * self.fold.group < valid, cvs[x])
+                cvz[x] = fsel_zero(gi * self.fold.group < valid, cvz[x])
 
     def rescale_corrections(self, mma: WarpMma, st, alpha):
         return None

@@ -49,8 +49,13 @@ all 32 lanes of each producer warp: foscar.hopper.cache_decode);
 the page-table entries come in 32 at a time, one per lane of the producer warp.
 Warpgroups 1..NC hold NW = 4*NC consumer warps: warp w takes runs w, w+NW, ... of TPG
 consecutive tiles (TPG = G/64 for channel-wise K groups of G >= 128 tokens, so the scaled Q^T is
-built once per group; else 1), loads the stage's codes and params into registers, releases the
-stage, and runs the MMAs, the FP32 corrections and the online softmax. ``setmaxnreg`` moves
+built once per group; else 1). A tile is a *front* (K words and params into registers, S^T, the online
+softmax, P^T) and a *back* (O^T += PV from the V words). Where the carried tile fits (``PIPELINED``: one n8
+block of query columns, and at least 3 ring stages per warp) the loop is software-pipelined: a tile's front
+runs beside the previous tile's back, whose stage it still holds, two independent streams in one basic
+block that the scheduler interleaves; elsewhere the front also loads the V words and releases the stage at
+once (benchmarks/NOTES.md sections 36-37). The span's last tile or two, which need the mask, come after the
+loop by a masking copy. ``setmaxnreg`` moves
 registers from the producer to the consumers (ptxas keeps it only with ``.minnctapersm``, hence
 ``min_blocks_per_mp=1``). At the end the warps leave (O, m, l) in shared memory (over the ring)
 and all consumer threads merge them, one output element each.
@@ -117,6 +122,15 @@ def _ring_fits(scheme: Scheme, consumers: int) -> bool:
     return True
 
 
+def pipelines(rows: int, stages_per_warp: int | None = None) -> bool:
+    """Whether the consumer loop of ``rows`` query rows per KV head, over a ring of ``stages_per_warp`` stages for each
+    consumer warp (None: any), is software-pipelined (DecodeConfig.PIPELINED): the tile it carries into the next fits
+    the registers beside one n8 block of columns (with two the loop spills 2-3x more), and the stage it holds leaves
+    two of the warp's stages filling (with one, the loop waits for each fill: INT4 K channel-wise, 2 stages per warp,
+    ran 3-11% slower pipelined; H200, benchmarks/NOTES.md section 37)."""
+    return rows <= 8 and (stages_per_warp is None or stages_per_warp >= 3)
+
+
 def _consumers_for_state(scheme: Scheme, rows: int) -> int:
     """:func:`default_consumers`'s count by the registers a warp's state and working set take (``rows``
     query rows per KV head)."""
@@ -126,18 +140,57 @@ def _consumers_for_state(scheme: Scheme, rows: int) -> int:
     state = blocks * nb * (4 + 2)  # O^T accumulators + f16x2 Q^T
     if not plan.k.token_wise:
         state += blocks * nb * 4 + blocks * nb * 2 * (plan.k.tile_groups - 1)
-    if state <= 56:
+    # the pipelined loop carries a tile's P^T fragments, alpha, stage and valid tokens into the next
+    # (HopperDecodeKernel.front)
+    pending = (4 * 2 + 2) * nb + 2 if pipelines(rows) else 0
+    if state + pending <= 64:
         return 3
     # K + V words of the 4 virtual threads a warp reads per tile
     tile_words = 4 * sum(TileGeometry(f.tensor, f.bits, scheme.head_dim).words_per_thread for f in (plan.k, plan.v))
     # channel-wise V (per-group PV accumulators) or several V channel groups (P^T per group) add state
     v_extra = 0 if plan.v.token_wise and plan.v.channel_blocks == 1 else 16
-    if nb == 1 and state + tile_words + v_extra <= 112:
+    if nb == 1 and state + tile_words + v_extra + pending <= 112:
         return 3
     # 16 query columns with channel-wise K at head_dim 128 (state 160) spill with either count, yet run 1.5x faster
     # with 2 than 1 (H200, 8 x 32K, gqa 16: INT2 kc128 61.2 -> 41.4 us, INT4 67.5 -> 44.1; benchmarks/NOTES.md
     # section 20). (The same state with 8 columns, head_dim 256, keeps 1: with 2 its window tiles do not fit the ring.)
     return 2 if state <= 96 or (nb == 2 and state <= 160) else 1
+
+
+def warp_steps(tiles, warp, run: int, warps: int):
+    """How many of the local tiles ``0 .. tiles - 1`` consumer warp ``warp`` attends, when ``warps`` warps take runs of
+    ``run`` consecutive tiles in turn (warp w: runs w, w + warps, ...)."""
+    ahead = cutlass.max(tiles - run * warp, 0)  # tiles from the warp's first run on
+    return run * (ahead // (run * warps)) + cutlass.min(ahead % (run * warps), run)
+
+
+@dataclass(frozen=True)
+class PendingTile:
+    """What a tile's :meth:`~HopperDecodeKernel.back` takes from its front, in registers: ``held`` (the stage and the
+    tile's valid tokens), the P^T fragments, the V case's P state, alpha, and the V params and words where the front
+    read them (else None: the stage is still held). ``take`` copies another's values in (the pipelined loop's carried
+    tile, which holds its stage and V words). Frozen, like ``foscar.pipeline``'s bundles: its methods run inside
+    runtime loops."""
+
+    held: cute.Tensor
+    pB: list
+    acc_p: object
+    alpha: cute.Tensor
+    v_params: object
+    v_words: list | None = None
+
+    def take(self, other: PendingTile, finish):
+        """``finish()`` (this tile's back), then ``other``'s values in."""
+        finish()
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            mine.store(theirs.load())
+
+    def tensors(self):
+        out = [self.held, self.alpha] + [f for per_tb in self.pB for per_nb in per_tb for f in per_nb]
+        for extra in (self.acc_p, self.v_params):
+            if extra is not None:
+                out += list(extra) if isinstance(extra, tuple) else [extra]
+        return out
 
 
 @dataclass(frozen=True)
@@ -186,6 +239,10 @@ class DecodeConfig(StageLayout):
         self.rows = QueryRows(scheme.gqa_ratio, tokens)
         self.R = self.rows.R  # query columns per KV head: gqa x tokens
         self.packed_causal = bool(packed_causal) and tokens > 1
+        # a packed tile with at least this many tokens before the sequence's end needs no mask (``row_bound``); the
+        # tiles with fewer, at the span's end, are at most MASKED_TILES
+        self.UNMASKED_VALID = TILE_TOKENS + (tokens - 1 if self.packed_causal else 0)
+        self.MASKED_TILES = (self.UNMASKED_VALID - 1) // TILE_TOKENS + 1
         self.N = 8 if self.R <= 8 else 16  # query columns padded to whole n8 blocks
         self.NB = self.N // 8  # n8 blocks
         self.NS = 2 * self.NB  # distinct query columns per thread in an m16n8 accumulator set
@@ -223,6 +280,9 @@ class DecodeConfig(StageLayout):
         if rounds < 1:
             raise ValueError(f"ring stages of {4 * self.STAGE_WORDS} B: {per_round} do not fit in {SMEM_BYTES} B")
         self.STAGES = rounds * per_round
+        # the consumer loop runs a tile's front beside the previous tile's back where the carried tile fits the
+        # registers and a warp's held stage leaves it two in flight (benchmarks/NOTES.md section 37)
+        self.PIPELINED = pipelines(self.R, self.STAGES // self.NW)
         # merge area (fp32 words, over the ring): per warp O^T rows (N x (D + pad)), then m and l
         self.MERGE_ROW = self.D + MERGE_PAD
         self.MERGE_WARP = self.N * self.MERGE_ROW + 2 * self.N
@@ -371,18 +431,38 @@ class HopperDecodeKernel(DecodeKernelBase):
             n_front = window.tiles  # local tiles 0 .. n_front - 1: the window's, before the packed ones
             attend_window = window.attend  # (a method of a local object is not called inside a runtime loop)
         n_tiles = n_front + n_local
-        n_runs = (n_tiles + cfg.TPG - 1) // cfg.TPG
-        my_runs = (cutlass.max(n_runs - warp, 0) + cfg.NW - 1) // cfg.NW
-        for step in cutlass.range(0, my_runs * cfg.TPG, 1, unroll=1):
-            local_tile = cfg.TPG * (warp + cfg.NW * (step // cfg.TPG)) + step % cfg.TPG
-            if cutlass.const_expr(window is None):
-                if local_tile < n_local:
-                    self.attend_tile(mma, ring, query, state, tiles, local_tile, step)
-            else:
-                if local_tile < n_front:
-                    attend_window(self, mma, ring, state, local_tile, scale_log2)
-                elif local_tile < n_tiles:
-                    self.attend_tile(mma, ring, query, state, tiles, local_tile - n_front, step, ring_tile=local_tile)
+        # the loop takes the tiles that need no mask, by one copy of the tile's code; the last one or two packed
+        # tiles (``MASKED_TILES``) come after it by a masking copy (a predicated mask would issue its selects in
+        # every tile). A warp's tiles stay in order: its masked tiles are the span's last.
+        n_plain = n_front + tiles.leading_tiles(cfg.UNMASKED_VALID)
+        n_window = 0
+        if cutlass.const_expr(window is not None):
+            n_window = warp_steps(n_front, warp, cfg.TPG, cfg.NW)
+            for step in cutlass.range(0, n_window, 1, unroll=1):
+                attend_window(self, mma, ring, state, cfg.TPG * (warp + cfg.NW * (step // cfg.TPG)) + step % cfg.TPG,
+                              scale_log2)
+        n_mine = warp_steps(n_plain, warp, cfg.TPG, cfg.NW)
+        if cutlass.const_expr(cfg.PIPELINED):
+            if n_mine > n_window:
+                # software-pipelined: a tile's scores and softmax (its front) run beside the previous tile's PV (its
+                # back), two independent streams in one basic block for the scheduler
+                pending = self.front(mma, ring, query, state, tiles, warp, n_front, n_window, window is not None,
+                                     False, hold=True)
+                for step in cutlass.range(n_window + 1, n_mine, 1, unroll=1):
+                    pending.take(self.front(mma, ring, query, state, tiles, warp, n_front, step, window is not None,
+                                            False, hold=True), lambda: self.back(mma, ring, state, pending))
+                self.back(mma, ring, state, pending)
+        else:
+            for step in cutlass.range(n_window, n_mine, 1, unroll=1):
+                self.back(mma, ring, state, self.front(mma, ring, query, state, tiles, warp, n_front, step,
+                                                        window is not None, False))
+        for extra in cutlass.range_constexpr(cfg.MASKED_TILES):
+            local_tile = n_plain + extra
+            run = local_tile // cfg.TPG
+            if local_tile < n_tiles and run % cfg.NW == warp:
+                step = cfg.TPG * (run // cfg.NW) + local_tile % cfg.TPG
+                self.back(mma, ring, state, self.front(mma, ring, query, state, tiles, warp, n_front, step,
+                                                        window is not None, True), masked=True)
         return self.share_result(mma, warp, ring, state)
 
     def start_state(self, mma: WarpMma) -> WarpState:
@@ -425,33 +505,68 @@ class HopperDecodeKernel(DecodeKernelBase):
     # ------------------------------------------------------------------------------------------
     # consumer stages
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def attend_tile(self, mma: WarpMma, ring: Ring, query: QueryOperand, state: WarpState, tiles: TileSpan,
-                    local_tile: Int32, step: Int32, ring_tile=None):
-        """One 64-token tile of this warp: stage -> registers, S^T, online softmax, P^T, O^T.
-        ``ring_tile``: its ring position, when other tiles come first; else ``local_tile``."""
+    def front(self, mma: WarpMma, ring: Ring, query: QueryOperand, state: WarpState, tiles: TileSpan, warp: Int32,
+              n_front, step: Int32, window: bool, masked: bool, hold: bool = False) -> PendingTile:
+        """The first half of this warp's ``step``-th tile: stage -> K words and the params, S^T, the online softmax,
+        P^T. ``hold``: the stage stays held for :meth:`back` (the pipelined loop: its V words would be live across
+        the next tile's front); else the V words and params come into registers too and the stage is released at
+        once, for the producer to refill while this tile computes. ``n_front``: the window tiles before the packed
+        ones (``window``); ``masked``: the tile may have rows past the end (or past a column's causal bound); else it
+        has none."""
         cfg = self.cfg
         kf, vf = self.k_hooks, self.v_hooks
+        ring_tile = cfg.TPG * (warp + cfg.NW * (step // cfg.TPG)) + step % cfg.TPG
+        local_tile = ring_tile - n_front
         valid = tiles.valid_tokens(local_tile)  # valid tokens in this tile (>= 1)
-        ring_stage, ring_phase = ring.position(local_tile if ring_tile is None else ring_tile)
+        ring_stage, ring_phase = ring.position(ring_tile if window else local_tile)
         ring.wait_full(ring_stage, ring_phase)
         sbuf = ring.stage(ring_stage)
-        # virtual warp u of the packed tile: K token block u, V channel blocks u, u+4, ...
+        # virtual warp u of the packed tile: K token block u
         kw = [cfg.k_operand.load_words(sbuf + cfg.K_CODES, 32 * u + mma.lane) for u in range(4)]
-        vw = [cfg.v_operand.load_words(sbuf + cfg.V_CODES, 32 * u + mma.lane) for u in range(4)]
         # the thread's accumulator rows are tokens 16*tb + g + 8*hr: index t = 2*tb + hr
         rows = [16 * (t // 2) + mma.g + 8 * (t % 2) for t in range(2 * TOKEN_BLOCKS)]
         ktp = kf.load_params(mma, query.k_state, cute.recast_ptr(sbuf + cfg.K_PARAMS, dtype=Float16), rows, step,
                              query.values, query.scale_log2)
-        vtp = vf.load_params(mma, cute.recast_ptr(sbuf + cfg.V_PARAMS, dtype=Float16), rows, valid)
-        ring.release(ring_stage)  # codes and params are in registers
-
-        sc = self.scores(mma, query.k_state, ktp, kw, rows, valid)
+        vw = None
+        vtp = self.v_params(mma, sbuf, valid, masked) if cutlass.const_expr(vf.scales_p or not hold) else None
+        if cutlass.const_expr(not hold):
+            vw = self.v_words(mma, sbuf)
+            ring.release(ring_stage)  # codes and params are in registers
+        sc = self.scores(mma, query.k_state, ktp, kw)
+        if cutlass.const_expr(masked):
+            self.mask_scores(mma, sc, rows, valid)
         # under the causal mask a column may see none of the tile's tokens
         alpha, _moved = self.online_softmax(mma, sc, state, may_be_empty=cfg.packed_causal)
         vf.rescale_corrections(mma, state.v, alpha)
         pB, acc_p = self.p_operands(mma, state, vtp, sc)
-        vf.accumulate(mma, state.v, vtp, acc_p, state.acc_o, pB, vw, alpha)  # O = O * alpha + the tile's PV
+        held = cute.make_rmem_tensor((2,), Int32)  # the stage and the tile's valid tokens
+        held[0] = ring_stage
+        held[1] = valid
+        return PendingTile(held, pB, acc_p, alpha, vtp, vw)
+
+    def back(self, mma: WarpMma, ring: Ring, state: WarpState, tile: PendingTile, masked: bool = False):
+        """The second half of a tile (:meth:`front`'s): O^T = O^T * alpha + the tile's PV; where the front held the
+        stage, its V words (and the V params a case takes after the MMA) from there first, and the stage released."""
+        vw, vtp = tile.v_words, tile.v_params
+        if cutlass.const_expr(vw is None):
+            sbuf = ring.stage(tile.held[0])
+            vw = self.v_words(mma, sbuf)
+            if cutlass.const_expr(vtp is None):
+                vtp = self.v_params(mma, sbuf, tile.held[1], masked)
+            ring.release(tile.held[0])
+        self.v_hooks.accumulate(mma, state.v, vtp, tile.acc_p, state.acc_o, tile.pB, vw, tile.alpha)
+
+    def v_words(self, mma: WarpMma, sbuf):
+        """The thread's V code words of the tile in stage ``sbuf``: virtual warp u's (V channel blocks u, u+4, ...)."""
+        return [self.cfg.v_operand.load_words(sbuf + self.cfg.V_CODES, 32 * u + mma.lane) for u in range(4)]
+
+    def v_params(self, mma: WarpMma, sbuf, valid, masked: bool):
+        """The V case's params of the tile in stage ``sbuf`` (zero past the end where ``masked``)."""
+        rows = [16 * (t // 2) + mma.g + 8 * (t % 2) for t in range(2 * TOKEN_BLOCKS)]
+        vtp = self.v_hooks.load_params(mma, cute.recast_ptr(sbuf + self.cfg.V_PARAMS, dtype=Float16), rows, valid)
+        if cutlass.const_expr(masked):
+            self.v_hooks.mask_params(mma, vtp, rows, valid)
+        return vtp
 
     def load_query(self, mma: WarpMma, q_ptr: cute.Pointer, head: KvHead):
         """fp32 q values of the thread's Q^T B-fragment positions (``q_index`` order); 0 for the
@@ -470,22 +585,31 @@ class HopperDecodeKernel(DecodeKernelBase):
                         qv[q_index(cfg, nb, kb, hh, e)] = fsel(col < cfg.R, x, Float32(0.0))
         return qv
 
-    def scores(self, mma: WarpMma, kst, ktp, kw, rows, valid):
-        """S^T = K . Q^T of the tile with the K case's scale and correction, -inf past the end (and, with
-        ``packed_causal``, past each column's token): ``sc[(tb * NB + nb) * 4 + i]``, log2 domain."""
+    def scores(self, mma: WarpMma, kst, ktp, kw):
+        """S^T = K . Q^T of the tile with the K case's scale and correction, unmasked: ``sc[(tb * NB + nb) * 4 + i]``,
+        log2 domain."""
         cfg = self.cfg
         sc = cute.make_rmem_tensor((TOKEN_BLOCKS * mma.NB * 4,), Float32)  # (tb, nb, i)
-        bound = [valid] * mma.NS  # per column slot: the tile's rows it attends are those below
-        if cutlass.const_expr(cfg.packed_causal):
-            bound = [cfg.rows.row_bound(mma.column(cs), valid) for cs in range(mma.NS)]
         for tb in range(TOKEN_BLOCKS):
             kfr = [cfg.k_operand.a_fragment(mma, kw[tb], 4 * kb) for kb in range(cfg.KB_D)]
             for nb in range(mma.NB):
                 vals = self.k_hooks.scores(mma, kst, ktp, kfr, tb, nb)
                 for i in range(4):
-                    keep = rows[2 * tb + i // 2] < bound[i % 2 + 2 * nb]
-                    sc[(tb * mma.NB + nb) * 4 + i] = fsel(keep, vals[i], Float32(NEG_INF))
+                    sc[(tb * mma.NB + nb) * 4 + i] = vals[i]
         return sc
+
+    def mask_scores(self, mma: WarpMma, sc, rows, valid: Int32):
+        """-inf for the scores past the end (and, with ``packed_causal``, past each column's token): only a tile with
+        ``valid < UNMASKED_VALID`` has any; the others skip these selects (benchmarks/NOTES.md section 36)."""
+        cfg = self.cfg
+        bound = [valid] * mma.NS  # per column slot: the tile's rows it attends are those below
+        if cutlass.const_expr(cfg.packed_causal):
+            bound = [cfg.rows.row_bound(mma.column(cs), valid) for cs in range(mma.NS)]
+        for tb in range(TOKEN_BLOCKS):
+            for nb in range(mma.NB):
+                for i in range(4):
+                    x = (tb * mma.NB + nb) * 4 + i
+                    sc[x] = fsel(rows[2 * tb + i // 2] < bound[i % 2 + 2 * nb], sc[x], Float32(NEG_INF))
 
     def online_softmax(self, mma: WarpMma, sc, state: WarpState, token_blocks: int = TOKEN_BLOCKS,
                        may_be_empty=False):
