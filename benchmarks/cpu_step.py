@@ -31,7 +31,7 @@ import time
 import torch
 
 from benchmarks import accuracy
-from foscar.integrations.transformers import FoscarCache, cache_kwargs, use_foscar
+from foscar.integrations.transformers import FoscarCache, cache_kwargs
 
 METHODS = {"bf16": None, "int4": dict(bits=4), "int2": dict(bits=2),
            "int2-kivi-rot": dict(bits=2, k="channel", rotate=True)}

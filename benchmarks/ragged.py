@@ -59,7 +59,7 @@ def main(argv=None):
         copies = copies_for(fi.nbytes)
         caches = [fi.cache] + [fi.cache.clone() for _ in range(copies - 1)]
         row = {"mix": name, "batch": len(lengths), "tokens": sum(lengths), "max": max(lengths),
-               "flashinfer-bf16": time_layers([lambda c=c: fi(c) for c in caches], args.reps)}
+               "flashinfer-bf16": time_layers([lambda c=c, f=fi: f(c) for c in caches], args.reps)}
         del fi, caches
         for label, bits, k_axis in VARIANTS:
             scheme = Scheme.make(bits, k_axis, 128, "token", 128, head_dim, q_heads // kv_heads)
