@@ -72,7 +72,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks.hopper_sweep needs a CUDA GPU")
-    rows = []
+    # a row is printed as soon as it is measured (a run cut short by a time limit keeps what it measured)
+    print(f"{'variant':12} {'WGs':>4} {'ok':>3} {'BxL':>10} {'splits':>6} {'us':>8} {'TB/s':>6}", flush=True)
     for name in args.variants.split(","):
         for consumers in [None if c == "auto" else int(c) for c in args.consumers.split(",")]:
             ok = check(VARIANTS[name], consumers)
@@ -81,12 +82,10 @@ def main(argv=None):
                 for sp in args.splits.split(","):
                     fns, nbytes, splits = layers(VARIANTS[name], batch, context, None if sp == "auto" else int(sp), consumers)
                     us = time_layers(fns, reps=20)
-                    rows.append((name, consumers, ok, f"{batch}x{context}", splits, us, nbytes / us / 1e6))
+                    print(f"{name:12} {consumers or 'auto':>4} {'yes' if ok else 'NO':>3} {f'{batch}x{context}':>10} "
+                          f"{splits:>6} {us:8.1f} {nbytes / us / 1e6:6.2f}", flush=True)
                     del fns
                     torch.cuda.empty_cache()
-    print(f"{'variant':12} {'WGs':>4} {'ok':>3} {'BxL':>10} {'splits':>6} {'us':>8} {'TB/s':>6}")
-    for name, consumers, ok, shape, splits, us, tbps in rows:
-        print(f"{name:12} {consumers or 'auto':>4} {'yes' if ok else 'NO':>3} {shape:>10} {splits:>6} {us:8.1f} {tbps:6.2f}")
 
 
 def check(scheme, consumers) -> bool:
