@@ -55,6 +55,7 @@ class Accuracy:
     lse_err: float  # max |lse - ref_lse|
     bf16_err: float  # max |torch bf16 - ref|
     tol: float
+    where: str = ""  # which part of the output these numbers are of, where the check names one
 
     @property
     def ok(self) -> bool:
@@ -92,15 +93,17 @@ def causal_references(q, k, v, sm_scale):
 
 def check_causal_output(out, lse, q, cache: QuantizedKV, sm_scale: float) -> Accuracy:
     """:func:`check_output` of several query tokens per sequence (``q [batch, tokens, q_heads, head_dim]``, the
-    sequences' last ``tokens`` tokens, causal), every element of every sequence."""
+    sequences' last ``tokens`` tokens, causal), every element of every sequence (and of ``lse`` if not None); returns
+    the worst sequence's numbers, ``where`` naming it."""
     k, v = cache.dequantize(torch.float64)
     per_sequence = []
     for b, n in enumerate(cache.lengths.tolist()):
         ref, ref_lse, low, _ = causal_references(q[b].cpu(), k[b, :, :n].cpu(), v[b, :, :n].cpu(), sm_scale)
         bf16_err = float((low.double() - ref).abs().max())
         err = float((out[b].cpu().double() - ref).abs().max()) if torch.isfinite(out[b]).all() else float("inf")
-        lse_err = float((lse[b].cpu().double() - ref_lse).abs().max()) if torch.isfinite(lse[b]).all() else float("inf")
-        per_sequence.append(Accuracy(err, lse_err, bf16_err, 2 * bf16_err + ATOL_FLOOR))
+        lse_err = 0.0 if lse is None else (
+            float((lse[b].cpu().double() - ref_lse).abs().max()) if torch.isfinite(lse[b]).all() else float("inf"))
+        per_sequence.append(Accuracy(err, lse_err, bf16_err, 2 * bf16_err + ATOL_FLOOR, f"sequence {b} ({n} tokens)"))
     return max(per_sequence, key=lambda acc: (not acc.ok, acc.err / acc.tol))  # the worst sequence
 
 

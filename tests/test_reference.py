@@ -104,3 +104,32 @@ def test_references_reject_bad_queries(fn):
         fn(q, cache, -1.0)
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         fn([0.0], cache, 0.1)
+
+
+def test_the_causal_check_passes_the_reference_and_names_a_wrong_sequence():
+    """``foscar.testing.check_causal_output`` (the gate of every several-token GPU test): the float64 reference itself
+    passes, with or without lse; one element off by 10x the tolerance, or a NaN, fails and names its sequence."""
+    from foscar.testing import causal_references, check_causal_output, random_problem
+
+    scheme = Scheme.make(2, "token", 64, "token", 64, 64, 4)
+    tokens, lengths = 3, [70, 5, 129]
+    q, cache = random_problem(scheme, lengths, kv_heads=2, page_size=64, device="cpu")
+    q = torch.randn(len(lengths), tokens, *q.shape[1:]).to(q.dtype)
+    k, v = cache.dequantize(torch.float64)
+    refs = [causal_references(q[b], k[b, :, :n], v[b, :, :n], 0.125) for b, n in enumerate(lengths)]
+    out = torch.stack([ref for ref, *_ in refs]).to(q.dtype)
+    lse = torch.stack([ref_lse for _, ref_lse, *_ in refs]).float()
+    exact = check_causal_output(out, lse, q, cache, 0.125)
+    assert exact.ok and exact.err < exact.tol / 2, exact
+    assert check_causal_output(out, None, q, cache, 0.125).ok
+    wrong = out.clone()
+    wrong[1, 2, 5, 7] += 10 * exact.tol
+    acc = check_causal_output(wrong, lse, q, cache, 0.125)
+    assert not acc.ok and acc.where == "sequence 1 (5 tokens)", acc
+    nan = out.clone()
+    nan[2, 0, 0, 0] = float("nan")
+    acc = check_causal_output(nan, lse, q, cache, 0.125)
+    assert not acc.ok and acc.err == float("inf") and acc.where.startswith("sequence 2"), acc
+    bad_lse = lse.clone()
+    bad_lse[0, 1, 3] += 1.0
+    assert not check_causal_output(out, bad_lse, q, cache, 0.125).ok

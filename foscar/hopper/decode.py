@@ -29,10 +29,10 @@ class HopperKernels(KernelSet):
     def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int) -> dict:
         """Two consumer warpgroups instead of three for a split launch (too few sequences to fill the GPU) whose
         CTAs attend at most ``SHORT_SPLIT_TOKENS`` of the ``capacity`` tokens a page-table row holds: with ~3 tiles
-        per warp the per-warp set-up and the warps' merge outweigh the third warpgroup (H200, INT2 K channel-wise
-        g128, 1 x 32K in 16 splits of 2K tokens: 15.3 us with 2, 17.0 with 3; 32 x 8K, one split of 8K: 70.7 against
-        69.2; benchmarks/NOTES.md section 34). Unsplit launches of short sequences (256 x 2K) keep the default: not
-        measured with 2."""
+        per warp the per-warp set-up and the warps' merge outweigh the third warpgroup (H200, benchmarks/NOTES.md
+        section 34, 1 x 32K in 16 splits of 2K tokens: INT4 K token-wise 17.2 us with 2, 18.2 with 3; INT2 K
+        channel-wise 15.3 against 17.0, measured when it defaulted to 3: it takes 2 everywhere since the pipelined
+        loop, section 37). Unsplit launches of short sequences (256 x 2K) keep the default: not measured with 2."""
         consumers = default_consumers(scheme, tokens)
         if consumers == 3 and num_splits > 1 and capacity // num_splits <= SHORT_SPLIT_TOKENS:
             consumers = 2

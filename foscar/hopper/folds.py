@@ -5,17 +5,19 @@ One class per case, registered against the case class (:func:`hooks_for`); the c
 
 K (``S^T = K . Q^T``, scores in the log2 domain, ``sm_scale*log2(e)`` folded in):
   ``setup(qv)`` loop-invariant state (Q^T B fragments, bias-cancelling accumulators, corrections);
-  ``load_params(st, kpar, rows, step)`` the tile's params from shared memory into registers;
+  ``load_params(st, kpar, rows, step, scale_log2)`` the tile's params from shared memory into registers;
   ``scores(st, tp, kfr, tb, nb)`` the 4 accumulator values of token block ``tb``, n8 block ``nb``,
   scale and offset correction applied.
 V (``O^T += V^T . P^T``):
-  ``setup()``; ``load_params(vpar, rows, valid)``; ``mask_params(tp, rows, valid)`` zero past the sequence end
+  ``setup()``; ``load_params(vpar, rows)``; ``mask_params(tp, rows, valid)`` zero past the sequence end
   (called for a tile that has tokens there); ``pack_p`` the P^T
   B-fragment register of (tb, nb, hr) for P copy ``ps`` (scaled or not) and its correction;
   ``accumulate`` the tile's MMAs into O^T, rescaling O^T by the tile's alpha (every tile; 1 where the running
   max did not move) in the FMA that adds them; ``rescale_direct`` O^T times alpha before a tile that adds its
   P V to O^T itself (a 16-bit window tile, when the running max moved);
-  ``output`` an O^T element with the correction the case adds at the end.
+  ``output`` an O^T element with the correction the case adds at the end; ``scales_p`` whether the params scale P
+  before the MMA (the kernel reads them with the K side, a tile's front) or the PV sums after it (with the V words,
+  its back).
 
 Thread coordinates: lane ``4*g + tq``; accumulator rows are tokens ``16*tb + g + 8*hr`` (index
 ``t = 2*tb + hr`` into ``rows``) for QK and channels ``16*md + g + 8*hr`` for PV; column slot
@@ -98,7 +100,7 @@ class KTokenHooks(_Hooks):
                     st.qsum[j * mma.NS + 2 * nb + e] = mma.to_columns(part, e)
         return st
 
-    def load_params(self, mma: WarpMma, st, kpar, rows, step, qv, scale_log2):
+    def load_params(self, mma: WarpMma, st, kpar, rows, step, scale_log2):
         nj = self.fold.channel_blocks
         ks = cute.make_rmem_tensor((2 * TOKEN_BLOCKS * nj,), Float32)  # s' * scale_log2
         kz = cute.make_rmem_tensor((2 * TOKEN_BLOCKS * nj,), Float32)  # z * scale_log2
@@ -148,7 +150,7 @@ class KChannelHooks(_Hooks):
         return st
 
     @cute.jit
-    def load_params(self, mma: WarpMma, st, kpar: cute.Pointer, rows, step: Int32, qv, scale_log2: Float32):
+    def load_params(self, mma: WarpMma, st, kpar: cute.Pointer, rows, step: Int32, scale_log2: Float32):
         if step % self.fold.tiles_per_group == 0:  # first tile of a group run: scale Q^T for its group(s)
             self.scale_q(mma, st, kpar, scale_log2)
         return None
@@ -226,7 +228,7 @@ class VTokenHooks(_Hooks):
             st.corr[x] = Float32(0.0)
         return st
 
-    def load_params(self, mma: WarpMma, vpar, rows, valid):
+    def load_params(self, mma: WarpMma, vpar, rows):
         nj = self.fold.channel_blocks
         vs = cute.make_rmem_tensor((2 * TOKEN_BLOCKS * nj,), Float32)  # s' (0 past the end)
         vz = cute.make_rmem_tensor((2 * TOKEN_BLOCKS * nj,), Float32)  # z (0 past the end)
@@ -306,7 +308,7 @@ class VChannelHooks(_Hooks):
     def setup(self, mma: WarpMma):
         return _State()
 
-    def load_params(self, mma: WarpMma, vpar, rows, valid):
+    def load_params(self, mma: WarpMma, vpar, rows):
         cfg, ng = self.cfg, self.fold.tile_groups
         # channels 16*md + g + 8*hr, per token group of the tile: x = (md*2 + hr)*NG + gi
         cvs = cute.make_rmem_tensor((cfg.MB_V * 2 * ng,), Float32)

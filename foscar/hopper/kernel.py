@@ -94,16 +94,33 @@ from .mma import TOKEN_BLOCKS, FragmentOperand
 
 REGISTERS = 64 * 1024  # per SM
 PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
+MAX_THREAD_REGS = 240  # the most registers per thread ptxas allots a launch of these kernels (a multiple of 8)
 PRODUCER_WARPS = 4  # the whole producer warpgroup issues copies
 SMEM_BYTES = 220 * 1024  # shared-memory budget of the stage ring (the merge reuses it)
 MAX_STAGES = 48
 MERGE_PAD = 4  # fp32 words of padding per merged output row: conflict-free fragment stores
 
 
+def launch_regs(threads: int) -> int:
+    """Registers per thread a CTA of ``threads`` is launched with: ptxas's cap under ``reqntid`` and one CTA per SM
+    (``foscar/decode_kernel.py``), which the cubin records (a CPU test compares)."""
+    return min(MAX_THREAD_REGS, REGISTERS // threads // 8 * 8)
+
+
+def consumer_regs(consumers: int) -> int:
+    """setmaxnreg of the consumer warpgroups: what the producer's decrease frees of the CTA's launch allotment, shared
+    among them. ``setmaxnreg.inc`` waits until the registers it asks for are free in the CTA, so asking for more than
+    the allotment holds hangs the kernel (4 warpgroups: 96 per thread at launch, and the whole SM's 64K / 5 would
+    have asked 112, 1K more than the producer frees)."""
+    threads = THREADS * (1 + consumers)
+    freed = launch_regs(threads) * threads - THREADS * PRODUCER_REGS
+    return min(MAX_THREAD_REGS, freed // (THREADS * consumers) // 8 * 8)
+
+
 @functools.lru_cache(maxsize=1024)
 def default_consumers(scheme: Scheme, tokens: int = 1) -> int:
     """Consumer warpgroups: as many warps as keep a warp's loop-carried state (fp32 O^T, the Q^T
-    fragments, fp32 q for channel-wise K) in registers next to a tile's working set (its packed
+    fragments, q for channel-wise K) in registers next to a tile's working set (its packed
     words): 3 warpgroups leave 152 registers per thread, 2 leave 232, 1 leaves 240. (Measured on
     the H200, benchmarks/NOTES.md section 8: INT2 K channel-wise g128, state 80 + 32 words, runs 8%
     faster with 3 warpgroups despite an 8-byte spill; INT4, 80 + 64 words, 6% slower; the variants
@@ -133,7 +150,11 @@ def pipelines(rows: int, stages_per_warp: int | None = None) -> bool:
 
 def _consumers_for_state(scheme: Scheme, rows: int) -> int:
     """:func:`default_consumers`'s count by the registers a warp's state and working set take (``rows``
-    query rows per KV head)."""
+    query rows per KV head). An estimate whose counts are the measured ones (benchmarks/NOTES.md sections 8, 20,
+    34-37), not an exact register count: it counts channel-wise K's q at 32 bits (the kernel keeps 16-bit pairs) and
+    the pipelined loop's carried tile wherever the columns fit one n8 block, whether or not the ring then pipelines
+    (``DecodeConfig.PIPELINED`` also asks for 3 stages per warp); the two cancel for INT2 K channel-wise (2
+    warpgroups: 3 spill with the carried tile). Recounting either changes defaults that were measured."""
     plan = scheme.plan("sm_90a")
     nb = 1 if rows <= 8 else 2
     blocks = scheme.head_dim // 16
@@ -166,11 +187,12 @@ def warp_steps(tiles, warp, run: int, warps: int):
 
 @dataclass(frozen=True)
 class PendingTile:
-    """What a tile's :meth:`~HopperDecodeKernel.back` takes from its front, in registers: ``held`` (the stage and the
-    tile's valid tokens), the P^T fragments, the V case's P state, alpha, and the V params and words where the front
-    read them (else None: the stage is still held). ``take`` copies another's values in (the pipelined loop's carried
-    tile, which holds its stage and V words). Frozen, like ``foscar.pipeline``'s bundles: its methods run inside
-    runtime loops."""
+    """What a tile's :meth:`~HopperDecodeKernel.back` takes from its front, in registers: ``held`` (the tile's ring
+    stage), the P^T fragments, the V case's P state, alpha, and the V params and words where the front read them. A
+    front that holds its stage (``hold``: the pipelined loop, unmasked tiles only) leaves the words None, and the params
+    too unless the V case scales P by them (``scales_p``): the back reads them from the held stage. ``take`` copies
+    another's values in (the pipelined loop's carried tile). Frozen, like ``foscar.pipeline``'s bundles: its methods
+    run inside runtime loops."""
 
     held: cute.Tensor
     pB: list
@@ -228,8 +250,8 @@ class DecodeConfig(StageLayout):
 
     def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int, window=None, tokens: int = 1,
                  packed_causal: bool = False):
-        if consumers not in (1, 2, 3):
-            raise ValueError(f"consumers must be 1, 2 or 3 warpgroups, got {consumers}")
+        if consumers not in (1, 2, 3, 4):
+            raise ValueError(f"consumers must be 1 to 4 warpgroups, got {consumers}")
         plan = scheme.plan("sm_90a")
         self.scheme = scheme
         self.plan = plan
@@ -259,7 +281,7 @@ class DecodeConfig(StageLayout):
         self.NC = consumers
         self.NW = 4 * consumers
         self.threads = THREADS * (1 + consumers)
-        self.consumer_regs = min(240, (REGISTERS - THREADS * PRODUCER_REGS) // (THREADS * consumers) // 8 * 8)
+        self.consumer_regs = consumer_regs(consumers)
         # stage of the ring (int32 words): K codes | V codes | K params | V params (foscar.decode_kernel)
         self.lay_out_stage(plan, self.k_operand.words, self.v_operand.words)
         # a stage may instead hold a window tile (``window``: foscar.window_tiles.WindowOperands of the
@@ -462,7 +484,7 @@ class HopperDecodeKernel(DecodeKernelBase):
             if local_tile < n_tiles and run % cfg.NW == warp:
                 step = cfg.TPG * (run // cfg.NW) + local_tile % cfg.TPG
                 self.back(mma, ring, state, self.front(mma, ring, query, state, tiles, warp, n_front, step,
-                                                        window is not None, True), masked=True)
+                                                        window is not None, True))
         return self.share_result(mma, warp, ring, state)
 
     def start_state(self, mma: WarpMma) -> WarpState:
@@ -526,7 +548,7 @@ class HopperDecodeKernel(DecodeKernelBase):
         # the thread's accumulator rows are tokens 16*tb + g + 8*hr: index t = 2*tb + hr
         rows = [16 * (t // 2) + mma.g + 8 * (t % 2) for t in range(2 * TOKEN_BLOCKS)]
         ktp = kf.load_params(mma, query.k_state, cute.recast_ptr(sbuf + cfg.K_PARAMS, dtype=Float16), rows, step,
-                             query.values, query.scale_log2)
+                             query.scale_log2)
         vw = None
         vtp = self.v_params(mma, sbuf, valid, masked) if cutlass.const_expr(vf.scales_p or not hold) else None
         if cutlass.const_expr(not hold):
@@ -539,20 +561,20 @@ class HopperDecodeKernel(DecodeKernelBase):
         alpha, _moved = self.online_softmax(mma, sc, state, may_be_empty=cfg.packed_causal)
         vf.rescale_corrections(mma, state.v, alpha)
         pB, acc_p = self.p_operands(mma, state, vtp, sc)
-        held = cute.make_rmem_tensor((2,), Int32)  # the stage and the tile's valid tokens
+        held = cute.make_rmem_tensor((1,), Int32)  # the stage
         held[0] = ring_stage
-        held[1] = valid
         return PendingTile(held, pB, acc_p, alpha, vtp, vw)
 
-    def back(self, mma: WarpMma, ring: Ring, state: WarpState, tile: PendingTile, masked: bool = False):
+    def back(self, mma: WarpMma, ring: Ring, state: WarpState, tile: PendingTile):
         """The second half of a tile (:meth:`front`'s): O^T = O^T * alpha + the tile's PV; where the front held the
-        stage, its V words (and the V params a case takes after the MMA) from there first, and the stage released."""
+        stage (an unmasked tile), its V words (and the V params a case takes after the MMA) from there first, and the
+        stage released."""
         vw, vtp = tile.v_words, tile.v_params
         if cutlass.const_expr(vw is None):
             sbuf = ring.stage(tile.held[0])
             vw = self.v_words(mma, sbuf)
             if cutlass.const_expr(vtp is None):
-                vtp = self.v_params(mma, sbuf, tile.held[1], masked)
+                vtp = self.v_params(mma, sbuf, None, False)
             ring.release(tile.held[0])
         self.v_hooks.accumulate(mma, state.v, vtp, tile.acc_p, state.acc_o, tile.pB, vw, tile.alpha)
 
@@ -561,9 +583,9 @@ class HopperDecodeKernel(DecodeKernelBase):
         return [self.cfg.v_operand.load_words(sbuf + self.cfg.V_CODES, 32 * u + mma.lane) for u in range(4)]
 
     def v_params(self, mma: WarpMma, sbuf, valid, masked: bool):
-        """The V case's params of the tile in stage ``sbuf`` (zero past the end where ``masked``)."""
+        """The V case's params of the tile in stage ``sbuf`` (zero past ``valid`` tokens where ``masked``)."""
         rows = [16 * (t // 2) + mma.g + 8 * (t % 2) for t in range(2 * TOKEN_BLOCKS)]
-        vtp = self.v_hooks.load_params(mma, cute.recast_ptr(sbuf + self.cfg.V_PARAMS, dtype=Float16), rows, valid)
+        vtp = self.v_hooks.load_params(mma, cute.recast_ptr(sbuf + self.cfg.V_PARAMS, dtype=Float16), rows)
         if cutlass.const_expr(masked):
             self.v_hooks.mask_params(mma, vtp, rows, valid)
         return vtp
