@@ -10,7 +10,7 @@ import torch
 
 @pytest.mark.parametrize("name", ["decode", "generate", "ragged", "rows", "hopper_sweep", "pipeline_probe",
                                   "mma_rate", "verify", "extend", "fused_attention",
-                                  "dequantize"])
+                                  "dequantize", "split_probe"])
 def test_gpu_benchmarks_say_they_need_a_gpu_at_once(name, monkeypatch):
     module = importlib.import_module(f"benchmarks.{name}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
@@ -40,6 +40,17 @@ def test_verify_names_a_bad_choice_before_the_gpu_check(args, message, capsys):
 
     with pytest.raises(SystemExit):
         verify.main(args)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [(["--models", "tp9"], "--models: each one of"),
+                                          (["--consumers", "4"], "--consumers: 1, 2 or 3"),
+                                          (["--splits", "0"], "--splits: positive counts")])
+def test_split_probe_names_a_bad_choice_before_the_gpu_check(args, message, capsys):
+    from benchmarks import split_probe
+
+    with pytest.raises(SystemExit):
+        split_probe.main(args)
     assert message in capsys.readouterr().err
 
 

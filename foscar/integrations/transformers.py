@@ -172,9 +172,11 @@ def _make_layer_class():
             self.dtype, self.device = key_states.dtype, key_states.device
             self.is_initialized = True
 
-        def activate_past_recording(self) -> None:
+        def activate_past_recording(self, **options) -> None:
             """Keep each chunk held until the next crop or update (transformers calls this before assisted
-            decoding, which crops the rejected draft tokens after each forward)."""
+            decoding, which crops the rejected draft tokens after each forward). ``options``: what newer transformers
+            pass every layer for its recurrent (linear-attention) layers (``recurrent_states_to_keep``); an attention
+            layer has no recurrent state, so none applies here (as transformers' own attention layers)."""
             self.record_past = True
 
         def update(self, key_states, value_states, *args, **kwargs):

@@ -1,0 +1,106 @@
+"""Where a few-KV-head batch-1 decode spends its time: the Hopper decode launch timed over split counts and consumer
+warpgroups, next to the combine kernel that merges its splits, alone.
+
+    python -m benchmarks.split_probe --models tp8-70b,tp4-70b --context 131072 --splits 32,64,96,128 --consumers 1,2,3
+
+A batch-1 sequence with one or two KV heads fills the GPU only through its splits (``foscar.work_list.plan_splits``
+picks at most ``MAX_SPLITS``): each CTA then attends a few tiles per consumer warp, and what does not shrink with the
+tiles (the CTA's prologue and first ring fill, the warps' merge, the combine launch) sets the time. Each row is
+checked against float64 first (``foscar.testing.check_output``); times are medians of CUDA-graph replays over L2-cold
+cache copies (``benchmarks.decode.time_layers``), in microseconds per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from foscar import Scheme
+from foscar.decode import plan_splits
+from foscar.hopper.decode import KERNELS
+from foscar.kernels.combine import combine_splits
+from foscar.testing import check_output, random_problem
+
+from .decode import MODELS, copies_for, time_layers
+
+PAGE = 128
+
+
+def probe(model: str, batch: int, context: int, splits: list[int], consumers: list[int], reps: int) -> list[dict]:
+    q_heads, kv_heads, d = MODELS[model]
+    scheme = Scheme.make(2, "token", 128, "token", 128, d, q_heads // kv_heads)
+    q, cache = random_problem(scheme, [context] * batch, kv_heads=kv_heads, page_size=PAGE, shuffle=False)
+    sm_scale = d**-0.5
+    names = ("k_codes", "k_params", "v_codes", "v_params")
+    sets = [cache] + [type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in names}})
+                      for _ in range(copies_for(cache.nbytes()) - 1)]
+
+    def call(c, n, wgs, out=None, lse=None):
+        return KERNELS.run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
+                                  sm_scale, scheme, n, out, lse, consumers=wgs)
+
+    planned = plan_splits(batch, kv_heads, cache.max_tokens, torch.cuda.get_device_properties(0).multi_processor_count)
+    print(f"{model} {batch}x{context}: plan_splits {planned}, "
+          f"{KERNELS.launch_options(scheme, 1, cache.max_tokens, planned)}", flush=True)
+    rows = []
+    for n in splits:
+        rows_per_seq = q.shape[1]
+        o_part = torch.randn(batch, rows_per_seq, n, d, device="cuda")
+        lse_part = torch.randn(batch, rows_per_seq, n, device="cuda")
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device="cuda")
+        merge = [lambda: combine_splits(o_part, lse_part, out, lse)] * len(sets)
+        combine_us = time_layers(merge, reps) if n > 1 else 0.0
+        for wgs in consumers:
+            acc = check_output(*call(cache, n, wgs), q, cache, sm_scale)
+            if not acc.ok:
+                raise SystemExit(f"{model} {batch}x{context} splits={n} consumers={wgs}: {acc}")
+            us = time_layers([lambda c=c: call(c, n, wgs) for c in sets], reps)
+            rows.append({"model": model, "shape": f"{batch}x{context}", "splits": n, "consumers": wgs,
+                         "tokens_per_cta": context // n, "decode_us": us, "combine_us": combine_us})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| model | shape | splits | tokens per CTA | consumer warpgroups | decode + combine (us) "
+             "| combine alone (us) |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['shape']} | {r['splits']} | {r['tokens_per_cta']} | {r['consumers']} | "
+              f"{r['decode_us']:.1f} | {r['combine_us']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tp8-70b,tp4-70b", help=f"comma-separated, of {sorted(MODELS)}")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--splits", default="32,64,96,128")
+    parser.add_argument("--consumers", default="1,2,3")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", default=None, help="write <out>/<tag>.json and .md (benchmarks.records)")
+    parser.add_argument("--tag", default="split-probe")
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    if any(m not in MODELS for m in models):
+        parser.error(f"--models: each one of {sorted(MODELS)}, got {args.models!r}")
+    splits = [int(s) for s in args.splits.split(",")]
+    consumers = [int(c) for c in args.consumers.split(",")]
+    if any(s < 1 for s in splits) or any(c not in (1, 2, 3) for c in consumers):
+        parser.error("--splits: positive counts; --consumers: 1, 2 or 3")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.split_probe needs a CUDA GPU")
+    rows = [row for m in models for row in probe(m, args.batch, args.context, splits, consumers, args.reps)]
+    text = table(rows)
+    print(text)
+    if args.out:
+        from . import records
+
+        meta = records.run_meta("benchmarks.split_probe", argv, {})
+        records.write(args.out, args.tag, "Few-KV-head decode over split counts and consumer warpgroups", meta, rows,
+                      text)
+
+
+if __name__ == "__main__":
+    main()
