@@ -87,8 +87,8 @@ def main(argv=None):
         parser.error(f"--models: each one of {sorted(MODELS)}, got {args.models!r}")
     splits = [int(s) for s in args.splits.split(",")]
     consumers = [int(c) for c in args.consumers.split(",")]
-    if any(s < 1 for s in splits) or any(c not in (1, 2, 3) for c in consumers):
-        parser.error("--splits: positive counts; --consumers: 1, 2 or 3")
+    if any(s < 1 for s in splits) or any(c not in (1, 2, 3, 4) for c in consumers):
+        parser.error("--splits: positive counts; --consumers: 1 to 4 warpgroups")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.split_probe needs a CUDA GPU")
     rows = [row for m in models for row in probe(m, args.batch, args.context, splits, consumers, args.reps)]
