@@ -159,8 +159,8 @@ def main(argv=None):
     parser.add_argument("--shapes", default="8x32768,128x8192,1x32768")
     parser.add_argument("--tokens", type=int, default=1,
                         help="query tokens per sequence (speculative verification: the sequences' last tokens); "
-                             "columns are 4 x tokens (Qwen3-8B's gqa): 2 tokens run the pipelined loop, 4 its "
-                             "sequential form (16 columns)")
+                             "columns are 4 x tokens (Qwen3-8B's gqa): 2 tokens keep INT2's pipelined loop, 4 "
+                             "(16 columns) run the sequential one")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default=None, help="write <out>/<tag>.json and .md (benchmarks.records)")

@@ -7,7 +7,8 @@ A batch-1 sequence with one or two KV heads fills the GPU only through its split
 picks at most ``MAX_SPLITS``): each CTA then attends a few tiles per consumer warp, and what does not shrink with the
 tiles (the CTA's prologue and first ring fill, the warps' merge, the combine launch) sets the time. Each row is
 checked against float64 first (``foscar.testing.check_output``); times are medians of CUDA-graph replays over L2-cold
-cache copies (``benchmarks.decode.time_layers``), in microseconds per layer.
+cache copies (``benchmarks.decode.time_layers``), in microseconds per layer. The combine alone replays one set of
+partials (L2-warm, as after the decode that wrote them).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from foscar import Scheme
 from foscar.decode import plan_splits
 from foscar.hopper.decode import KERNELS
 from foscar.kernels.combine import combine_splits
+from foscar.layouts.fragment import TILE_TOKENS
 from foscar.testing import check_output, random_problem
 
 from .decode import MODELS, copies_for, time_layers
@@ -56,14 +58,15 @@ def probe(model: str, batch: int, context: int, splits: list[int], consumers: li
             if not acc.ok:
                 raise SystemExit(f"{model} {batch}x{context} splits={n} consumers={wgs}: {acc}")
             us = time_layers([lambda c=c: call(c, n, wgs) for c in sets], reps)
+            span_tiles = -(-(-(-context // TILE_TOKENS)) // n)  # split_range: whole tiles, the last splits shorter
             rows.append({"model": model, "shape": f"{batch}x{context}", "splits": n, "consumers": wgs,
-                         "tokens_per_cta": context // n, "decode_us": us, "combine_us": combine_us})
+                         "tokens_per_cta": span_tiles * TILE_TOKENS, "decode_us": us, "combine_us": combine_us})
             print(rows[-1], flush=True)
     return rows
 
 
 def table(rows) -> str:
-    lines = ["| model | shape | splits | tokens per CTA | consumer warpgroups | decode + combine (us) "
+    lines = ["| model | shape | splits | tokens per CTA (at most) | consumer warpgroups | decode + combine (us) "
              "| combine alone (us) |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['shape']} | {r['splits']} | {r['tokens_per_cta']} | {r['consumers']} | "
@@ -85,10 +88,15 @@ def main(argv=None):
     models = args.models.split(",")
     if any(m not in MODELS for m in models):
         parser.error(f"--models: each one of {sorted(MODELS)}, got {args.models!r}")
-    splits = [int(s) for s in args.splits.split(",")]
-    consumers = [int(c) for c in args.consumers.split(",")]
-    if any(s < 1 for s in splits) or any(c not in (1, 2, 3, 4) for c in consumers):
-        parser.error("--splits: positive counts; --consumers: 1 to 4 warpgroups")
+    try:
+        splits = [int(s) for s in args.splits.split(",")]
+        consumers = [int(c) for c in args.consumers.split(",")]
+    except ValueError:
+        parser.error(f"--splits and --consumers: comma-separated integers, got {args.splits!r}, {args.consumers!r}")
+    if any(s < 1 for s in splits):
+        parser.error(f"--splits: positive counts, got {args.splits!r}")
+    if any(c not in (1, 2, 3, 4) for c in consumers):
+        parser.error(f"--consumers: 1 to 4 warpgroups, got {args.consumers!r}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.split_probe needs a CUDA GPU")
     rows = [row for m in models for row in probe(m, args.batch, args.context, splits, consumers, args.reps)]

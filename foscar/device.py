@@ -11,6 +11,35 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 LOG2E = math.log2(math.e)  # softmax runs in the log2 domain: exp(x) = exp2(x * LOG2E)
 LN2 = math.log(2.0)  # and reports natural-log lse: ln(x) = log2(x) * LN2
 NEG_INF = float("-inf")
+SM_REGISTERS = 64 * 1024  # 32-bit registers per SM (sm_90, sm_100)
+MAX_THREAD_REGS = 240  # the most registers per thread ptxas allots a launch of the decode kernels (a multiple of 8)
+
+
+def launch_regs(threads: int) -> int:
+    """Registers per thread a CTA of ``threads`` threads is launched with at one CTA per SM (``reqntid`` and
+    ``.minnctapersm 1``: ``DecodeKernelBase.launch``): ptxas's cap, which the cubin records (CPU tests compare). The
+    CTA's setmaxnreg pool holds ``threads`` times this, not the SM's 64K."""
+    return min(MAX_THREAD_REGS, SM_REGISTERS // threads // 8 * 8)
+
+
+def check_register_budget(kernel: str, targets, launch: int) -> None:
+    """A ValueError unless warpgroups at ``targets`` registers per thread (one entry per warpgroup) fit the CTA's
+    launch allotment of ``launch`` per thread: a ``setmaxnreg.inc`` past it waits forever."""
+    if sum(targets) > launch * len(targets):
+        raise ValueError(f"{kernel}: warpgroups of {list(targets)} registers per thread need {128 * sum(targets)}, "
+                         f"the launch holds {128 * launch * len(targets)}")
+
+
+def set_warpgroup_registers(target: int, launch: int) -> None:
+    """setmaxnreg of the executing warpgroup from the launch's ``launch`` registers per thread to ``target``: ``.dec``
+    below it, ``.inc`` at or above it (PTX leaves an ``.inc`` to fewer registers than the warp holds, or a ``.dec`` to
+    more, undefined). An ``.inc`` waits until the CTA's pool has the registers (:func:`check_register_budget`)."""
+    import cutlass.cute as cute
+
+    if target < launch:
+        cute.arch.setmaxregister_decrease(target)
+    else:
+        cute.arch.setmaxregister_increase(target)
 
 
 def fsel(cond, a, b):

@@ -45,7 +45,8 @@ def test_verify_names_a_bad_choice_before_the_gpu_check(args, message, capsys):
 
 @pytest.mark.parametrize("args,message", [(["--models", "tp9"], "--models: each one of"),
                                           (["--consumers", "5"], "--consumers: 1 to 4 warpgroups"),
-                                          (["--splits", "0"], "--splits: positive counts")])
+                                          (["--splits", "0"], "--splits: positive counts"),
+                                          (["--splits", "x"], "comma-separated integers")])
 def test_split_probe_names_a_bad_choice_before_the_gpu_check(args, message, capsys):
     from benchmarks import split_probe
 

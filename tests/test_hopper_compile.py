@@ -244,22 +244,3 @@ def test_cache_decode_fuses_window_tiles(scheme, page_size):
     # token-wise fold cancelled the bias per tile, benchmarks/NOTES.md section 30)
     plain = artifacts(HOPPER.compile_decode(scheme, page_size, True))
     assert art.resources().local_bytes <= max(plain.resources().local_bytes, 16)
-
-
-@pytest.mark.parametrize("consumers", [1, 2, 3, 4])
-def test_the_consumers_ask_for_no_more_registers_than_the_launch_holds(consumers):
-    """setmaxnreg.inc waits until the CTA has the registers it asks for free: the consumers' count must fit what the
-    producer's decrease frees of the launch's allotment, and that allotment (foscar.hopper.kernel.launch_regs) must be
-    the one ptxas gives the cubin. (4 warpgroups once asked for 112 of a 96-register launch: the kernel hung.)"""
-    from foscar.hopper.decode import KERNELS
-    from foscar.hopper.kernel import PRODUCER_REGS, THREADS, DecodeConfig, launch_regs
-    from foscar.inspect import artifacts
-
-    scheme = Scheme.make(2, "token", 128, "token", 128, 128, 4)
-    cfg = DecodeConfig(scheme, 128, True, consumers)
-    held = launch_regs(cfg.threads) * cfg.threads
-    assert THREADS * PRODUCER_REGS + THREADS * consumers * cfg.consumer_regs <= held <= 64 * 1024
-    assert cfg.consumer_regs >= launch_regs(cfg.threads)  # setmaxnreg.inc: never a decrease
-    cubin = artifacts(KERNELS.compile_decode(scheme, 128, True, consumers=consumers)).resources()
-    assert cubin.registers == launch_regs(cfg.threads), (consumers, cubin.registers)
-

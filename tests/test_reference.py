@@ -107,8 +107,9 @@ def test_references_reject_bad_queries(fn):
 
 
 def test_the_causal_check_passes_the_reference_and_names_a_wrong_sequence():
-    """``foscar.testing.check_causal_output`` (the gate of every several-token GPU test): the float64 reference itself
-    passes, with or without lse; one element off by 10x the tolerance, or a NaN, fails and names its sequence."""
+    """``foscar.testing.check_causal_output`` (``benchmarks.ab``'s gate of several-token kernels): the float64
+    reference itself passes, with or without lse; one element off by 10x the tolerance, or a NaN, fails and names its
+    sequence."""
     from foscar.testing import causal_references, check_causal_output, random_problem
 
     scheme = Scheme.make(2, "token", 64, "token", 64, 64, 4)

@@ -23,7 +23,7 @@ def test_each_tile_goes_to_exactly_one_warp():
                 assert counts == [owners.count(w) for w in range(warps)], (run, warps, tiles)
 
 
-@pytest.mark.parametrize("min_valid", [1, 16, TILE_TOKENS])
+@pytest.mark.parametrize("min_valid", [1, 16, TILE_TOKENS, TILE_TOKENS + 15])  # + 15: 16 causal query tokens
 def test_leading_tiles_are_the_span_tiles_with_enough_tokens(min_valid):
     """TileSpan.leading_tiles: the span's first tiles with at least ``min_valid`` tokens before the sequence's end
     (the rest are masked), for every split of ragged lengths, empty splits included."""

@@ -87,7 +87,7 @@ from cutlass.pipeline import NamedBarrier
 
 from ..barriers import BlackwellDecodeBarrier
 from ..decode_kernel import DecodeArgs, DecodeKernelBase, StageLayout
-from ..device import NEG_INF, fsel
+from ..device import NEG_INF, check_register_budget, fsel, launch_regs, set_warpgroup_registers
 from ..query_rows import KvHead, Output, QueryRows
 from ..jit import half_type
 from ..layouts.fragment import TILE_TOKENS
@@ -106,7 +106,8 @@ from .window import cache_bytes
 
 # warpgroup roles
 WG_MMA, WG_PREP, WG_SOFTMAX, WG_OUTPUT = 0, 1, 2, 3
-# registers per thread of each role after setmaxnreg (sum * 128 <= 64K)
+# registers per thread of each role after setmaxnreg: together the launch's allotment (128 per thread for 512
+# threads), the MMA and prep warpgroups' decreases freeing what the softmax and output warpgroups' increases take
 REGS = {WG_MMA: 80, WG_PREP: 112, WG_SOFTMAX: 160, WG_OUTPUT: 160}
 OPERAND_SMEM_DTYPE = Float8E4M3FN  # one byte per A element in smem (FP4: b4x16_p64 padded form)
 SMEM_BUDGET = 227 * 1024 - 2048  # sm_100 dynamic shared memory per CTA, minus a margin
@@ -169,6 +170,8 @@ class BlackwellConfig(StageLayout):
         self.tmem_cols = max(32, 1 << (ss * self.S_COLS + os_ * self.O_COLS - 1).bit_length())
         self.q_dtype = half_type(scheme.q_dtype)
         self.threads = 4 * WG
+        self.launch_regs = launch_regs(self.threads)
+        check_register_budget("Blackwell decode", list(REGS.values()), self.launch_regs)
         self.window = window
         # ---- ring of bulk-copied 64-token tiles (int32 words): K codes | V codes | K params | V params.
         # Channel-wise V params are consumed by the output warpgroup, which runs a step behind the
@@ -416,22 +419,22 @@ class BlackwellDecodeKernel(DecodeKernelBase):
         # (``seq.tiles()``) are (re)computed inside each role, so no value stays live across it
         # (ptxas spilled such values when one role ran at its setmaxnreg ceiling).
         if role == WG_PREP:
-            cute.arch.setmaxregister_increase(REGS[WG_PREP])
+            set_warpgroup_registers(REGS[WG_PREP], cfg.launch_regs)
             self.prep(sm, storage, mmas, ch, q_ptr, seq, head, scale_log2, t, lane, wq, nd)
 
         if role == WG_MMA:
-            cute.arch.setmaxregister_decrease(REGS[WG_MMA])
+            set_warpgroup_registers(REGS[WG_MMA], cfg.launch_regs)
             if warp == 1:
                 self.produce(ch, pages, seq, head, lane)
             if warp == 0:
                 self.issue_mma(mmas, sm, tmem_holder, s_layout, acc_layout, ch, seq)
 
         if role == WG_SOFTMAX:
-            cute.arch.setmaxregister_increase(REGS[WG_SOFTMAX])
+            set_warpgroup_registers(REGS[WG_SOFTMAX], cfg.launch_regs)
             self.softmax(sm, ch, seq, t, lane, wq, tmem_holder, acc_layout, nd)
 
         if role == WG_OUTPUT:
-            cute.arch.setmaxregister_increase(REGS[WG_OUTPUT])
+            set_warpgroup_registers(REGS[WG_OUTPUT], cfg.launch_regs)
             self.output(sm, ch, tmem_holder, acc_layout, out, head, seq, t, wq, nd)
 
         cute.arch.sync_threads()

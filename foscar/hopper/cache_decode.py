@@ -43,7 +43,7 @@ from cutlass import Float32, Int32, Int64
 
 from ..barriers import HopperDecodeBarrier
 from ..decode_kernel import CacheArgs, CacheDecodeBase
-from ..device import at
+from ..device import at, set_warpgroup_registers
 from ..jit import half_type
 from ..kernels.quantize import granule_of
 from ..layouts.fragment import THREADS
@@ -261,7 +261,7 @@ class HopperCacheDecodeKernel(CacheDecodeBase, HopperDecodeKernel):
             window_of = lambda: CacheWindow(cfg, args, part, kv_heads, qlen, q_row0, first)  # noqa: E731
 
         if role == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            set_warpgroup_registers(PRODUCER_REGS, cfg.launch_regs)
             pw, lane = cute.arch.make_warp_uniform(tidx // 32), tidx % 32
             ring_first = None
             if cutlass.const_expr(cfg.window is not None):
@@ -269,7 +269,7 @@ class HopperCacheDecodeKernel(CacheDecodeBase, HopperDecodeKernel):
                 ring_first = window_of().tiles
             self.produce(ring, args.pages, head, tiles, pw, lane, ring_first=ring_first)
         else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            set_warpgroup_registers(cfg.consumer_regs, cfg.launch_regs)
             warp, lane = cute.arch.make_warp_uniform(tidx // 32 - 4), tidx % 32
             window = window_of()
             merge = self.attend_tiles(WarpMma(tiled_mma, lane, cfg.NB), warp, ring, args.q, head, tiles,

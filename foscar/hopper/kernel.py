@@ -80,7 +80,8 @@ from cutlass.pipeline import NamedBarrier
 
 from ..barriers import HopperDecodeBarrier
 from ..decode_kernel import DecodeArgs, DecodeKernelBase, StageLayout
-from ..device import NEG_INF, at, fsel, movmatrix_trans, reduce_over_rows, store
+from ..device import (MAX_THREAD_REGS, NEG_INF, at, check_register_budget, fsel, launch_regs, movmatrix_trans,
+                      reduce_over_rows, set_warpgroup_registers, store)
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..pipeline import Channel, PackedPages, Ring, TileSpan
@@ -92,26 +93,18 @@ from .folds import hooks_for, q_index
 from ..warp_mma import WarpMma
 from .mma import TOKEN_BLOCKS, FragmentOperand
 
-REGISTERS = 64 * 1024  # per SM
 PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
-MAX_THREAD_REGS = 240  # the most registers per thread ptxas allots a launch of these kernels (a multiple of 8)
 PRODUCER_WARPS = 4  # the whole producer warpgroup issues copies
 SMEM_BYTES = 220 * 1024  # shared-memory budget of the stage ring (the merge reuses it)
 MAX_STAGES = 48
 MERGE_PAD = 4  # fp32 words of padding per merged output row: conflict-free fragment stores
 
 
-def launch_regs(threads: int) -> int:
-    """Registers per thread a CTA of ``threads`` is launched with: ptxas's cap under ``reqntid`` and one CTA per SM
-    (``foscar/decode_kernel.py``), which the cubin records (a CPU test compares)."""
-    return min(MAX_THREAD_REGS, REGISTERS // threads // 8 * 8)
-
-
 def consumer_regs(consumers: int) -> int:
     """setmaxnreg of the consumer warpgroups: what the producer's decrease frees of the CTA's launch allotment, shared
     among them. ``setmaxnreg.inc`` waits until the registers it asks for are free in the CTA, so asking for more than
-    the allotment holds hangs the kernel (4 warpgroups: 96 per thread at launch, and the whole SM's 64K / 5 would
-    have asked 112, 1K more than the producer frees)."""
+    the allotment holds hangs the kernel (4 warpgroups: 96 per thread at launch; the SM's 64K less the producer's,
+    shared by 512 consumer threads, asked 112: 1K more than the producer frees)."""
     threads = THREADS * (1 + consumers)
     freed = launch_regs(threads) * threads - THREADS * PRODUCER_REGS
     return min(MAX_THREAD_REGS, freed // (THREADS * consumers) // 8 * 8)
@@ -161,8 +154,8 @@ def _consumers_for_state(scheme: Scheme, rows: int) -> int:
     state = blocks * nb * (4 + 2)  # O^T accumulators + f16x2 Q^T
     if not plan.k.token_wise:
         state += blocks * nb * 4 + blocks * nb * 2 * (plan.k.tile_groups - 1)
-    # the pipelined loop carries a tile's P^T fragments, alpha, stage and valid tokens into the next
-    # (HopperDecodeKernel.front)
+    # the pipelined loop carries a tile's P^T fragments, alpha and stage into the next (HopperDecodeKernel.front); 2
+    # registers counted for the stage, as when the defaults were measured (section 37)
     pending = (4 * 2 + 2) * nb + 2 if pipelines(rows) else 0
     if state + pending <= 64:
         return 3
@@ -217,11 +210,10 @@ class PendingTile:
 
 @dataclass(frozen=True)
 class QueryOperand:
-    """A consumer warp's loop-invariant query side: fp32 q at its Q^T fragment positions (``load_query``), the
-    K case's state built from them (``k_hooks.setup``: Q^T fragments, bias accumulators, Qsum) and the score
-    scale ``sm_scale * log2(e)``."""
+    """A consumer warp's loop-invariant query side: the K case's state built from fp32 q at its Q^T fragment
+    positions (``load_query``, ``k_hooks.setup``: Q^T fragments, bias accumulators, Qsum) and the score scale
+    ``sm_scale * log2(e)``."""
 
-    values: cute.Tensor
     k_state: object
     scale_log2: Float32
 
@@ -281,7 +273,9 @@ class DecodeConfig(StageLayout):
         self.NC = consumers
         self.NW = 4 * consumers
         self.threads = THREADS * (1 + consumers)
+        self.launch_regs = launch_regs(self.threads)
         self.consumer_regs = consumer_regs(consumers)
+        check_register_budget("Hopper decode", [PRODUCER_REGS] + [self.consumer_regs] * consumers, self.launch_regs)
         # stage of the ring (int32 words): K codes | V codes | K params | V params (foscar.decode_kernel)
         self.lay_out_stage(plan, self.k_operand.words, self.v_operand.words)
         # a stage may instead hold a window tile (``window``: foscar.window_tiles.WindowOperands of the
@@ -365,10 +359,10 @@ class HopperDecodeKernel(DecodeKernelBase):
         tiles = TileSpan.of_split(at(args.lengths, b), split, args.num_splits, cfg.TPG)
 
         if role == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            set_warpgroup_registers(PRODUCER_REGS, cfg.launch_regs)
             self.produce(ring, args.pages, head, tiles, cute.arch.make_warp_uniform(tidx // 32), tidx % 32)
         else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            set_warpgroup_registers(cfg.consumer_regs, cfg.launch_regs)
             warp = cute.arch.make_warp_uniform(tidx // 32 - 4)
             mma = WarpMma(tiled_mma, tidx % 32, cfg.NB)
             self.consume(mma, warp, ring, args.q, head, tiles,
@@ -444,7 +438,7 @@ class HopperDecodeKernel(DecodeKernelBase):
         returns."""
         cfg = self.cfg
         qv = self.load_query(mma, q_ptr, head)
-        query = QueryOperand(qv, self.k_hooks.setup(mma, qv), scale_log2)
+        query = QueryOperand(self.k_hooks.setup(mma, qv), scale_log2)
         state = self.start_state(mma)
 
         n_local = tiles.count()
@@ -536,6 +530,8 @@ class HopperDecodeKernel(DecodeKernelBase):
         ones (``window``); ``masked``: the tile may have rows past the end (or past a column's causal bound); else it
         has none."""
         cfg = self.cfg
+        if cutlass.const_expr(hold and masked):  # back() reads a held stage's V params unmasked
+            raise ValueError("a masked tile's front must release its stage (hold=False)")
         kf, vf = self.k_hooks, self.v_hooks
         ring_tile = cfg.TPG * (warp + cfg.NW * (step // cfg.TPG)) + step % cfg.TPG
         local_tile = ring_tile - n_front
