@@ -9,11 +9,11 @@ holding its ``foscar/``, made here with ``git archive <rev> foscar | tar -x -C <
 Each revision's ``foscar/`` (``git archive``; ``worktree``: the package this process imports) is loaded as its own
 package (``foscar_<rev>``, so its kernels compile under their own names and its compile cache entries are its own);
 every revision attends the same caches (built by the working tree's ``foscar.testing``), each is first checked
-against the float64 reference (ragged lengths, 1 and 3 splits), and the timings interleave the revisions round by
-round (CUDA-graph replays over L2-cold copies, ``benchmarks.decode.time_layers``), so that the machine's drift over
-the run falls on all of them alike. It spreads the drift, it does not remove it: on the H200 one kernel's code in two
-packages of one run measured 84.3 and 91.7 us (benchmarks/NOTES.md section 36), so repeat a run before trusting a
-few percent.
+(into NaN-poisoned outputs) against the float64 reference (ragged lengths, 1 and 3 splits), and the timings
+interleave the revisions round by round (CUDA-graph replays over L2-cold copies, ``benchmarks.decode.time_layers``),
+so that the machine's drift over the run falls on all of them alike. It spreads the drift, it does not remove it: on
+the H200 one kernel's code in two packages of one run measured 84.3 and 91.7 us (benchmarks/NOTES.md section 36), so
+repeat a run before trusting a few percent.
 
 A method is ``benchmarks.decode``'s (``int2-kt128``: a built-in format, K token- or channel-wise, V token-wise in
 groups of 128); a shape is ``<batch>x<context>`` of Qwen3-8B attention (8 KV heads, 4 query heads each, head_dim 128).
@@ -107,7 +107,8 @@ def checked(pkg, method: str, tokens: int) -> bool:
     check = check_output if tokens == 1 else check_causal_output
     ok = True
     for splits in (1, 3):
-        out, lse = decode_call(pkg, scheme_for(pkg, method), q, cache, splits, return_lse=True)
+        out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"), device=q.device)
+        decode_call(pkg, scheme_for(pkg, method), q, cache, splits, return_lse=True, out=out, lse=lse)
         acc = check(out, lse, q, cache, ref_scheme.head_dim**-0.5)
         if not acc.ok:
             print(f"{pkg.__name__} {method} splits={splits}: {acc}", flush=True)
@@ -121,14 +122,12 @@ def time_side_by_side(packages, method: str, batch: int, context: int, tokens: i
     from foscar.decode import plan_splits
     from foscar.testing import random_problem
 
-    from .decode import copies_for, time_layers
+    from .decode import clones, copies_for, time_layers
 
     q, cache = random_problem(scheme_for(importlib.import_module("foscar"), method), [context] * batch, kv_heads=8,
                               page_size=128, shuffle=False)
     q = queries(q, tokens)
-    names = ("k_codes", "k_params", "v_codes", "v_params")
-    sets = [cache] + [type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in names}})
-                      for _ in range(copies_for(cache.nbytes()) - 1)]
+    sets = clones(cache, copies_for(cache.nbytes()))
     splits = plan_splits(batch, 8, cache.max_tokens, torch.cuda.get_device_properties(0).multi_processor_count)
     fns = {pkg.__name__: [(lambda c=c, pkg=pkg, s=scheme_for(pkg, method): decode_call(pkg, s, q, c, splits))
                           for c in sets] for pkg in packages}

@@ -100,6 +100,14 @@ def copies_for(nbytes: int) -> int:
     return max(1, math.ceil(WORKING_SET / max(nbytes, 1)))
 
 
+def clones(cache, copies: int):
+    """``copies`` caches with the same contents in distinct buffers (the first is ``cache``): a graph replay over all
+    of them reads from HBM, not L2."""
+    names = ("k_codes", "k_params", "v_codes", "v_params")
+    return [cache] + [type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in names}})
+                      for _ in range(copies - 1)]
+
+
 def event_times(fn, reps: int, before=None) -> list[float]:
     """Microseconds of ``reps`` eager calls of ``fn()``, each between CUDA events on an idle stream (no warm-up);
     ``before()``, untimed, precedes each call (e.g. an append that grows the cache)."""

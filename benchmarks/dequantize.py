@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from .decode import MODELS, _versions, copies_for, event_times, scheme_of, time_layers
+from .decode import MODELS, _versions, clones, copies_for, event_times, scheme_of, time_layers
 from .records import run_meta, write
 
 PAGE = 128  # tokens per page, the cache's default
@@ -54,13 +54,6 @@ def packed_caches(scheme, batch: int, tokens: int, layout: str):
     read = {role: pages * sum(t[0].numel() * t.element_size() for t in pair)
             for role, pair in (("k", (cache.k_codes, cache.k_params)), ("v", (cache.v_codes, cache.v_params)))}
     return cache, read
-
-
-def clones(cache, copies: int):
-    """``copies`` caches with the same contents in distinct buffers (the first is ``cache``)."""
-    names = ("k_codes", "k_params", "v_codes", "v_params")
-    return [cache] + [type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in names}})
-                      for _ in range(copies - 1)]
 
 
 def measure(method: str, batch: int, tokens: int, layout: str, reps: int):

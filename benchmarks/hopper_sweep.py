@@ -17,7 +17,7 @@ import torch
 
 from foscar.scheme import Scheme
 
-from .decode import copies_for, time_layers
+from .decode import clones, copies_for, time_layers
 
 VARIANTS = {
     "int2-kc128": Scheme.make(2, "channel", 128, "token", 128, 128, 4),
@@ -34,12 +34,7 @@ def cache_sets(scheme, batch, context, kv_heads=8, page_size=128):
 
     q, cache = random_problem(scheme, [context] * batch, kv_heads=kv_heads, page_size=page_size, shuffle=False)
     nbytes = cache.nbytes() + 2 * q.numel() * q.element_size()
-    names = ("k_codes", "k_params", "v_codes", "v_params")
-    sets = [cache] + [
-        type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in names}})
-        for _ in range(copies_for(nbytes) - 1)
-    ]
-    return q, sets, nbytes
+    return q, clones(cache, copies_for(nbytes)), nbytes
 
 
 def planned_splits(batch, kv_heads, max_tokens):

@@ -6,9 +6,9 @@ warpgroups, next to the combine kernel that merges its splits, alone.
 A batch-1 sequence with one or two KV heads fills the GPU only through its splits (``foscar.work_list.plan_splits``
 picks at most ``MAX_SPLITS``): each CTA then attends a few tiles per consumer warp, and what does not shrink with the
 tiles (the CTA's prologue and first ring fill, the warps' merge, the combine launch) sets the time. Each row is
-checked against float64 first (``foscar.testing.check_output``); times are medians of CUDA-graph replays over L2-cold
-cache copies (``benchmarks.decode.time_layers``), in microseconds per layer. The combine alone replays one set of
-partials (L2-warm, as after the decode that wrote them).
+checked against float64 first, into NaN-poisoned outputs (``foscar.testing.check_output``); times are medians of
+CUDA-graph replays over L2-cold cache copies (``benchmarks.decode.time_layers``), in microseconds per layer. The
+combine alone replays one set of partials (L2-warm, as after the decode that wrote them).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from foscar.decode import plan_splits
 from foscar.hopper.decode import KERNELS
 from foscar.kernels.combine import combine_splits
 from foscar.layouts.fragment import TILE_TOKENS
+from foscar.pipeline import split_range
 from foscar.testing import check_output, random_problem
 
-from .decode import MODELS, copies_for, time_layers
+from .decode import MODELS, clones, copies_for, time_layers
 
 PAGE = 128
 
@@ -34,9 +35,7 @@ def probe(model: str, batch: int, context: int, splits: list[int], consumers: li
     scheme = Scheme.make(2, "token", 128, "token", 128, d, q_heads // kv_heads)
     q, cache = random_problem(scheme, [context] * batch, kv_heads=kv_heads, page_size=PAGE, shuffle=False)
     sm_scale = d**-0.5
-    names = ("k_codes", "k_params", "v_codes", "v_params")
-    sets = [cache] + [type(cache)(**{**cache.__dict__, **{n: getattr(cache, n).clone() for n in names}})
-                      for _ in range(copies_for(cache.nbytes()) - 1)]
+    sets = clones(cache, copies_for(cache.nbytes()))
 
     def call(c, n, wgs, out=None, lse=None):
         return KERNELS.run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
@@ -54,13 +53,14 @@ def probe(model: str, batch: int, context: int, splits: list[int], consumers: li
         merge = [lambda: combine_splits(o_part, lse_part, out, lse)] * len(sets)
         combine_us = time_layers(merge, reps) if n > 1 else 0.0
         for wgs in consumers:
-            acc = check_output(*call(cache, n, wgs), q, cache, sm_scale)
+            poisoned = torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"), device="cuda")
+            acc = check_output(*call(cache, n, wgs, *poisoned), q, cache, sm_scale)
             if not acc.ok:
                 raise SystemExit(f"{model} {batch}x{context} splits={n} consumers={wgs}: {acc}")
             us = time_layers([lambda c=c: call(c, n, wgs) for c in sets], reps)
-            span_tiles = -(-(-(-context // TILE_TOKENS)) // n)  # split_range: whole tiles, the last splits shorter
+            _, first, end = split_range(context, 0, n, 1)  # the first split's tiles: the longest
             rows.append({"model": model, "shape": f"{batch}x{context}", "splits": n, "consumers": wgs,
-                         "tokens_per_cta": span_tiles * TILE_TOKENS, "decode_us": us, "combine_us": combine_us})
+                         "tokens_per_cta": (end - first) * TILE_TOKENS, "decode_us": us, "combine_us": combine_us})
             print(rows[-1], flush=True)
     return rows
 
