@@ -16,7 +16,9 @@ the H200 one kernel's code in two packages of one run measured 84.3 and 91.7 us 
 repeat a run before trusting a few percent.
 
 A method is ``benchmarks.decode``'s (``int2-kt128``: a built-in format, K token- or channel-wise, V token-wise in
-groups of 128); a shape is ``<batch>x<context>`` of Qwen3-8B attention (8 KV heads, 4 query heads each, head_dim 128).
+groups of 128); a shape is ``<batch>x<context>`` of ``--model``'s attention (``benchmarks.decode.MODELS``; Qwen3-8B: 8
+KV heads, 4 query heads each, head_dim 128). Each revision splits the KV range as its own ``plan_splits`` says (the
+table's splits: first revision's / others' where they differ).
 """
 
 from __future__ import annotations
@@ -76,18 +78,27 @@ def load(revs, into: Path) -> list:
     return packages
 
 
-def scheme_for(pkg, method: str):
-    """``method``'s scheme (``<format>-k<t|c><group>``, a built-in format) built by package ``pkg``."""
+def scheme_for(pkg, method: str, model: str = "qwen3-8b"):
+    """``method``'s scheme (``<format>-k<t|c><group>``, a built-in format) for ``model``'s geometry, built by package
+    ``pkg``."""
+    from .decode import MODELS
+
+    q_heads, kv_heads, head_dim = MODELS[model]
     match = re.fullmatch(r"(?P<fmt>int[248])-k(?P<axis>[tc])(?P<group>\d+)", method)
     if match is None:
         raise ValueError(f"method {method!r}: expected int<bits>-k<t|c><group>, e.g. int2-kt128")
     return pkg.Scheme.make(int(match["fmt"][3:]), {"t": "token", "c": "channel"}[match["axis"]], int(match["group"]),
-                           "token", 128, 128, 4)
+                           "token", 128, head_dim, q_heads // kv_heads)
 
 
 def decode_call(pkg, scheme, q, cache, splits, **kw):
     return pkg.decode.decode_paged(q, cache.k_codes, cache.k_params, cache.v_codes, cache.v_params, cache.page_table,
                                    cache.lengths, scheme, 128, num_splits=splits, **kw)
+
+
+def planned_splits(pkg, batch: int, kv_heads: int, max_tokens: int) -> int:
+    """The split count ``pkg``'s ``decode_paged`` plans for the shape on this GPU."""
+    return pkg.decode.plan_splits(batch, kv_heads, max_tokens, torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 def queries(q, tokens: int):
@@ -96,64 +107,67 @@ def queries(q, tokens: int):
     return q if tokens == 1 else torch.randn(q.shape[0], tokens, *q.shape[1:], device=q.device).to(q.dtype)
 
 
-def checked(pkg, method: str, tokens: int) -> bool:
-    """``pkg``'s decode of ``method`` (``tokens`` query tokens per sequence) against float64 (ragged lengths, 1 and 3
-    splits)."""
+def checked(pkg, method: str, tokens: int, model: str, splits=(1, 3)) -> bool:
+    """``pkg``'s decode of ``method`` (``tokens`` query tokens per sequence) against float64 (ragged lengths; 1 and 3
+    splits, and the counts a timed shape plans)."""
     from foscar.testing import check_causal_output, check_output, random_problem
 
-    ref_scheme = scheme_for(importlib.import_module("foscar"), method)
+    ref_scheme = scheme_for(importlib.import_module("foscar"), method, model)
     q, cache = random_problem(ref_scheme, [tokens, 700, 4097, 129, 64, 65], kv_heads=3, page_size=128)
     q = queries(q, tokens)
     check = check_output if tokens == 1 else check_causal_output
     ok = True
-    for splits in (1, 3):
+    for n in sorted(set(splits)):
         out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"), device=q.device)
-        decode_call(pkg, scheme_for(pkg, method), q, cache, splits, return_lse=True, out=out, lse=lse)
+        decode_call(pkg, scheme_for(pkg, method, model), q, cache, n, return_lse=True, out=out, lse=lse)
         acc = check(out, lse, q, cache, ref_scheme.head_dim**-0.5)
         if not acc.ok:
-            print(f"{pkg.__name__} {method} splits={splits}: {acc}", flush=True)
+            print(f"{pkg.__name__} {method} splits={n}: {acc}", flush=True)
         ok = ok and acc.ok
     return ok
 
 
-def time_side_by_side(packages, method: str, batch: int, context: int, tokens: int, rounds: int, reps: int) -> dict:
-    """Median microseconds per call of each package's decode (``tokens`` query tokens per sequence) of one cache set,
-    rounds interleaved."""
-    from foscar.decode import plan_splits
+def time_side_by_side(packages, method: str, batch: int, context: int, tokens: int, rounds: int, reps: int,
+                      model: str) -> dict:
+    """Median microseconds per call of each package's decode (``tokens`` query tokens per sequence, as many splits
+    as its plan says) of one cache set, rounds interleaved."""
     from foscar.testing import random_problem
 
-    from .decode import clones, copies_for, time_layers
+    from .decode import MODELS, clones, copies_for, time_layers
 
-    q, cache = random_problem(scheme_for(importlib.import_module("foscar"), method), [context] * batch, kv_heads=8,
-                              page_size=128, shuffle=False)
+    kv_heads = MODELS[model][1]
+    q, cache = random_problem(scheme_for(importlib.import_module("foscar"), method, model), [context] * batch,
+                              kv_heads=kv_heads, page_size=128, shuffle=False)
     q = queries(q, tokens)
     sets = clones(cache, copies_for(cache.nbytes()))
-    splits = plan_splits(batch, 8, cache.max_tokens, torch.cuda.get_device_properties(0).multi_processor_count)
-    fns = {pkg.__name__: [(lambda c=c, pkg=pkg, s=scheme_for(pkg, method): decode_call(pkg, s, q, c, splits))
-                          for c in sets] for pkg in packages}
+    splits = {pkg.__name__: planned_splits(pkg, batch, kv_heads, cache.max_tokens) for pkg in packages}
+    fns = {pkg.__name__: [(lambda c=c, pkg=pkg, s=scheme_for(pkg, method, model):
+                           decode_call(pkg, s, q, c, splits[pkg.__name__])) for c in sets] for pkg in packages}
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, layer_fns in fns.items():
             times[name].append(time_layers(layer_fns, reps=reps))
-    return {"splits": splits, **{name: statistics.median(t) for name, t in times.items()}}
+    return {"splits": "/".join(map(str, dict.fromkeys(splits.values()))),
+            **{name: statistics.median(t) for name, t in times.items()}}
 
 
 def table(revs, packages, rows) -> str:
     names = [pkg.__name__ for pkg in packages]
-    lines = ["| method | shape | tokens | splits | " + " | ".join(f"{rev} (us, / first)" for rev in revs) + " |",
-             "|---|---|---|---|" + "---|" * len(revs)]
+    lines = ["| model | method | shape | tokens | splits | " + " | ".join(f"{rev} (us, / first)" for rev in revs)
+             + " |", "|---|---|---|---|---|" + "---|" * len(revs)]
     for row in rows:
         first = row[names[0]]
-        lines.append(f"| {row['method']} | {row['shape']} | {row['tokens']} | {row['splits']} | "
+        lines.append(f"| {row['model']} | {row['method']} | {row['shape']} | {row['tokens']} | {row['splits']} | "
                      + " | ".join(f"{row[n]:.1f} ({row[n] / first:.3f})" for n in names) + " |")
     geo = [math.exp(statistics.fmean(math.log(row[n] / row[names[0]]) for row in rows)) for n in names]
-    lines.append("| geo-mean | | | | " + " | ".join(f"{g:.3f}" for g in geo) + " |")
+    lines.append("| geo-mean | | | | | " + " | ".join(f"{g:.3f}" for g in geo) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--revs", required=True, help=f"git revisions, comma-separated ({WORKTREE}: this checkout)")
+    parser.add_argument("--model", default="qwen3-8b", help="attention geometry, of benchmarks.decode.MODELS")
     parser.add_argument("--methods", default="int2-kt128,int2-kc128,int4-kt128")
     parser.add_argument("--shapes", default="8x32768,128x8192,1x32768")
     parser.add_argument("--tokens", type=int, default=1,
@@ -168,18 +182,25 @@ def main(argv=None):
     revs = args.revs.split(",")
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     methods = args.methods.split(",")
+    from .decode import MODELS
+
+    if args.model not in MODELS:
+        parser.error(f"--model must be one of {sorted(MODELS)}, got {args.model!r}")
     for method in methods:
-        scheme_for(importlib.import_module("foscar"), method)  # a bad name fails before anything compiles
+        scheme_for(importlib.import_module("foscar"), method, args.model)  # a bad name fails before anything compiles
     if not torch.cuda.is_available():
         sys.exit("benchmarks.ab needs a CUDA GPU")
     with tempfile.TemporaryDirectory(prefix="foscar-ab-") as tmp:
         packages = load(revs, Path(tmp))
         rows = []
         for method in methods:
-            ok = {pkg.__name__: checked(pkg, method, args.tokens) for pkg in packages}
+            kv_heads = MODELS[args.model][1]
+            timed = [planned_splits(pkg, b, kv_heads, -(-c // 128) * 128) for pkg in packages for b, c in shapes]
+            ok = {pkg.__name__: checked(pkg, method, args.tokens, args.model, (1, 3, *timed)) for pkg in packages}
             for batch, context in shapes:
-                row = {"method": method, "shape": f"{batch}x{context}", "tokens": args.tokens, "checked": ok,
-                       **time_side_by_side(packages, method, batch, context, args.tokens, args.rounds, args.reps)}
+                row = {"model": args.model, "method": method, "shape": f"{batch}x{context}", "tokens": args.tokens,
+                       "checked": ok, **time_side_by_side(packages, method, batch, context, args.tokens, args.rounds,
+                                                          args.reps, args.model)}
                 rows.append(row)
                 print(row, flush=True)
                 torch.cuda.empty_cache()

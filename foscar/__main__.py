@@ -30,7 +30,7 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
     from .decode import compile_decode
     from .inspect import Artifacts, artifacts, decode_loop_stats
     from .jit import cached_compile, half_type
-    from .kernels.combine import compile_combine
+    from .kernels.combine import cached_combine
     from .kernels.dequantize import DequantizeConfig, compile_dequantize
     from .kernels.sink_window import compile_sink_window
 
@@ -42,9 +42,6 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
         cfg = DequantizeConfig.of(scheme, "k", layout=REGISTERED[arch].layout)  # the arch's cache's bit order
         return cached_compile(("dequantize", cfg, arch), lambda: compile_dequantize(cfg, arch=arch))
 
-    def combine(arch):
-        return cached_compile(("combine", d, q_type, arch), lambda: compile_combine(d, arch, q_type))
-
     def sink_window(arch):
         gqa = scheme.gqa_ratio
         return cached_compile(("sink_window", d, gqa, q_type, arch), lambda: compile_sink_window(d, gqa, arch, q_type))
@@ -52,11 +49,11 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
     builds = [
         ("sm_90a", "decode (hopper)", lambda: compile_decode(scheme, "sm_90a", page_size)),
         ("sm_90a", "dequantize K", lambda: dequantize_k("sm_90a")),
-        ("sm_90a", "combine", lambda: combine("sm_90a")),
+        ("sm_90a", "combine", lambda: cached_combine(d, q_type, "sm_90a")),
         ("sm_90a", "decode (cache)", lambda: REGISTERED["sm_90a"].compile_cache_decode(scheme, page_size)),
         ("sm_100a", "decode (blackwell)", lambda: compile_decode(scheme, "sm_100a", page_size)),
         ("sm_100a", "dequantize K", lambda: dequantize_k("sm_100a")),
-        ("sm_100a", "combine", lambda: combine("sm_100a")),
+        ("sm_100a", "combine", lambda: cached_combine(d, q_type, "sm_100a")),
         ("sm_100a", "decode (cache)", lambda: REGISTERED["sm_100a"].compile_cache_decode(scheme, page_size)),
         ("sm_100a", "sink + window", lambda: sink_window("sm_100a")),
     ]

@@ -729,7 +729,8 @@ class PagedKVCache:
         variants): fixed by capacities only (graph-stable), so kept per batch size (planning
         takes ~35 us of Python, and every attend asks)."""
         if batch not in self._splits:
-            self._splits[batch] = plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms)
+            self._splits[batch] = plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms,
+                                              MAX_SPLITS)
         return self._splits[batch]
 
     def attend(self, layer: int, seq_ids, q: torch.Tensor, sm_scale: float | None = None, return_lse: bool = False):

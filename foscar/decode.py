@@ -18,9 +18,9 @@ from .archs import arch_of_device, get_arch, packed_layouts
 from .query_rows import launches
 from .quantize import QuantizedKV, check_page_size
 from .scheme import PARAM_DTYPE, Scheme
-from .work_list import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, plan_splits
+from .work_list import MAX_DECODE_SPLITS, MIN_TOKENS_PER_SPLIT, plan_splits
 
-__all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged", "MAX_SPLITS",
+__all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged", "MAX_DECODE_SPLITS",
            "MIN_TOKENS_PER_SPLIT"]
 
 def _tensor(name, t, dtype, dims, device):

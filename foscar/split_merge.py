@@ -32,14 +32,16 @@ from cutlass import Float32, Int32, Int64
 from cutlass.pipeline import NamedBarrier
 
 from .device import NEG_INF, at, fsel, store
-from .softmax import lse_weight, merged_lse
+from .softmax import finite_reference, lse_weight, merged_lse
 from .work_list import MAX_SPLITS
 
-__all__ = ["CacheOutput", "SplitMerge", "PartialSum", "VEC", "BATCH", "GROUP", "TWO_LEVELS_PAST", "counter_words"]
+__all__ = ["CacheOutput", "SplitMerge", "PartialSum", "row_lse", "VEC", "BATCH", "LSE_LOADS", "GROUP",
+           "TWO_LEVELS_PAST", "counter_words"]
 
 
 VEC = 4  # fp32 channels a thread loads at once (16 bytes)
 BATCH = 8  # partials a thread loads before it uses the first
+LSE_LOADS = 4  # lses a lane loads before it uses the first: one round trip covers 128 partials
 GROUP = 8  # work-list parts one first-level merge takes (one BATCH of loads per thread)
 TWO_LEVELS_PAST = 2 * GROUP  # parts up to this merge in one level (see the module docstring)
 
@@ -48,6 +50,32 @@ def counter_words(heads: int, max_parts: int) -> int:
     """Int32 completion counters for ``heads`` (sequence, KV head)s of at most ``max_parts`` parts each: one per
     (sequence, KV head), then ``ceil(max_parts / GROUP)`` group counters each."""
     return heads * (1 + -(-max_parts // GROUP))
+
+
+@cute.jit
+def row_lse(lse_row: cute.Tensor, count: Int32, lane: Int32):
+    """One warp's ``(reference, weights)`` of a row's ``count`` partial lses ``lse_row (count,)``: their max and
+    ``sum_s exp(lse_s - max)`` (0 when all are empty: max -inf). Each lane loads ``LSE_LOADS`` lses at once and keeps a
+    running max and a sum rescaled to it, so up to ``32 * LSE_LOADS`` partials cost one round trip of memory latency
+    (a max loop then a sum loop of one load per lane cost two per 32 partials)."""
+    m = Float32(NEG_INF)
+    weights = Float32(0.0)
+    for base in cutlass.range(lane, count, 32 * LSE_LOADS, unroll=1):
+        lses = [None] * LSE_LOADS
+        for k in cutlass.range_constexpr(LSE_LOADS):
+            lses[k] = lse_row[cutlass.min(base + 32 * k, count - 1)]
+        top = m
+        for k in cutlass.range_constexpr(LSE_LOADS):
+            lses[k] = fsel(base + 32 * k < count, lses[k], Float32(NEG_INF))
+            top = cute.arch.fmax(top, lses[k])
+        reference = finite_reference(top)
+        weights = weights * lse_weight(m, reference)  # 0 while m is -inf
+        for k in cutlass.range_constexpr(LSE_LOADS):
+            weights = weights + lse_weight(lses[k], reference)  # 0 for an empty partial
+        m = top
+    top = cute.arch.warp_reduction_max(m)
+    weights = cute.arch.warp_reduction_sum(weights * lse_weight(m, finite_reference(top)))
+    return top, weights
 
 
 class PartialSum:
@@ -194,15 +222,7 @@ class SplitMerge:
         o_rows, lse_rows = partials()  # (R, total, D): the rows' partials; (R, total): their lses
         warp, lane = tc // 32, tc % 32
         for r in cutlass.range(warp, R, self.warps, unroll=1):
-            m = Float32(NEG_INF)
-            for s in cutlass.range(lane, total, 32, unroll=1):
-                m = cute.arch.fmax(m, lse_rows[r, s])
-            m = cute.arch.warp_reduction_max(m)
-            weights = Float32(0.0)
-            if m > Float32(NEG_INF):
-                for s in cutlass.range(lane, total, 32, unroll=1):
-                    weights = weights + lse_weight(lse_rows[r, s], m)  # 0 for an empty partial
-                weights = cute.arch.warp_reduction_sum(weights)
+            m, weights = row_lse(lse_rows[r, None], total, lane)
             if lane == 0:
                 w[self.M + r] = m
                 w[self.L + r] = weights

@@ -41,33 +41,39 @@ from .layouts.fragment import TILE_TOKENS
 from .window_tiles import BLOCK, quantized_tokens
 
 __all__ = ["WorkList", "CacheWork", "host_plan", "grid_ctas", "PLAN_WORDS", "plan_splits", "MAX_SPLITS",
-           "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM"]
+           "MAX_DECODE_SPLITS", "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM"]
 
 MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 64  # 128 measured 5% faster alone, 7% slower with sink + window at 1 x 128K, 1 KV head: NOTES 14
+MAX_SPLITS = 64  # the cache decode's in-launch merge (its counters): 128 measured 7% slower at 1 x 128K, 1 KV head: NOTES 14
+MAX_DECODE_SPLITS = 128  # decode_paged's launches (merged by the combine kernel): 1 x 128K, 1 KV head, NOTES 41
 CTAS_PER_SM = 1  # the Hopper kernel: producer + 3 consumer warpgroups hold an SM's registers (setmaxnreg)
 SPLIT_OVERHEAD_TOKENS = 256  # per-CTA prologue, ring fill and combine traffic, in tokens of work
 
 
-def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
+def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: int = MAX_DECODE_SPLITS) -> int:
     """How many CTAs share one (sequence, KV head), flash-decoding style.
 
     ``CTAS_PER_SM`` CTAs run per SM, so ``n`` splits take ``waves(n) = ceil(batch*kv_heads*n /
     (num_sms*CTAS_PER_SM))`` waves of ``max_tokens/n + SPLIT_OVERHEAD_TOKENS`` tokens each; pick
-    the ``n`` with the least total (the fewest splits among equals), with no split shorter than
-    ``MIN_TOKENS_PER_SPLIT`` tokens. Uses the page table's capacity, not the lengths, so planning
+    the ``n`` with the least total (the fewest splits among equals), at most ``most``, with no split shorter than
+    ``MIN_TOKENS_PER_SPLIT`` tokens, then the fewest splits that cut its longest split's whole tiles. Uses the page table's capacity, not the lengths, so planning
     needs no device-to-host sync.
     """
-    for name, value in (("batch", batch), ("kv_heads", kv_heads), ("max_tokens", max_tokens), ("num_sms", num_sms)):
+    for name, value in (("batch", batch), ("kv_heads", kv_heads), ("max_tokens", max_tokens), ("num_sms", num_sms),
+                        ("most", most)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     slots = num_sms * CTAS_PER_SM
-    most = max(1, min(MAX_SPLITS, max_tokens // MIN_TOKENS_PER_SPLIT))
+    most = max(1, min(most, max_tokens // MIN_TOKENS_PER_SPLIT))
 
     def cost(n):
         return math.ceil(batch * kv_heads * n / slots) * (max_tokens / n + SPLIT_OVERHEAD_TOKENS)
 
-    return min(range(1, most + 1), key=lambda n: (cost(n), n))
+    best = min(range(1, most + 1), key=lambda n: (cost(n), n))
+    # the kernels cut whole tiles, ceil(tiles / n) per split (foscar.pipeline.split_range): the fewest splits with
+    # that longest split (66 splits of 2,048 tiles are 64 of 32 and two empty CTAs)
+    tiles = -(-max_tokens // TILE_TOKENS)
+    return -(-tiles // -(-tiles // best))
 
 
 ITEM_FIELDS = 6  # b, part, parts, first item of the sequence, the sequence's two payload words

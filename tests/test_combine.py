@@ -56,9 +56,19 @@ def test_combine_block_is_whole_warps():
     give its last warp another max: every head_dim gets whole warps (96 once got 240 threads)."""
     from foscar.kernels.combine import Combine
 
+    from foscar.kernels.combine import built_splits
+    from foscar.split_merge import BATCH
+
     for d in range(32, 1025, 32):
-        kernel = Combine(d)
-        assert kernel.threads % 32 == 0 and kernel.threads == kernel.groups * d // 4 <= 1024, d
+        for splits in (32, 64, 128, 256):
+            kernel = Combine(d, splits=splits)
+            assert kernel.threads % 32 == 0 and kernel.threads == kernel.groups * d // 4 <= 1024, (d, splits)
+            # one batch of loads per thread reads the splits, where 1024 threads allow (groups come in steps that
+            # keep whole warps)
+            step = 32 // math.gcd(d // 4, 32)
+            assert kernel.groups * BATCH >= splits or kernel.threads + step * d // 4 > 1024, (d, splits)
+    assert [built_splits(n) for n in (1, 32, 33, 64, 65, 128, 129, 256, 1000)] == [32, 32, 64, 64, 128, 128, 256,
+                                                                                   256, 256]
     with pytest.raises(ValueError, match="head_dim must be a multiple of 32"):
         Combine(100)
 
@@ -66,7 +76,7 @@ def test_combine_block_is_whole_warps():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
-@pytest.mark.parametrize("splits", [1, 7, 40])
+@pytest.mark.parametrize("splits", [1, 7, 40, 128, 200])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_combine_kernel_matches_reference(d, splits, out_dtype, rng):
     from foscar.kernels import combine_splits

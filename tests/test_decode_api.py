@@ -84,14 +84,19 @@ def test_decode_checks_the_cache_type(case):
 
 
 def test_split_planning():
-    from foscar.decode import MAX_SPLITS, MIN_TOKENS_PER_SPLIT
+    from foscar.decode import MAX_DECODE_SPLITS, MIN_TOKENS_PER_SPLIT
+    from foscar.work_list import MAX_SPLITS
 
     few = plan_splits(1, 8, 32768, 132)  # 8 CTAs on 132 SMs: must split
-    assert 4 <= few <= MAX_SPLITS and 32768 / few >= MIN_TOKENS_PER_SPLIT
+    assert 4 <= few <= MAX_DECODE_SPLITS and 32768 / few >= MIN_TOKENS_PER_SPLIT
     assert plan_splits(128, 8, 8192, 132) == 1  # 1024 CTAs already fill the GPU
     assert plan_splits(1, 8, 300, 132) == 1  # too short to split
-    assert plan_splits(1, 1, 1 << 20, 132) <= MAX_SPLITS
+    assert plan_splits(1, 1, 1 << 20, 132) <= MAX_DECODE_SPLITS
     assert plan_splits(1, 8, 131072, 132) >= few  # longer context, at least as many splits
+    assert plan_splits(1, 1, 131072, 132) == MAX_DECODE_SPLITS  # one KV head: 128 CTAs of 16 tiles
+    assert plan_splits(1, 1, 131072, 132, most=MAX_SPLITS) == MAX_SPLITS  # the cache decode's cap
+    # 66 splits of 2 x 2,048 tiles would be 64 of 32 tiles and 2 empty CTAs: the fewest with that longest split
+    assert plan_splits(1, 2, 131072, 132) == 64
     with pytest.raises(ValueError, match="batch"):
         plan_splits(0, 8, 100, 132)
 

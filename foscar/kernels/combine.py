@@ -24,10 +24,10 @@ import cutlass.cute as cute
 
 from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr, half_type
 from ..device import fsel
-from ..softmax import lse_weight, merged_lse
-from ..split_merge import VEC, PartialSum
+from ..softmax import merged_lse
+from ..split_merge import BATCH, VEC, PartialSum, row_lse
 
-__all__ = ["Combine", "compile_combine", "combine_splits"]
+__all__ = ["Combine", "built_splits", "cached_combine", "compile_combine", "combine_splits"]
 
 THREADS = 256
 
@@ -38,11 +38,13 @@ class Combine:
     a row's partials are read by all its threads at once, a few independent loads each, not split
     after split (64 splits of 128 channels were 64 dependent round trips of one warp).
 
-    Pass 1 (every warp, redundantly): the row's max lse and the sum of ``exp(lse_s - max)``. Pass 2:
-    each thread's weighted sum over its splits; the groups' sums meet in shared memory.
+    Pass 1 (every warp, redundantly): the row's max lse and the sum of ``exp(lse_s - max)``
+    (``split_merge.row_lse``). Pass 2: each thread's weighted sum over its splits; the groups' sums meet in shared
+    memory. ``splits``: the most splits the kernel is built to read in one ``BATCH`` of loads per thread (more
+    groups, up to 1024 threads); any count is merged, more in more rounds.
     """
 
-    def __init__(self, head_dim: int, out_dtype=cutlass.BFloat16):
+    def __init__(self, head_dim: int, out_dtype=cutlass.BFloat16, splits: int = 32):
         if head_dim % 32:
             raise ValueError(f"head_dim must be a multiple of 32, got {head_dim}")
         self.head_dim = head_dim
@@ -50,9 +52,11 @@ class Combine:
         if head_dim > 4 * THREADS:
             raise ValueError(f"head_dim must be at most {4 * THREADS}, got {head_dim}")
         self.vecs = head_dim // VEC  # threads per split group
-        # whole warps (pass 1 reduces over full warps): groups * vecs % 32 == 0, about THREADS threads
+        # whole warps (pass 1 reduces over full warps): groups * vecs % 32 == 0, about THREADS threads, or as many
+        # as reading ``splits`` in one batch takes (at most 1024)
         step = 32 // math.gcd(self.vecs, 32)
-        self.groups = max(step, THREADS // self.vecs // step * step)
+        wanted = max(THREADS, min(1024, self.vecs * -(-splits // BATCH)))
+        self.groups = max(step, wanted // self.vecs // step * step)
         self.threads = self.groups * self.vecs
         self.partial_sum = PartialSum()
 
@@ -89,18 +93,9 @@ class Combine:
         # (groups, D): each split group's weighted sums
         sSums = cutlass.memory.SmemAllocator().allocate_tensor(
             cutlass.Float32, cute.make_ordered_layout((self.groups, self.head_dim), (1, 0)), byte_alignment=16)
-        neg_inf = cutlass.Float32(-math.inf)
 
         # ---- pass 1: the row's lse (each warp computes it; the lse row is a few L1 lines) ----
-        m = neg_inf
-        for s in cutlass.range(lane, splits, 32, unroll=1):
-            m = cute.arch.fmax(m, mLp[row, s])
-        m = cute.arch.warp_reduction_max(m)
-        weights = cutlass.Float32(0.0)
-        if m > neg_inf:
-            for s in cutlass.range(lane, splits, 32, unroll=1):
-                weights += lse_weight(mLp[row, s], m)  # 0 for an empty split
-            weights = cute.arch.warp_reduction_sum(weights)
+        m, weights = row_lse(mLp[row, None], splits, lane)
 
         # ---- pass 2: this thread's splits, a batch of loads at a time ----
         acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
@@ -124,14 +119,21 @@ class Combine:
                 mL[row] = merged_lse(m, weights)
 
 
-def compile_combine(head_dim: int, arch: str = "sm_90a", out_dtype=cutlass.BFloat16):
-    """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``."""
+def built_splits(splits: int) -> int:
+    """The ``Combine(splits=...)`` build that merges ``splits`` partials: the power of two at or above, 32 to 256 (a
+    few builds; up to 32 splits every head_dim's base 256 threads read in one batch of loads)."""
+    return min(max(32, 1 << (splits - 1).bit_length()), 256)
+
+
+def compile_combine(head_dim: int, arch: str = "sm_90a", out_dtype=cutlass.BFloat16, splits: int = 32):
+    """Compile (no GPU needed) for ``arch`` with PTX and cubin kept; see ``foscar.inspect``. ``splits``: as
+    ``Combine``'s."""
     from ..inspect import compile_for
 
     i32 = cutlass.Int32(1)
     return compile_for(
         arch,
-        Combine(head_dim, out_dtype),
+        Combine(head_dim, out_dtype, splits),
         fake_ptr(cutlass.Float32),
         fake_ptr(cutlass.Float32),
         fake_ptr(out_dtype),
@@ -139,6 +141,14 @@ def compile_combine(head_dim: int, arch: str = "sm_90a", out_dtype=cutlass.BFloa
         i32, i32, i32,
         cuda.CUstream(0),
     )
+
+
+def cached_combine(head_dim: int, out_type, arch: str, splits: int = 32):
+    """The compiled combine that merges ``splits`` partials (its build: :func:`built_splits`), from the compile
+    cache (the key :func:`combine_splits` and the main job's compile report share)."""
+    built = built_splits(splits)
+    return cached_compile(("combine", head_dim, out_type, arch, built),
+                          lambda: compile_combine(head_dim, arch, out_type, built))
 
 
 def combine_splits(o_partial, lse_partial, out, lse):
@@ -157,10 +167,7 @@ def combine_splits(o_partial, lse_partial, out, lse):
     if out.numel() == 0:
         return out, lse
     out_type = half_type(out.dtype)
-    arch = device_arch(o_partial.device)
-    compiled = cached_compile(("combine", D, out_type, arch), lambda: compile_combine(D, arch, out_type))
-
-
+    compiled = cached_combine(D, out_type, device_arch(o_partial.device), splits)
     stream = current_stream(o_partial.device)
     compiled(gmem_ptr(o_partial, cutlass.Float32), gmem_ptr(lse_partial, cutlass.Float32), gmem_ptr(out, out_type),
              gmem_ptr(lse, cutlass.Float32), batch, q_heads, splits, stream)
