@@ -79,7 +79,7 @@ from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_group
 from .query_rows import MAX_QUERY_COLUMNS, launches
 from .scheme import PARAM_DTYPE, Scheme
 from .split_merge import counter_words
-from .work_list import CTAS_PER_SM, MAX_SPLITS, plan_splits
+from .work_list import CTAS_PER_SM, MAX_SPLITS, WINDOW_MERGE_SPLITS, plan_splits
 
 __all__ = ["PagedKVCache", "PagePoolFull", "hadamard"]
 
@@ -730,7 +730,7 @@ class PagedKVCache:
         takes ~35 us of Python, and every attend asks)."""
         if batch not in self._splits:
             self._splits[batch] = plan_splits(batch, self.kv_heads, self.max_pages * self.page_size, self._num_sms,
-                                              MAX_SPLITS)
+                                              WINDOW_MERGE_SPLITS)
         return self._splits[batch]
 
     def attend(self, layer: int, seq_ids, q: torch.Tensor, sm_scale: float | None = None, return_lse: bool = False):

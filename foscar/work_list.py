@@ -41,11 +41,12 @@ from .layouts.fragment import TILE_TOKENS
 from .window_tiles import BLOCK, quantized_tokens
 
 __all__ = ["WorkList", "CacheWork", "host_plan", "grid_ctas", "PLAN_WORDS", "plan_splits", "MAX_SPLITS",
-           "MAX_DECODE_SPLITS", "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM"]
+           "MAX_DECODE_SPLITS", "WINDOW_MERGE_SPLITS", "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM"]
 
 MIN_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 64  # the cache decode's in-launch merge (its counters): 128 measured 7% slower at 1 x 128K, 1 KV head: NOTES 14
+MAX_SPLITS = 128  # the one-launch cache decode's parts (its two-level merge, its counters): NOTES 41
 MAX_DECODE_SPLITS = 128  # decode_paged's launches (merged by the combine kernel): 1 x 128K, 1 KV head, NOTES 41
+WINDOW_MERGE_SPLITS = 64  # the two-launch cache decode: the window kernel's one CTA merges every split (NOTES 14)
 CTAS_PER_SM = 1  # the Hopper kernel: producer + 3 consumer warpgroups hold an SM's registers (setmaxnreg)
 SPLIT_OVERHEAD_TOKENS = 256  # per-CTA prologue, ring fill and combine traffic, in tokens of work
 

@@ -154,21 +154,22 @@ def test_one_launch_decode_batch_wider_than_the_block(budget, rng):
 
 @pytest.mark.parametrize("kv_heads", [1, 3])
 def test_one_launch_decode_merges_many_parts_in_two_levels(kv_heads, rng):
-    """Sequences cut into 3 to 64 parts: in one level up to split_merge.TWO_LEVELS_PAST (9, 13), in two past it
-    (17: a last group of one part; 35: of 3; 64: 8 full groups: the groups' last CTAs merge their groups in place,
-    then the last to count merges the groups): against float64, every element; every counter, the group counters
-    too, left zero."""
+    """Sequences cut into 3 to MAX_SPLITS parts: in one level up to split_merge.TWO_LEVELS_PAST (9, 13), in two past
+    it (17: a last group of one part; 35: of 3; MAX_SPLITS: full groups: the groups' last CTAs merge their groups in
+    place, then the last to count merges the groups): against float64, every element; every counter, the group
+    counters too, left zero."""
     from foscar.split_merge import GROUP, TWO_LEVELS_PAST
+    from foscar.work_list import MAX_SPLITS
 
     scheme, page_size = Scheme.make(2, "token", 128, "token", 128, 128, 4), 128
-    lengths = [64 * 256 + SINK + WINDOW + 300, 9 * 256 + SINK + WINDOW, 13 * 256 + SINK + WINDOW + 77,
+    lengths = [MAX_SPLITS * 256 + SINK + WINDOW + 300, 9 * 256 + SINK + WINDOW, 13 * 256 + SINK + WINDOW + 77,
                3 * 256 + SINK + WINDOW, 35 * 256 + SINK + WINDOW + 5, 17 * 256 + SINK + WINDOW]
     cache = PagedKVCache(scheme, 1, kv_heads, num_pages=sum(-(-n // page_size) for n in lengths) + 4,
                          max_seqs=len(lengths), max_seq_len=max(lengths), page_size=page_size, sink=SINK,
                          window=WINDOW, device="cuda")
-    cache.cta_budget = 1000  # each sequence up to its cap: quantized tokens / 256 parts, at most 64
-    assert planned_parts(cache, lengths[::-1]) == {3, 9, 13, 17, 35, 64}  # (attend's order below)
-    assert GROUP < 9 < 13 <= TWO_LEVELS_PAST < 17 and 17 % GROUP == 1 and 35 % GROUP == 3 and 64 == 8 * GROUP
+    cache.cta_budget = 1000  # each sequence up to its cap: quantized tokens / 256 parts, at most MAX_SPLITS
+    assert planned_parts(cache, lengths[::-1]) == {3, 9, 13, 17, 35, MAX_SPLITS}  # (attend's order below)
+    assert GROUP < 9 < 13 <= TWO_LEVELS_PAST < 17 and 17 % GROUP == 1 and 35 % GROUP == 3 and MAX_SPLITS % GROUP == 0
     ids = [cache.allocate() for _ in lengths]
     d, dtype = scheme.head_dim, scheme.q_dtype
     for seq, n in zip(ids, lengths):

@@ -53,8 +53,9 @@ def test_cache_launch_values_are_checked_before_compiling(monkeypatch, arch, sch
     k_codes = torch.zeros(1, kv_heads, page_size // 64, 8, dtype=torch.int32)  # [pages, kv_heads, tiles, words]
     window = torch.zeros(4, kv_heads, 448, d, dtype=torch.bfloat16)
     counters = torch.zeros(counter_words(4, MAX_SPLITS), dtype=torch.int32)
-    cases = [(dict(num_splits=0), "num_splits must be in"), (dict(num_splits=65), "num_splits must be in"),
-             (dict(counters=counters[:-1]), r"counters: need int32 with >= 36 elements .*batch \* kv_heads = 4"),
+    cases = [(dict(num_splits=0), "num_splits must be in"), (dict(num_splits=MAX_SPLITS + 1), "num_splits must be in"),
+             (dict(counters=counters[:-1]),
+              rf"counters: need int32 with >= {counters.numel()} elements .*batch \* kv_heads = 4"),
              (dict(counters=counters.float()), "counters: need int32"),
              (dict(budget=0), "budget must be an int in"), (dict(budget=2.0), "budget must be an int in"),
              (dict(q=q[:0]), "batch must hold at least one sequence")]
