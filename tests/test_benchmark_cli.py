@@ -141,11 +141,15 @@ def test_ab_loads_a_revision_as_its_own_package(tmp_path):
             assert arch.kernel_module == pkg.__name__ + ".hopper.decode"
         with pytest.raises(ValueError, match="method 'int3-kt128'"):
             ab.scheme_for(packages[0], "int3-kt128")
-        rows = [{"method": "m", "shape": "1x1", "tokens": 1, "splits": 1, names[0]: 10.0, names[1]: 5.0, names[2]: 20.0},
-                {"method": "m", "shape": "2x1", "tokens": 4, "splits": 1, names[0]: 10.0, names[1]: 20.0, names[2]: 20.0}]
+        tp8 = ab.scheme_for(packages[0], "int4-kt128", "tp8-70b")  # --model's geometry: 8 query heads per KV head
+        assert (tp8.gqa_ratio, tp8.head_dim) == (8, 128) and ab.scheme_for(packages[0], "int4-kt128").gqa_ratio == 4
+        rows = [{"model": "x", "method": "m", "shape": "1x1", "tokens": 1, "splits": "1", names[0]: 10.0,
+                 names[1]: 5.0, names[2]: 20.0},
+                {"model": "x", "method": "m", "shape": "2x1", "tokens": 4, "splits": "64/128", names[0]: 10.0,
+                 names[1]: 20.0, names[2]: 20.0}]
         lines = ab.table(["a", "b", "c"], packages, rows).splitlines()
-        assert lines[3] == "| m | 2x1 | 4 | 1 | 10.0 (1.000) | 20.0 (2.000) | 20.0 (2.000) |"
-        assert lines[-1] == "| geo-mean | | | | 1.000 | 1.000 | 2.000 |"
+        assert lines[3] == "| x | m | 2x1 | 4 | 64/128 | 10.0 (1.000) | 20.0 (2.000) | 20.0 (2.000) |"
+        assert lines[-1] == "| geo-mean | | | | | 1.000 | 1.000 | 2.000 |"
     finally:
         sys.path.remove(str(into))
         for name in list(sys.modules):
