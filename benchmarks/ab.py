@@ -98,7 +98,8 @@ def decode_call(pkg, scheme, q, cache, splits, **kw):
 
 def planned_splits(pkg, batch: int, kv_heads: int, max_tokens: int) -> int:
     """The split count ``pkg``'s ``decode_paged`` plans for the shape on this GPU."""
-    return pkg.decode.plan_splits(batch, kv_heads, max_tokens, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return pkg.decode.plan_splits(batch, kv_heads, max_tokens, sms)
 
 
 def queries(q, tokens: int):

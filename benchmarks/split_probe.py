@@ -4,7 +4,7 @@ warpgroups, next to the combine kernel that merges its splits, alone.
     python -m benchmarks.split_probe --models tp8-70b,tp4-70b --context 131072 --splits 32,64,96,128 --consumers 1,2,3
 
 A batch-1 sequence with one or two KV heads fills the GPU only through its splits (``foscar.work_list.plan_splits``
-picks at most ``MAX_SPLITS``): each CTA then attends a few tiles per consumer warp, and what does not shrink with the
+picks at most ``MAX_DECODE_SPLITS``): each CTA then attends a few tiles per consumer warp, and what does not shrink with the
 tiles (the CTA's prologue and first ring fill, the warps' merge, the combine launch) sets the time. Each row is
 checked against float64 first, into NaN-poisoned outputs (``foscar.testing.check_output``); times are medians of
 CUDA-graph replays over L2-cold cache copies (``benchmarks.decode.time_layers``), in microseconds per layer. The

@@ -15,8 +15,9 @@ instead, so a long sequence's parts do not outlast the short sequences' CTAs (4 
 1K: 1.8 -> 2 parts). The items are numbered sequence by sequence, KV head by KV head, part by
 part; their count is at most ``budget + batch * kv_heads`` (each (sequence, KV head)'s parts are at
 most its real share + 1, and the shares sum to ``budget``), which is the launch's grid
-(:func:`grid_ctas`): CTAs past the last item exit. For equal lengths this gives
-``plan_splits``'s count on every shape of ``benchmarks.decode``.
+(:func:`grid_ctas`): CTAs past the last item exit. For equal lengths this gives about
+``plan_splits``'s count: ``plan_splits`` then takes the fewest splits that cut its longest split in whole tiles, the
+work list does not (2 KV heads at 1 x 128K: 66 parts where ``plan_splits`` gives 64; benchmarks/NOTES.md section 41).
 
 No host sync: CTA ``x`` finds its item by two block-wide passes over the batch (the total, then a
 scan of items per sequence), ``threads`` sequences a round, from the same lengths the CTA reads
@@ -57,8 +58,8 @@ def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: 
     ``CTAS_PER_SM`` CTAs run per SM, so ``n`` splits take ``waves(n) = ceil(batch*kv_heads*n /
     (num_sms*CTAS_PER_SM))`` waves of ``max_tokens/n + SPLIT_OVERHEAD_TOKENS`` tokens each; pick
     the ``n`` with the least total (the fewest splits among equals), at most ``most``, with no split shorter than
-    ``MIN_TOKENS_PER_SPLIT`` tokens, then the fewest splits that cut its longest split's whole tiles. Uses the page table's capacity, not the lengths, so planning
-    needs no device-to-host sync.
+    ``MIN_TOKENS_PER_SPLIT`` tokens, then the fewest splits that cut its longest split's whole tiles. Uses the page
+    table's capacity, not the lengths, so planning needs no device-to-host sync.
     """
     for name, value in (("batch", batch), ("kv_heads", kv_heads), ("max_tokens", max_tokens), ("num_sms", num_sms),
                         ("most", most)):
@@ -71,8 +72,9 @@ def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: 
         return math.ceil(batch * kv_heads * n / slots) * (max_tokens / n + SPLIT_OVERHEAD_TOKENS)
 
     best = min(range(1, most + 1), key=lambda n: (cost(n), n))
-    # the kernels cut whole tiles, ceil(tiles / n) per split (foscar.pipeline.split_range): the fewest splits with
-    # that longest split (66 splits of 2,048 tiles are 64 of 32 and two empty CTAs)
+    # the kernels cut whole tiles, ceil(tiles / n) per split (foscar.pipeline.split_range; rounded up to whole K
+    # groups there, which can leave an empty split): the fewest splits with that longest split (66 splits of 2,048
+    # tiles are 64 of 32 and two empty CTAs)
     tiles = -(-max_tokens // TILE_TOKENS)
     return -(-tiles // -(-tiles // best))
 

@@ -18,7 +18,7 @@ from foscar.layouts.fragment import TILE_TOKENS  # noqa: E402
 from foscar.pipeline import split_range  # noqa: E402
 from foscar.scheme import Scheme  # noqa: E402
 from foscar.window_tiles import BLOCK, window_blocks  # noqa: E402
-from foscar.work_list import CacheWork, grid_ctas, host_plan  # noqa: E402
+from foscar.work_list import MAX_SPLITS, CacheWork, grid_ctas, host_plan  # noqa: E402
 
 SCHEMES = [  # (scheme, page_size): both bit widths and axes, head_dim 64/128/256, FP16 and BF16, mixed bits
     (Scheme.make(2, "token", 128, "token", 128, 128, 4), 128),
@@ -77,7 +77,7 @@ def test_host_plan_covers_every_sequence_within_the_grid(batch, kv_heads, budget
     for b in range(batch):
         for h in range(kv_heads):
             parts = items[x][3]
-            assert 1 <= parts <= min(caps[b], 64)
+            assert 1 <= parts <= min(caps[b], MAX_SPLITS)
             assert items[x:x + parts] == [(b, h, part, parts) for part in range(parts)]
             x += parts
     assert x == len(items)

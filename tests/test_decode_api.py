@@ -85,7 +85,7 @@ def test_decode_checks_the_cache_type(case):
 
 def test_split_planning():
     from foscar.decode import MAX_DECODE_SPLITS, MIN_TOKENS_PER_SPLIT
-    from foscar.work_list import MAX_SPLITS
+    from foscar.work_list import WINDOW_MERGE_SPLITS
 
     few = plan_splits(1, 8, 32768, 132)  # 8 CTAs on 132 SMs: must split
     assert 4 <= few <= MAX_DECODE_SPLITS and 32768 / few >= MIN_TOKENS_PER_SPLIT
@@ -94,7 +94,8 @@ def test_split_planning():
     assert plan_splits(1, 1, 1 << 20, 132) <= MAX_DECODE_SPLITS
     assert plan_splits(1, 8, 131072, 132) >= few  # longer context, at least as many splits
     assert plan_splits(1, 1, 131072, 132) == MAX_DECODE_SPLITS  # one KV head: 128 CTAs of 16 tiles
-    assert plan_splits(1, 1, 131072, 132, most=MAX_SPLITS) == MAX_SPLITS  # the cache decode's cap
+    # the two-launch cache decode's cap (PagedKVCache.num_splits): its window kernel merges every split in one CTA
+    assert plan_splits(1, 1, 131072, 132, most=WINDOW_MERGE_SPLITS) == WINDOW_MERGE_SPLITS < MAX_DECODE_SPLITS
     # 66 splits of 2 x 2,048 tiles would be 64 of 32 tiles and 2 empty CTAs: the fewest with that longest split
     assert plan_splits(1, 2, 131072, 132) == 64
     with pytest.raises(ValueError, match="batch"):

@@ -121,7 +121,8 @@ class Combine:
 
 def built_splits(splits: int) -> int:
     """The ``Combine(splits=...)`` build that merges ``splits`` partials: the power of two at or above, 32 to 256 (a
-    few builds; up to 32 splits every head_dim's base 256 threads read in one batch of loads)."""
+    few builds; up to 32 splits a head_dim up to 256 keeps its base 256 threads, which read them in one batch of
+    loads)."""
     return min(max(32, 1 << (splits - 1).bit_length()), 256)
 
 
@@ -145,7 +146,7 @@ def compile_combine(head_dim: int, arch: str = "sm_90a", out_dtype=cutlass.BFloa
 
 def cached_combine(head_dim: int, out_type, arch: str, splits: int = 32):
     """The compiled combine that merges ``splits`` partials (its build: :func:`built_splits`), from the compile
-    cache (the key :func:`combine_splits` and the main job's compile report share)."""
+    cache, under the key :func:`combine_splits` uses (the main job's compile report builds the 32-split one)."""
     built = built_splits(splits)
     return cached_compile(("combine", head_dim, out_type, arch, built),
                           lambda: compile_combine(head_dim, arch, out_type, built))
