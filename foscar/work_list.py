@@ -31,6 +31,7 @@ on either; :func:`host_plan` is the plan's CPU mirror (what the tests check the 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import cutlass
@@ -65,6 +66,13 @@ def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: 
                         ("most", most)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return _planned_splits(batch, kv_heads, max_tokens, num_sms, most)
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: int) -> int:
+    """:func:`plan_splits` of checked arguments, kept per shape: a ``decode_paged`` call without ``num_splits``
+    plans every time, and the search over up to ``MAX_DECODE_SPLITS`` counts costs ~40 us of Python."""
     slots = num_sms * CTAS_PER_SM
     most = max(1, min(most, max_tokens // MIN_TOKENS_PER_SPLIT))
 
