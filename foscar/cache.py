@@ -72,7 +72,7 @@ import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
 from .chunk_attention import CUDNN_TOKENS, DECODE_COLUMNS, PackedPrefix, chunk_attention
-from .kernels.dequantize import dequantize_pages
+from .kernels.dequantize import PagesDequantizer
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups, stack_params
@@ -256,6 +256,7 @@ class PagedKVCache:
         fp32 = lambda *shape: {role: torch.zeros(shape, dtype=torch.float32, device=dev) for role in "kv"}  # noqa: E731
         self._dequantized = None if self.use_kernels else fp32(num_layers, kv_heads, pool * page_size, d)
         self._slots_fp32 = None if self.use_kernels else fp32(*bf16_shape)
+        self._dequantizers = {}  # (layer, role, dtype): a PagesDequantizer of attend_chunk's blocks
         # rows padded to 16 bytes: a layer's row is handed to the decode launch, whose pointers are 16-byte aligned
         self.lengths = torch.zeros(num_layers, max_seqs + max_seqs % 2, dtype=torch.int64, device=dev)[:, :max_seqs]
         self.page_table = torch.full((max_seqs, self.max_pages), self.trash_page, dtype=torch.int32, device=dev)
@@ -921,10 +922,7 @@ class PagedKVCache:
             table = self.page_table[seq:seq + 1, first:min(pages, first + per_block)].clone()
             held = min(quantized - first * ps, table.shape[1] * ps)
             if self.device.type == "cuda":
-                yield tuple(dequantize_pages(codes[layer], params[layer], table, self.scheme, role, dtype,
-                                             layout=self.arch.layout)[0, :, :held]
-                            for role, codes, params in (("k", self.k_codes, self.k_params),
-                                                        ("v", self.v_codes, self.v_params)))
+                yield tuple(self._dequantizer(layer, role, dtype)(table)[0, :, :held] for role in "kv")
             else:
                 block = QuantizedKV(self.scheme, ps, self.k_codes[layer], self.k_params[layer], self.v_codes[layer],
                                     self.v_params[layer], table, torch.tensor([held], device=self.device),
@@ -933,6 +931,16 @@ class PagedKVCache:
         runs = self._slot_runs(n)
         if runs:
             yield tuple(torch.cat([x[layer, seq][:, run] for run in runs], 1) for x in (self.k_bf16, self.v_bf16))
+
+    def _dequantizer(self, layer: int, role: str, dtype) -> PagesDequantizer:
+        """The dequantize kernel's launcher for one layer's ``role`` pages into ``dtype``, kept: its checks and
+        lookups are paid once, not at every block of every chunk."""
+        key = (layer, role, dtype)
+        if key not in self._dequantizers:
+            codes, params = (self.k_codes, self.k_params) if role == "k" else (self.v_codes, self.v_params)
+            self._dequantizers[key] = PagesDequantizer(codes[layer], params[layer], self.scheme, role, dtype,
+                                                       layout=self.arch.layout)
+        return self._dequantizers[key]
 
     def _slot_runs(self, n: int) -> list[slice]:
         """The 16-bit slots that hold tokens of a sequence of ``n`` tokens (``_valid_slots``' on the host), as at most

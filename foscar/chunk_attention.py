@@ -100,15 +100,14 @@ class Merged:
         lse = torch.cat(([] if self.lse is None else [self.lse[None]]) + [lse for _, lse in self._held])
         total = torch.logsumexp(lse, 0)
         weights = (lse - total).exp_()[..., None]  # [N, *rows, 1]: each attention's share of the softmax
-        if self.out is None:
-            first = 0
-            self.out = torch.zeros(total.shape + self._held[0][0].shape[-1:], dtype=torch.float32, device=total.device)
-        else:
-            first = 1
+        first = 0 if self.out is None else 1
+        if self.out is not None:
             self.out.mul_(weights[0])
         for out, _ in self._held:
-            share = weights[first:first + out.shape[0]]
-            if out.shape[0] == 1:
+            share = weights[first:first + out.shape[0]]  # FP32: a 16-bit out's products are FP32
+            if self.out is None:  # the first partial's weighted sum starts the FP32 sum (no zeros to add to)
+                self.out = (torch.mul(out[0], share[0]) if out.shape[0] == 1 else (out * share).sum(0)).float()
+            elif out.shape[0] == 1:
                 self.out.addcmul_(out[0], share[0])
             else:
                 self.out.add_((out * share).sum(0))
@@ -126,7 +125,7 @@ def _pieces(rows: int, kv_heads: int, tokens: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     ctas = kv_heads * -(-rows // ROWS_PER_CTA)
-    wanted = -(-CTAS_PER_SM * _sm_count(device) // ctas)
+    wanted = CTAS_PER_SM * _sm_count(device) // ctas  # rounded down: 256 CTAs on 132 SMs stay one piece (section 42)
     return max(1, min(wanted, tokens // MIN_PIECE))
 
 

@@ -74,7 +74,10 @@ class StageLayout:
     """A config's ring stage of one packed 64-token tile (int32 words), both arches: K codes | V codes | K params |
     V params, each a contiguous run in global memory (``foscar.pipeline``). :meth:`lay_out_stage` sets ``K_TW``,
     ``V_TW`` (code words per tile), ``KPW``, ``VPW`` (param words), the four offsets, ``STAGE_WORDS`` and
-    ``TILE_BYTES`` (what a tile's copies bring)."""
+    ``TILE_BYTES`` (what a tile's copies bring). ``ctas_per_sm``: the CTAs the launch keeps resident per SM
+    (``.minnctapersm``: the registers and shared memory a CTA is built with are that share of the SM's)."""
+
+    ctas_per_sm = 1
 
     def lay_out_stage(self, plan, k_words: int, v_words: int):
         self.K_TW, self.V_TW = k_words, v_words
@@ -147,7 +150,9 @@ class DecodeKernelBase:
             grid=grid,
             block=(self.cfg.threads, 1, 1),
             smem=smem_bytes,
-            min_blocks_per_mp=1,  # .minnctapersm (with reqntid): ptxas keeps the per-role setmaxnreg
+            min_blocks_per_mp=self.cfg.ctas_per_sm,  # .minnctapersm (with reqntid): ptxas keeps the per-role setmaxnreg
+            # two CTAs need the SM's whole shared memory (a carveout given here also spares the DSL a device query)
+            preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None,
             stream=stream,
         )
 

@@ -15,11 +15,11 @@ SM_REGISTERS = 64 * 1024  # 32-bit registers per SM (sm_90, sm_100)
 MAX_THREAD_REGS = 240  # the most registers per thread ptxas allots a launch of the decode kernels (a multiple of 8)
 
 
-def launch_regs(threads: int) -> int:
-    """Registers per thread a CTA of ``threads`` threads is launched with at one CTA per SM (``reqntid`` and
-    ``.minnctapersm 1``: ``DecodeKernelBase.launch``): ptxas's cap, which the cubin records (CPU tests compare). The
+def launch_regs(threads: int, ctas_per_sm: int = 1) -> int:
+    """Registers per thread a CTA of ``threads`` threads is launched with at ``ctas_per_sm`` CTAs per SM (``reqntid``
+    and ``.minnctapersm``: ``DecodeKernelBase.launch``): ptxas's cap, which the cubin records (CPU tests compare). The
     CTA's setmaxnreg pool holds ``threads`` times this, not the SM's 64K."""
-    return min(MAX_THREAD_REGS, SM_REGISTERS // threads // 8 * 8)
+    return min(MAX_THREAD_REGS, SM_REGISTERS // (threads * ctas_per_sm) // 8 * 8)
 
 
 def check_register_budget(kernel: str, targets, launch: int) -> None:

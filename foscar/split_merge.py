@@ -33,7 +33,7 @@ from cutlass.pipeline import NamedBarrier
 
 from .device import NEG_INF, at, fsel, store
 from .softmax import finite_reference, lse_weight, merged_lse
-from .work_list import MAX_SPLITS
+from .work_list import GROUP, MAX_SPLITS
 
 __all__ = ["CacheOutput", "SplitMerge", "PartialSum", "row_lse", "VEC", "BATCH", "LSE_LOADS", "GROUP",
            "TWO_LEVELS_PAST", "counter_words"]
@@ -42,7 +42,6 @@ __all__ = ["CacheOutput", "SplitMerge", "PartialSum", "row_lse", "VEC", "BATCH",
 VEC = 4  # fp32 channels a thread loads at once (16 bytes)
 BATCH = 8  # partials a thread loads before it uses the first
 LSE_LOADS = 4  # lses a lane loads before it uses the first: one round trip covers 128 partials
-GROUP = 8  # work-list parts one first-level merge takes (one BATCH of loads per thread)
 TWO_LEVELS_PAST = 2 * GROUP  # parts up to this merge in one level (see the module docstring)
 
 

@@ -7,7 +7,8 @@ work (all KV heads) and ``budget`` the CTAs one wave holds (SMs x CTAs per SM),
 
     parts = clamp(floor(work * budget / W), 1, min(max_parts, cap))
 
-(``cap``: the sequence's own limit, e.g. its packed tokens / 256: no part shorter than that),
+(``cap``: the sequence's own limit, e.g. its packed tokens / 256: no part shorter than that; a count just past
+``ONE_ROUND_PARTS`` is then cut to it, :func:`one_round_parts`),
 so a long sequence next to short ones is cut into as many parts as its share of the GPU, where a
 split count fixed per call (:func:`plan_splits`, from capacities) gives each the same.
 When ``batch * kv_heads > budget`` (several waves whatever the parts) the share is rounded up
@@ -17,7 +18,7 @@ part; their count is at most ``budget + batch * kv_heads`` (each (sequence, KV h
 most its real share + 1, and the shares sum to ``budget``), which is the launch's grid
 (:func:`grid_ctas`): CTAs past the last item exit. For equal lengths this gives about
 ``plan_splits``'s count: ``plan_splits`` then takes the fewest splits that cut its longest split in whole tiles, the
-work list does not (2 KV heads at 1 x 128K: 66 parts where ``plan_splits`` gives 64; benchmarks/NOTES.md section 41).
+work list does not (benchmarks/NOTES.md section 41), so the two may differ by that step.
 
 No host sync: CTA ``x`` finds its item by two block-wide passes over the batch (the total, then a
 scan of items per sequence), ``threads`` sequences a round, from the same lengths the CTA reads
@@ -43,7 +44,8 @@ from .layouts.fragment import TILE_TOKENS
 from .window_tiles import BLOCK, quantized_tokens
 
 __all__ = ["WorkList", "CacheWork", "host_plan", "grid_ctas", "PLAN_WORDS", "plan_splits", "MAX_SPLITS",
-           "MAX_DECODE_SPLITS", "WINDOW_MERGE_SPLITS", "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM"]
+           "MAX_DECODE_SPLITS", "WINDOW_MERGE_SPLITS", "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM", "GROUP",
+           "ONE_ROUND_PARTS", "one_round_parts"]
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 128  # the one-launch cache decode's parts (its two-level merge, its counters): NOTES 41
@@ -51,6 +53,17 @@ MAX_DECODE_SPLITS = 128  # decode_paged's launches (merged by the combine kernel
 WINDOW_MERGE_SPLITS = 64  # the two-launch cache decode: the window kernel's one CTA merges every split (NOTES 14)
 CTAS_PER_SM = 1  # the Hopper kernel: producer + 3 consumer warpgroups hold an SM's registers (setmaxnreg)
 SPLIT_OVERHEAD_TOKENS = 256  # per-CTA prologue, ring fill and combine traffic, in tokens of work
+GROUP = 8  # consecutive parts one first-level merge takes (foscar.split_merge: one BATCH of loads per thread)
+ONE_ROUND_PARTS = 64  # parts whose groups the last merge reads in one round of loads (GROUP x split_merge.BATCH)
+
+
+def one_round_parts(parts, select=lambda cond, a, b: a if cond else b):
+    """``parts``, but a count less than a ``GROUP`` past ``ONE_ROUND_PARTS`` becomes ``ONE_ROUND_PARTS``: the extra
+    parts' group would cost the last merge a second round of loads, more than they save (2 KV heads at 1 x 128K:
+    66 parts 18.5 us, 64 parts 18.0; benchmarks/NOTES.md sections 41-42). ``select``: ``cutlass.select_`` on the
+    device, whose ``WorkList`` plans as :func:`host_plan` does."""
+    just_past = select(parts < ONE_ROUND_PARTS + GROUP, ONE_ROUND_PARTS, parts)
+    return select(parts > ONE_ROUND_PARTS, just_past, parts)
 
 
 def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: int = MAX_DECODE_SPLITS) -> int:
@@ -158,7 +171,8 @@ class WorkList:
             # rounded down while the items fit in about one wave; else up (several waves whatever the
             # rounding: a long sequence's parts should not outlast the short sequences' CTAs)
             share = Int32(cutlass.select_(batch * kv_heads > budget, (num + den - 1) // den, num // den))
-            parts = cutlass.max(cutlass.min(cutlass.min(share, cap), self.max_parts), 1)
+            parts = one_round_parts(cutlass.max(cutlass.min(cutlass.min(share, cap), self.max_parts), 1),
+                                    cutlass.select_)
             items = cutlass.select_(b < batch, kv_heads * parts, Int32(0))
             before, chunk = self.block_scan(items, scratch, tidx)
             first = base + before
@@ -179,7 +193,8 @@ class WorkList:
         if batch == 1:  # one sequence: its share is budget / kv_heads, no scan
             if tidx == 0:
                 _work, cap, fact0, fact1 = first_round
-                parts = cutlass.max(cutlass.min(cutlass.min(budget // kv_heads, cap), self.max_parts), 1)
+                parts = one_round_parts(cutlass.max(cutlass.min(cutlass.min(budget // kv_heads, cap), self.max_parts),
+                                                    1), cutlass.select_)
                 self.record(scratch, item, x, cutlass.select_(x < kv_heads * parts, Int32(0), Int32(-1)), parts,
                             Int32(0), fact0, fact1)
         else:
@@ -245,6 +260,6 @@ def host_plan(works, caps, kv_heads: int, budget: int, max_parts: int = MAX_SPLI
         else:
             num, den = work * budget, kv_heads * total
             share = -(-num // den) if batch * kv_heads > budget else num // den
-        parts = max(min(share, cap, max_parts), 1)
+        parts = one_round_parts(max(min(share, cap, max_parts), 1))
         items += [(b, h, part, parts) for h in range(kv_heads) for part in range(parts)]
     return items

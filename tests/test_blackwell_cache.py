@@ -18,7 +18,8 @@ from foscar.layouts.fragment import TILE_TOKENS  # noqa: E402
 from foscar.pipeline import split_range  # noqa: E402
 from foscar.scheme import Scheme  # noqa: E402
 from foscar.window_tiles import BLOCK, window_blocks  # noqa: E402
-from foscar.work_list import MAX_SPLITS, CacheWork, grid_ctas, host_plan  # noqa: E402
+from foscar.work_list import (GROUP, MAX_SPLITS, ONE_ROUND_PARTS, CacheWork, grid_ctas, host_plan,  # noqa: E402
+                              one_round_parts)
 
 SCHEMES = [  # (scheme, page_size): both bit widths and axes, head_dim 64/128/256, FP16 and BF16, mixed bits
     (Scheme.make(2, "token", 128, "token", 128, 128, 4), 128),
@@ -81,6 +82,22 @@ def test_host_plan_covers_every_sequence_within_the_grid(batch, kv_heads, budget
             assert items[x:x + parts] == [(b, h, part, parts) for part in range(parts)]
             x += parts
     assert x == len(items)
+
+
+@pytest.mark.parametrize("kv_heads, budget, parts", [(2, 132, ONE_ROUND_PARTS), (1, 132, MAX_SPLITS),
+                                                     (1, ONE_ROUND_PARTS + GROUP, ONE_ROUND_PARTS + GROUP),
+                                                     (1, ONE_ROUND_PARTS + 1, ONE_ROUND_PARTS), (4, 132, 33)])
+def test_host_plan_keeps_the_last_merge_to_one_round(kv_heads, budget, parts):
+    """A long sequence alone: budget / kv_heads parts per KV head, except a count less than a merge group past
+    ONE_ROUND_PARTS, cut to it (tp4-70b's 2 KV heads on 132 SMs: 64 parts, not 66, whose ninth group would cost the
+    last merge a second round of loads: ONE_ROUND_PARTS is GROUP x split_merge.BATCH)."""
+    from foscar.split_merge import BATCH
+
+    assert ONE_ROUND_PARTS == GROUP * BATCH
+    work = CacheWork(4608, 128, 128)
+    items = host_plan(*zip(work.host_sequence(131072, 64, 256, 320)), kv_heads, budget)
+    assert {p for *_, p in items} == {parts} and len(items) == kv_heads * parts
+    assert [one_round_parts(p) for p in (1, 64, 65, 71, 72, 128)] == [1, 64, 64, 64, 72, 128]
 
 
 def _slot_position(j, n, qlen, sink, ring):

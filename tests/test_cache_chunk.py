@@ -351,9 +351,14 @@ def test_attend_chunk_on_a_kernel_cache(scheme, rotate, packed_by, rng, monkeypa
     monkeypatch.setattr(foscar.cache, "DECODE_COLUMNS", 10**9 if packed_by == "decode" else 0)
     monkeypatch.setattr(foscar.cache, "BLOCK_BYTES", 1)
     monkeypatch.setattr(foscar.chunk_attention, "MIN_PIECE", 64)
-    dequantize, dequantized = foscar.cache.dequantize_pages, []
-    monkeypatch.setattr(foscar.cache, "dequantize_pages",
-                        lambda *a, **kw: dequantized.append(a[4]) or dequantize(*a, **kw))
+    dequantized = []
+
+    class Counted(foscar.cache.PagesDequantizer):
+        def __call__(self, *args, **kwargs):
+            dequantized.append(self.cfg)
+            return super().__call__(*args, **kwargs)
+
+    monkeypatch.setattr(foscar.cache, "PagesDequantizer", Counted)
     cache = gpu_cache(scheme, rotate)
     assert cache.use_kernels and cache._dequantized is None
     ids = [cache.allocate() for _ in range(3)]
@@ -372,7 +377,7 @@ def test_attend_chunk_by_the_decode_kernel_at_one_token_per_tile(gqa, rng, monke
     the transposed q transformers passes, the kernel must still read rows densely (a strided q mixed KV heads'
     rows). Against float64, chunks crossing the sink, the window and pages."""
     monkeypatch.setattr(foscar.cache, "DECODE_COLUMNS", 10**9)
-    monkeypatch.setattr(foscar.cache, "dequantize_pages", lambda *a, **kw: pytest.fail("took the blocks path"))
+    monkeypatch.setattr(foscar.cache, "PagesDequantizer", lambda *a, **kw: pytest.fail("took the blocks path"))
     scheme = Scheme.make(2, "channel", 128, "token", 128, 128, gqa)
     cache = gpu_cache(scheme)
     ids = [cache.allocate() for _ in range(2)]

@@ -300,19 +300,22 @@ def test_window_kernel_matches_float64(case, rng):
     assert not cache._counters.any()
 
 
-def test_device_plan_is_the_host_plan(monkeypatch, rng):
+@pytest.mark.parametrize("lengths, budget", [([1, 70, SINK + WINDOW + 200, 3001, 9000, 700, 16000], 20),
+                                             ([SINK + WINDOW + 66 * 256 + 500], 132)], ids=["ragged", "one-round"])
+def test_device_plan_is_the_host_plan(lengths, budget, monkeypatch, rng):
     """The work list as the Hopper launch plans it on the GPU (foscar.work_list.WorkList.find) is
     ``foscar.work_list.host_plan``, the CPU mirror that the Blackwell cache decode's plan (the same WorkList and
     CacheWork) is checked with (tests/test_blackwell_cache.py): the item partials the launch writes are exactly
-    those of the (sequence, KV head)s the host plan cuts into several parts, and the output matches float64."""
+    those of the (sequence, KV head)s the host plan cuts into several parts, and the output matches float64.
+    Ragged: some sequences in one part, some in several; one round: a sequence alone whose 66 parts per KV head
+    (132 / 2) the plan cuts to ONE_ROUND_PARTS (foscar.work_list.one_round_parts)."""
     import foscar.launch
-    from foscar.work_list import host_plan
+    from foscar.work_list import ONE_ROUND_PARTS, host_plan
 
-    scheme, page_size, kv_heads, budget = Scheme.make(2, "token", 128, "token", 128, 128, 4), 128, 2, 20
-    lengths = [1, 70, SINK + WINDOW + 200, 3001, 9000, 700, 16000]
+    scheme, page_size, kv_heads = Scheme.make(2, "token", 128, "token", 128, 128, 4), 128, 2
     cache = PagedKVCache(scheme, 1, kv_heads, num_pages=sum(-(-n // page_size) for n in lengths) + 8,
-                         max_seqs=len(lengths), max_seq_len=16384, page_size=page_size, sink=SINK, window=WINDOW,
-                         device="cuda")
+                         max_seqs=len(lengths), max_seq_len=-(-max(lengths) // page_size) * page_size,
+                         page_size=page_size, sink=SINK, window=WINDOW, device="cuda")
     cache.cta_budget = budget
     ids = [cache.allocate() for _ in lengths]
     d, dtype = scheme.head_dim, scheme.q_dtype
@@ -340,7 +343,8 @@ def test_device_plan_is_the_host_plan(monkeypatch, rng):
     works, caps = zip(*(work.host_sequence(lengths[ids.index(s)], SINK, WINDOW, ring) for s in order))
     items = host_plan(works, caps, kv_heads, budget)
     assert written == {x for x, (_b, _h, _part, parts) in enumerate(items) if parts > 1}
-    assert any(parts > 1 for *_, parts in items) and any(parts == 1 for *_, parts in items)
+    planned = {parts for *_, parts in items}
+    assert planned == {ONE_ROUND_PARTS} if len(lengths) == 1 else (1 in planned and max(planned) > 1)
     ref, ref_lse, low = reference(cache, 0, order, q, d**-0.5, dtype)
     tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
     assert float((out.double() - ref).abs().max()) <= tol

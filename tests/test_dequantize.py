@@ -326,16 +326,17 @@ def test_cached_blocks_of_a_gpu_cache_run_the_kernel_in_its_arch_order(arch, rng
     and gives what the torch dequantizer gives (in float64, rounded like the kernel's FMA)."""
     import foscar.cache
     from foscar import Scheme
-    from foscar.kernels.dequantize import dequantize_pages
+    from foscar.kernels.dequantize import PagesDequantizer
     from foscar.quantize import QuantizedKV
 
     calls = []
 
-    def counted(*args, **kwargs):
-        calls.append(kwargs["layout"])
-        return dequantize_pages(*args, **kwargs)
+    class Counted(PagesDequantizer):
+        def __call__(self, *args, **kwargs):
+            calls.append(self.cfg.layout)
+            return super().__call__(*args, **kwargs)
 
-    monkeypatch.setattr(foscar.cache, "dequantize_pages", counted)
+    monkeypatch.setattr(foscar.cache, "PagesDequantizer", Counted)
     monkeypatch.setattr(foscar.cache, "BLOCK_BYTES", 1)  # one page per block
     scheme = Scheme.make(2, "channel", 128, "token", 128, 128, 4)
     cache = foscar.cache.PagedKVCache(scheme, 1, 2, 24, 2, 4096, sink=64, window=256, device="cuda",

@@ -95,19 +95,31 @@ def test_both_arches_share_the_entries_and_the_tile_copies():
 
 def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
     """Hopper's split decode launches compile with 2 consumer warpgroups where the default is 3 and each CTA attends
-    at most SHORT_SPLIT_TOKENS (the page table's capacity over the splits), else the default (an unsplit launch of
-    short sequences too); a caller's own count wins, a None count is no count; the arch registry (decode_paged's
+    at most SHORT_SPLIT_TOKENS (the page table's capacity over the splits); an unsplit one-token launch over rows of at
+    most SHORT_CONTEXT_TOKENS one warpgroup at two CTAs per SM where its ring fits; else the default; a caller's own
+    count wins, a None count is no count; the arch registry (decode_paged's
     compile-ahead of several launches) gives the same options."""
-    from foscar.hopper.decode import KERNELS, SHORT_SPLIT_TOKENS
+    from foscar.hopper.decode import KERNELS, SHORT_CONTEXT_TOKENS, SHORT_SPLIT_TOKENS
     from foscar.hopper.kernel import default_consumers
 
     scheme = Scheme.make(2, "token", 128, "token", 128, 128, 4)
+    two, three = ({"consumers": c, "ctas_per_sm": 1} for c in (2, 3))
+    two_ctas = {"consumers": 1, "ctas_per_sm": 2}
     assert default_consumers(scheme) == 3
-    assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS, 16) == {"consumers": 2}
-    assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS + 64, 16) == {"consumers": 3}
-    assert KERNELS.launch_options(scheme, 1, SHORT_SPLIT_TOKENS, 1) == {"consumers": 3}  # 256 x 2K: unsplit
+    assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS, 16) == two
+    assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS + 64, 16) == three
+    assert KERNELS.launch_options(scheme, 1, SHORT_SPLIT_TOKENS, 1) == two_ctas  # 256 x 2K: unsplit
+    assert KERNELS.launch_options(scheme, 1, SHORT_CONTEXT_TOKENS, 1) == two_ctas
+    assert KERNELS.launch_options(scheme, 1, SHORT_CONTEXT_TOKENS + 64, 1) == three
+    # several query tokens: not measured at two CTAs per SM
+    assert KERNELS.launch_options(scheme, 4, SHORT_SPLIT_TOKENS, 1) == {"consumers": default_consumers(scheme, 4),
+                                                                        "ctas_per_sm": 1}
     int4 = Scheme.make(4, "channel", 128, "token", 128, 128, 4)  # 2 by default: kept
-    assert KERNELS.launch_options(int4, 1, 1024, 16) == {"consumers": default_consumers(int4)} == {"consumers": 2}
+    assert KERNELS.launch_options(int4, 1, 1024, 16) == {"consumers": default_consumers(int4), "ctas_per_sm": 1} == two
+    int8 = Scheme.make(8, "token", 128, "token", 128, 128, 4)  # one stage per warp in half an SM: not pipelined
+    assert KERNELS.launch_options(int8, 1, 1024, 1) == {"consumers": default_consumers(int8), "ctas_per_sm": 1}
+    gqa16 = Scheme.make(2, "token", 128, "token", 128, 128, 16)  # two n8 blocks of columns: not pipelined
+    assert KERNELS.launch_options(gqa16, 1, 1024, 1) == {"consumers": default_consumers(gqa16), "ctas_per_sm": 1}
     assert HOPPER.launch_options(scheme, 1, 1024, 16) == KERNELS.launch_options(scheme, 1, 1024, 16)
     assert BLACKWELL.launch_options(scheme, 1, 1024, 16) == {}
 
@@ -123,11 +135,11 @@ def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
     monkeypatch.setattr(KERNELS, "compile_decode", compile_)
     q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
     codes = torch.zeros(1, 2, 2, 8, dtype=torch.int32)  # [pages, kv_heads, tiles per page (128 tokens), words]
-    for max_pages, splits, consumers in ((256, 16, 2), (256, 2, 3), (16, 1, 3)):  # 2K, 16K, 2K unsplit per CTA
+    for max_pages, splits, options in ((256, 16, two), (256, 2, three), (16, 1, two_ctas)):  # 2K, 16K, 2K unsplit
         with pytest.raises(Stop):
             KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, max_pages, dtype=torch.int32), None, 0.1,
                                scheme, splits)
-        assert asked[-1] == {"consumers": consumers}
+        assert asked[-1] == options
     with pytest.raises(Stop):
         KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, 256, dtype=torch.int32), None, 0.1, scheme, 16,
                            consumers=3)
@@ -135,7 +147,7 @@ def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
     with pytest.raises(Stop):  # benchmarks.hopper_sweep's "auto"
         KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, 256, dtype=torch.int32), None, 0.1, scheme, 16,
                            consumers=None)
-    assert asked[-1] == {"consumers": 2}
+    assert asked[-1] == two
 
 
 class _Captured(Exception):

@@ -23,8 +23,9 @@ def assert_setmaxnreg_within_launch(compiled):
     way its qualifier says from there."""
     art = artifacts(compiled)
     threads = int(re.search(r"\.reqntid (\d+)", art.ptx).group(1))
+    ctas = int(re.search(r"\.minnctapersm (\d+)", art.ptx).group(1))
     launch = art.resources().registers
-    assert launch == launch_regs(threads), (threads, launch)
+    assert launch == launch_regs(threads, ctas), (threads, ctas, launch)
     moves = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", art.ptx)
     assert moves, "no setmaxnreg: ptxas dropped the per-role registers"
     for action, target in moves:
@@ -63,6 +64,22 @@ def test_hopper_consumers_ask_for_no_more_than_the_producer_frees(consumers):
     assert PRODUCER_REGS + consumers * cfg.consumer_regs <= cfg.launch_regs * (1 + consumers)
     _, launch, moves = assert_setmaxnreg_within_launch(KERNELS.compile_decode(INT2, 128, True, consumers=consumers))
     assert launch == cfg.launch_regs and moves == {("dec", PRODUCER_REGS), ("inc", cfg.consumer_regs)}
+
+
+def test_two_ctas_per_sm_share_the_sm():
+    """Hopper, one consumer warpgroup at two CTAs per SM (short sequences, ``HopperKernels.launch_options``): 256
+    threads launch at 128 registers (``.minnctapersm 2``), the producer's decrease frees what the consumers' increase
+    takes (216), no spill, and the CTA's shared memory is at most half the SM's."""
+    from foscar.hopper.decode import KERNELS
+    from foscar.hopper.kernel import PRODUCER_REGS, SM_SMEM_BYTES, DecodeConfig
+
+    cfg = DecodeConfig(INT2, 128, False, 1, ctas_per_sm=2)
+    compiled = KERNELS.compile_decode(INT2, 128, False, consumers=1, ctas_per_sm=2)
+    threads, launch, moves = assert_setmaxnreg_within_launch(compiled)
+    assert (threads, launch, cfg.launch_regs) == (256, 128, 128) and cfg.PIPELINED
+    assert moves == {("dec", PRODUCER_REGS), ("inc", cfg.consumer_regs)} and cfg.consumer_regs == 216
+    assert artifacts(compiled).resources().local_bytes == 0
+    assert 4 * cfg.RING_WORDS + 16 * cfg.STAGES + 1024 <= SM_SMEM_BYTES // 2 - 1024
 
 
 def test_an_over_budget_role_set_is_refused_by_name():

@@ -60,25 +60,26 @@ from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKer
 __all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
 
 
-def cache_decode_config(scheme, page_size: int, consumers: int, tokens: int = 1) -> DecodeConfig:
+def cache_decode_config(scheme, page_size: int, consumers: int, tokens: int = 1, ctas_per_sm: int = 1) -> DecodeConfig:
     """The split-output config whose ring stages also hold a window tile; where such a ring does not
     fit (head_dim 256 with channel-wise K groups of 256 tokens: 16 stages of 16.5 KB), the packed-only
     config: the cache decode is then two launches (:func:`fuses_window`). ``tokens``: query tokens per
     sequence (``foscar.query_rows``; several only where the window tiles fit: they carry the causal mask)."""
-    plain = DecodeConfig(scheme, page_size, True, consumers, tokens=tokens)  # raises what the variant cannot build
+    # raises what the variant cannot build
+    plain = DecodeConfig(scheme, page_size, True, consumers, tokens=tokens, ctas_per_sm=ctas_per_sm)
     window = WindowOperands(scheme.head_dim, plain.rows, half_type(scheme.q_dtype))
     try:
-        return DecodeConfig(scheme, page_size, True, consumers, window, tokens)
+        return DecodeConfig(scheme, page_size, True, consumers, window, tokens, ctas_per_sm=ctas_per_sm)
     except ValueError:  # the one check the window adds: its stages' ring fits
         return plain
 
 
 @functools.lru_cache(maxsize=256)
-def fuses_window(scheme, page_size: int, consumers: int) -> bool:
+def fuses_window(scheme, page_size: int, consumers: int, ctas_per_sm: int = 1) -> bool:
     """Whether the cache decode of ``scheme`` is one launch (the window tiles in the decode ring) or
     two: this kernel's quantized splits' partials, then ``foscar.kernels.sink_window``'s launch,
     which attends the 16-bit slots and merges all partials."""
-    return cache_decode_config(scheme, page_size, consumers).window is not None
+    return cache_decode_config(scheme, page_size, consumers, ctas_per_sm=ctas_per_sm).window is not None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The Hopper decode kernels as the shared host path (``foscar.launch``) takes them: the decode kernel
 (``foscar.hopper.kernel``) and the cache decode (``foscar.hopper.cache_decode``: one launch whose work list fills
 the GPU, or, where :func:`~foscar.hopper.cache_decode.fuses_window` says no, the quantized splits' partials, then
-the window kernel), compiled with ``consumers`` consumer warpgroups per CTA (part of the compile key):
-``default_consumers(scheme, tokens)``, but 2 for a decode launch whose CTAs attend short splits
-(:meth:`HopperKernels.launch_options`), unless a caller asks for a count. ``compile_decode`` without options (what
+the window kernel), compiled with ``consumers`` consumer warpgroups per CTA and ``ctas_per_sm`` CTAs per SM (both
+part of the compile key): ``default_consumers(scheme, tokens)`` at one CTA per SM, but 2 warpgroups for a decode
+launch whose CTAs attend short splits and one warpgroup at two CTAs per SM for an unsplit launch of short sequences
+(:meth:`HopperKernels.launch_options`), unless a caller asks. ``compile_decode`` without options (what
 ``foscar.inspect`` and the notebooks show) builds the default."""
 
 from __future__ import annotations
@@ -11,20 +12,25 @@ from __future__ import annotations
 from ..launch import KernelSet
 from ..scheme import Scheme
 from .cache_decode import HopperCacheDecodeKernel, cache_decode_config, fuses_window
-from .kernel import DecodeConfig, HopperDecodeKernel, default_consumers
+from .kernel import DecodeConfig, HopperDecodeKernel, default_consumers, two_ctas_pipeline
 
-__all__ = ["HopperKernels", "KERNELS", "SHORT_SPLIT_TOKENS"]
+__all__ = ["HopperKernels", "KERNELS", "SHORT_SPLIT_TOKENS", "SHORT_CONTEXT_TOKENS"]
 
 SHORT_SPLIT_TOKENS = 2048  # tokens per CTA at most for which a split decode launch takes 2 consumer warpgroups
+SHORT_CONTEXT_TOKENS = 8192  # page-table capacity at most for which an unsplit launch runs two CTAs per SM
 
 
 class HopperKernels(KernelSet):
     name, arch = "hopper", "sm_90a"
     decode_kernel, cache_kernel = HopperDecodeKernel, HopperCacheDecodeKernel  # (limits: the kernel classes)
 
-    def options(self, scheme: Scheme, tokens: int, consumers: int | None = None) -> tuple[int]:
-        """``consumers``: consumer warpgroups per CTA (None: :func:`~foscar.hopper.kernel.default_consumers`)."""
-        return (int(default_consumers(scheme, tokens) if consumers is None else consumers),)
+    def options(self, scheme: Scheme, tokens: int, consumers: int | None = None,
+                ctas_per_sm: int | None = None) -> tuple[int, int]:
+        """``consumers``: consumer warpgroups per CTA (None: :func:`~foscar.hopper.kernel.default_consumers`);
+        ``ctas_per_sm``: CTAs resident per SM, 1 or 2 (None: 1), each built with that share of its registers and
+        shared memory."""
+        return (int(default_consumers(scheme, tokens) if consumers is None else consumers),
+                1 if ctas_per_sm is None else int(ctas_per_sm))
 
     def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int) -> dict:
         """Two consumer warpgroups instead of three for a split launch (too few sequences to fill the GPU) whose
@@ -32,20 +38,29 @@ class HopperKernels(KernelSet):
         per warp the per-warp set-up and the warps' merge outweigh the third warpgroup (H200, benchmarks/NOTES.md
         section 34, 1 x 32K in 16 splits of 2K tokens: INT4 K token-wise 17.2 us with 2, 18.2 with 3; INT2 K
         channel-wise 15.3 against 17.0, measured when it defaulted to 3: it takes 2 everywhere since the pipelined
-        loop, section 37). Unsplit launches of short sequences (256 x 2K) keep the default: not measured with 2."""
+        loop, section 37).
+
+        One consumer warpgroup at two CTAs per SM for an unsplit one-token launch over page-table rows of at most
+        ``SHORT_CONTEXT_TOKENS`` (a GPU of short sequences, 256 x 2K): one CTA's prologue, ring fill and merge then
+        overlap the other's loop, where a CTA alone on its SM leaves them bare (section 42, Qwen3-8B 256 x 2K: INT2 K
+        token-wise 159.9 -> 123.7 us, INT4 181.3 -> 164.2; 128 x 8K: 224.4 -> 215.4, 314.1 -> 307.2), where its loop
+        still pipelines in half the SM's shared memory (:func:`~foscar.hopper.kernel.two_ctas_pipeline`)."""
         consumers = default_consumers(scheme, tokens)
         if consumers == 3 and num_splits > 1 and capacity // num_splits <= SHORT_SPLIT_TOKENS:
             consumers = 2
-        return {"consumers": consumers}
+        if num_splits == 1 and tokens == 1 and capacity <= SHORT_CONTEXT_TOKENS and two_ctas_pipeline(scheme):
+            return {"consumers": 1, "ctas_per_sm": 2}
+        return {"consumers": consumers, "ctas_per_sm": 1}
 
-    def config(self, scheme, page_size, partial_output, tokens, consumers):
-        return DecodeConfig(scheme, page_size, partial_output, consumers, tokens=tokens, packed_causal=True)
+    def config(self, scheme, page_size, partial_output, tokens, consumers, ctas_per_sm):
+        return DecodeConfig(scheme, page_size, partial_output, consumers, tokens=tokens, packed_causal=True,
+                            ctas_per_sm=ctas_per_sm)
 
-    def cache_config(self, scheme, page_size, tokens, consumers):
-        return cache_decode_config(scheme, page_size, consumers, tokens)
+    def cache_config(self, scheme, page_size, tokens, consumers, ctas_per_sm):
+        return cache_decode_config(scheme, page_size, consumers, tokens, ctas_per_sm)
 
-    def fuses_window(self, scheme, page_size, consumers):
-        return fuses_window(scheme, page_size, consumers)
+    def fuses_window(self, scheme, page_size, consumers, ctas_per_sm):
+        return fuses_window(scheme, page_size, consumers, ctas_per_sm)
 
 
 KERNELS = HopperKernels()

@@ -57,7 +57,8 @@ block that the scheduler interleaves; elsewhere the front also loads the V words
 once (benchmarks/NOTES.md sections 36-37). The span's last tile or two, which need the mask, come after the
 loop by a masking copy. ``setmaxnreg`` moves
 registers from the producer to the consumers (ptxas keeps it only with ``.minnctapersm``, hence
-``min_blocks_per_mp=1``). At the end the warps leave (O, m, l) in shared memory (over the ring)
+``min_blocks_per_mp``: 1, or 2 where a config keeps two CTAs per SM, each with half the SM's registers and shared
+memory: ``DecodeConfig.ctas_per_sm``). At the end the warps leave (O, m, l) in shared memory (over the ring)
 and all consumer threads merge them, one output element each.
 Split-KV: grid.x = splits; with splits > 1 the kernel writes normalized fp32 partial outputs
 [B, Hq, S, D] and lse [B, Hq, S] (natural log; -inf and zeros for an empty split); with
@@ -95,18 +96,24 @@ from .mma import TOKEN_BLOCKS, FragmentOperand
 
 PRODUCER_REGS = 40  # setmaxnreg of the producer warpgroup
 PRODUCER_WARPS = 4  # the whole producer warpgroup issues copies
-SMEM_BYTES = 220 * 1024  # shared-memory budget of the stage ring (the merge reuses it)
+SM_SMEM_BYTES = 228 * 1024  # shared memory of an SM (sm_90)
+RING_SLACK_BYTES = 8 * 1024  # of a CTA's share: its mbarriers, the ring's alignment, the 1 KB the driver reserves
 MAX_STAGES = 48
 MERGE_PAD = 4  # fp32 words of padding per merged output row: conflict-free fragment stores
 
 
-def consumer_regs(consumers: int) -> int:
+def ring_bytes(ctas_per_sm: int) -> int:
+    """Shared-memory budget of a CTA's stage ring (the merge reuses it) at ``ctas_per_sm`` CTAs per SM."""
+    return SM_SMEM_BYTES // ctas_per_sm - RING_SLACK_BYTES
+
+
+def consumer_regs(consumers: int, ctas_per_sm: int = 1) -> int:
     """setmaxnreg of the consumer warpgroups: what the producer's decrease frees of the CTA's launch allotment, shared
     among them. ``setmaxnreg.inc`` waits until the registers it asks for are free in the CTA, so asking for more than
     the allotment holds hangs the kernel (4 warpgroups: 96 per thread at launch; the SM's 64K less the producer's,
     shared by 512 consumer threads, asked 112: 1K more than the producer frees)."""
     threads = THREADS * (1 + consumers)
-    freed = launch_regs(threads) * threads - THREADS * PRODUCER_REGS
+    freed = launch_regs(threads, ctas_per_sm) * threads - THREADS * PRODUCER_REGS
     return min(MAX_THREAD_REGS, freed // (THREADS * consumers) // 8 * 8)
 
 
@@ -130,6 +137,17 @@ def _ring_fits(scheme: Scheme, consumers: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+@functools.lru_cache(maxsize=1024)
+def two_ctas_pipeline(scheme: Scheme) -> bool:
+    """Whether one consumer warpgroup at two CTAs per SM (half the SM's shared memory for its ring) keeps the
+    software-pipelined loop (:func:`pipelines`: one n8 block of query columns, 3 stages per warp), as the variants
+    measured faster that way do (benchmarks/NOTES.md section 42); 8-bit codes keep one stage per warp there."""
+    try:
+        return DecodeConfig(scheme, TILE_TOKENS, False, 1, ctas_per_sm=2).PIPELINED
+    except ValueError:
+        return False
 
 
 def pipelines(rows: int, stages_per_warp: int | None = None) -> bool:
@@ -241,9 +259,12 @@ class DecodeConfig(StageLayout):
     mask (the cache decode's draft tokens sit in its window instead)."""
 
     def __init__(self, scheme: Scheme, page_size: int, split: bool, consumers: int, window=None, tokens: int = 1,
-                 packed_causal: bool = False):
+                 packed_causal: bool = False, ctas_per_sm: int = 1):
         if consumers not in (1, 2, 3, 4):
             raise ValueError(f"consumers must be 1 to 4 warpgroups, got {consumers}")
+        if ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas_per_sm}")
+        self.ctas_per_sm = ctas_per_sm
         plan = scheme.plan("sm_90a")
         self.scheme = scheme
         self.plan = plan
@@ -273,8 +294,8 @@ class DecodeConfig(StageLayout):
         self.NC = consumers
         self.NW = 4 * consumers
         self.threads = THREADS * (1 + consumers)
-        self.launch_regs = launch_regs(self.threads)
-        self.consumer_regs = consumer_regs(consumers)
+        self.launch_regs = launch_regs(self.threads, ctas_per_sm)
+        self.consumer_regs = consumer_regs(consumers, ctas_per_sm)
         check_register_budget("Hopper decode", [PRODUCER_REGS] + [self.consumer_regs] * consumers, self.launch_regs)
         # stage of the ring (int32 words): K codes | V codes | K params | V params (foscar.decode_kernel)
         self.lay_out_stage(plan, self.k_operand.words, self.v_operand.words)
@@ -292,9 +313,10 @@ class DecodeConfig(StageLayout):
         # the runs w, w+NW, ...): a warp waits on a stage's `full` parity right after its own
         # previous use of it, never two phases ahead of the fill (which would read as complete).
         per_round = self.TPG * self.NW
-        rounds = min(MAX_STAGES, SMEM_BYTES // (4 * self.STAGE_WORDS)) // per_round
+        budget = ring_bytes(ctas_per_sm)
+        rounds = min(MAX_STAGES, budget // (4 * self.STAGE_WORDS)) // per_round
         if rounds < 1:
-            raise ValueError(f"ring stages of {4 * self.STAGE_WORDS} B: {per_round} do not fit in {SMEM_BYTES} B")
+            raise ValueError(f"ring stages of {4 * self.STAGE_WORDS} B: {per_round} do not fit in {budget} B")
         self.STAGES = rounds * per_round
         # the consumer loop runs a tile's front beside the previous tile's back where the carried tile fits the
         # registers and a warp's held stage leaves it two in flight (benchmarks/NOTES.md section 37)

@@ -2,7 +2,7 @@
 (the quantize-on-append kernel is ``foscar.kernels.quantize``)."""
 
 from .combine import Combine, combine_splits, compile_combine
-from .dequantize import Dequantize, DequantizeConfig, compile_dequantize, dequantize_pages
+from .dequantize import Dequantize, DequantizeConfig, PagesDequantizer, compile_dequantize, dequantize_pages
 
 __all__ = [
     "Combine",
@@ -12,4 +12,5 @@ __all__ = [
     "DequantizeConfig",
     "compile_dequantize",
     "dequantize_pages",
+    "PagesDequantizer",
 ]

@@ -51,7 +51,7 @@ from ..formats import affine_mismatch
 from ..scheme import Axis, Scheme, params_shape
 
 __all__ = ["DequantizeConfig", "Dequantize", "TilePlan", "tile_plan", "POSITIONS", "compile_dequantize",
-           "dequantize_pages"]
+           "dequantize_pages", "PagesDequantizer"]
 
 THREADS = 128  # a CTA: the 7 thread-index bits of TilePlan.thread
 CHUNK = 8  # channels per thread per store: 8 bf16 = one 16-byte store
@@ -578,49 +578,71 @@ def dequantize_pages(codes, params, page_table, scheme, role: str, dtype=None, l
 
     ``out``: where to write it (a contiguous CUDA tensor of that shape and dtype), else a new tensor.
     No host sync, so a call can be captured in a CUDA graph. Runs on the current torch stream.
+    (:class:`PagesDequantizer` keeps the checks of ``codes`` and ``params`` for many calls.)
     """
-    import torch
+    return PagesDequantizer(codes, params, scheme, role, dtype, layout)(page_table, out)
 
-    names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    if dtype is not None and dtype not in names:
-        raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-    if layout is not None and layout not in POSITIONS:
-        raise ValueError(f"layout must be one of {sorted(POSITIONS)} (an arch's packed bit order, Arch.layout), "
-                         f"got {layout!r}")
-    if isinstance(scheme, DequantizeConfig):
-        if dtype is not None and names[dtype] != scheme.dtype:
-            raise ValueError(f"dtype={dtype} contradicts the config's dtype={scheme.dtype!r}")
-        if layout is not None and layout != scheme.layout:
-            raise ValueError(f"layout={layout!r} contradicts the config's layout={scheme.layout!r}")
-    cfg = DequantizeConfig.of(scheme, role, names[dtype or torch.bfloat16], layout or "hopper")
-    dtype = getattr(torch, cfg.dtype)
-    D, G = cfg.head_dim, cfg.group
-    num_pages, kv_heads, tiles_per_page, words = codes.shape
-    page_size = tiles_per_page * TILE_TOKENS
-    batch, max_pages = page_table.shape
-    if cfg.axis is Axis.CHANNEL and page_size % G:
-        raise ValueError(f"page_size {page_size} must be a multiple of the channel-wise group {G}")
-    shape = (batch, kv_heads, max_pages * page_size, D)
-    expected = [
-        ("codes", codes, torch.int32, (num_pages, kv_heads, tiles_per_page, cfg.tile_words)),
-        ("params", params, torch.float16, (num_pages, kv_heads, *params_shape(cfg.axis, G, page_size, D),
-                                           cfg.param_fields)),
-        ("page_table", page_table, torch.int32, (batch, max_pages)),
-    ] + ([("out", out, dtype, shape)] if out is not None else [])
-    for name, t, want, want_shape in expected:
+
+class PagesDequantizer:
+    """:func:`dequantize_pages` of one pool of ``codes`` and ``params`` (a cache's layer and role), with their
+    checks, the config, the compiled kernel and their pointers resolved once: a call checks and takes only the page
+    table (and ``out``). ``PagedKVCache.attend_chunk`` dequantizes a prefix block by block, and the host work of a
+    whole ``dequantize_pages`` call (~125 us, most of it checks and lookups) bounds a chunk's first block
+    (benchmarks/NOTES.md sections 27, 42)."""
+
+    def __init__(self, codes, params, scheme, role: str, dtype=None, layout: str | None = None):
+        import torch
+
+        names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        if dtype is not None and dtype not in names:
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if layout is not None and layout not in POSITIONS:
+            raise ValueError(f"layout must be one of {sorted(POSITIONS)} (an arch's packed bit order, Arch.layout), "
+                             f"got {layout!r}")
+        if isinstance(scheme, DequantizeConfig):
+            if dtype is not None and names[dtype] != scheme.dtype:
+                raise ValueError(f"dtype={dtype} contradicts the config's dtype={scheme.dtype!r}")
+            if layout is not None and layout != scheme.layout:
+                raise ValueError(f"layout={layout!r} contradicts the config's layout={scheme.layout!r}")
+        cfg = self.cfg = DequantizeConfig.of(scheme, role, names[dtype or torch.bfloat16], layout or "hopper")
+        self.dtype, G = getattr(torch, cfg.dtype), cfg.group
+        self.num_pages, self.kv_heads, tiles_per_page, _words = codes.shape
+        self.page_size = tiles_per_page * TILE_TOKENS
+        if cfg.axis is Axis.CHANNEL and self.page_size % G:
+            raise ValueError(f"page_size {self.page_size} must be a multiple of the channel-wise group {G}")
+        self._check("codes", codes, torch.int32, (self.num_pages, self.kv_heads, tiles_per_page, cfg.tile_words),
+                    codes.device)
+        self._check("params", params, torch.float16, (self.num_pages, self.kv_heads,
+                                                      *params_shape(cfg.axis, G, self.page_size, cfg.head_dim),
+                                                      cfg.param_fields), codes.device)
+        self.device = codes.device
+        self._codes, self._params = codes, params  # kept alive: the pointers below are theirs
+        self._pointers = gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16)
+        self._arch, self._compiled = device_arch(codes.device), None  # compiled at the first call, after its checks
+
+    @staticmethod
+    def _check(name, t, want, want_shape, device):
         if (t.dtype != want or tuple(t.shape) != want_shape or not t.is_cuda or not t.is_contiguous()
-                or t.device != codes.device):
+                or t.device != device):
             raise ValueError(f"{name}: need a contiguous CUDA {want} tensor of shape {want_shape} on codes' device, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=codes.device)
-    if out.numel() == 0:
+
+    def __call__(self, page_table, out=None):
+        """The pages of ``page_table [batch, max_pages]`` (int32) as :func:`dequantize_pages` returns them."""
+        import torch
+
+        batch, max_pages = page_table.shape
+        shape = (batch, self.kv_heads, max_pages * self.page_size, self.cfg.head_dim)
+        self._check("page_table", page_table, torch.int32, (batch, max_pages), self.device)
+        if out is not None:
+            self._check("out", out, self.dtype, shape, self.device)
+        else:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if out.numel() == 0:
+            return out
+        if self._compiled is None:
+            cfg, arch = self.cfg, self._arch
+            self._compiled = cached_compile(("dequantize", cfg, arch), lambda: compile_dequantize(cfg, arch=arch))
+        self._compiled(*self._pointers, gmem_ptr(page_table, cutlass.Int32), gmem_ptr(out, self.cfg.out_type),
+                       self.num_pages, self.kv_heads, self.page_size, batch, max_pages, current_stream(self.device))
         return out
-    arch = device_arch(codes.device)
-    compiled = cached_compile(("dequantize", cfg, arch), lambda: compile_dequantize(cfg, arch=arch))
-    stream = current_stream(codes.device)
-    compiled(
-        gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16), gmem_ptr(page_table, cutlass.Int32),
-        gmem_ptr(out, cfg.out_type), num_pages, kv_heads, page_size, batch, max_pages, stream,
-    )
-    return out
