@@ -76,14 +76,15 @@ class Arch:
                        **options):
         """The compiled decode kernel for ``tokens`` query tokens per sequence (the packed pages' last, causal;
         cached per process; works without a GPU). ``options`` go to the arch's ``KernelSet.options`` (Hopper:
-        ``consumers``)."""
+        ``consumers``, ``ctas_per_sm``)."""
         self.can_implement(scheme, page_size)
         return self._kernels().compile_decode(scheme, page_size, partial_output, tokens, **options)
 
-    def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int) -> dict:
+    def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int, waves: float = 0.0) -> dict:
         """The compile options :meth:`run_decode` takes for ``num_splits`` splits of page-table rows of ``capacity``
-        tokens (Hopper: ``consumers``), so that a caller compiling ahead gets the same kernel."""
-        return self._kernels().launch_options(scheme, tokens, capacity, num_splits)
+        tokens in ``waves`` waves of CTAs (``foscar.launch.sm_waves``) (Hopper: ``consumers``, ``ctas_per_sm``), so
+        that a caller compiling ahead gets the same kernel."""
+        return self._kernels().launch_options(scheme, tokens, capacity, num_splits, waves)
 
     def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1):
         """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (Hopper: packed pages,

@@ -61,6 +61,7 @@ channels, which cuts the 2-bit error. V is not rotated.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -931,6 +932,16 @@ class PagedKVCache:
         runs = self._slot_runs(n)
         if runs:
             yield tuple(torch.cat([x[layer, seq][:, run] for run in runs], 1) for x in (self.k_bf16, self.v_bf16))
+
+    def __deepcopy__(self, memo):
+        """A copy (a view to truncate, a prompt cache reused): every attribute deep-copied but the kept dequantize
+        launchers (:meth:`_dequantizer`), which hold compiled-kernel handles and pointers into this cache's pools: the
+        copy builds its own."""
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            copied.__dict__[name] = {} if name == "_dequantizers" else copy.deepcopy(value, memo)
+        return copied
 
     def _dequantizer(self, layer: int, role: str, dtype) -> PagesDequantizer:
         """The dequantize kernel's launcher for one layer's ``role`` pages into ``dtype``, kept: its checks and

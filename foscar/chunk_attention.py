@@ -46,7 +46,7 @@ CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (_
 CUDNN_TOKENS = 8192  # cuDNN attends blocks of a multiple of this many keys: the full blocks, a bounded set of shapes
 MIN_PIECE = 1024  # tokens: the shortest piece of a block that is its own batch entry
 ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward kernel (head_dim <= 128 on sm_90)
-CTAS_PER_SM = 2  # pieces are added until the grid fills the GPU this many times
+PIECE_CTAS_PER_SM = 2  # pieces are added while the grid stays within this many CTAs per SM
 DECODE_COLUMNS = 512  # query columns per KV head (tiles of 16, one pass over the pages each) up to which the decode
 # kernel attends the packed pages (PackedPrefix) rather than dequantized blocks, which read them once in all
 HELD_BYTES = 64 << 20  # FP32 bytes of partial outputs Merged holds before it merges them (its working memory)
@@ -125,7 +125,7 @@ def _pieces(rows: int, kv_heads: int, tokens: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     ctas = kv_heads * -(-rows // ROWS_PER_CTA)
-    wanted = CTAS_PER_SM * _sm_count(device) // ctas  # rounded down: 256 CTAs on 132 SMs stay one piece (section 42)
+    wanted = PIECE_CTAS_PER_SM * _sm_count(device) // ctas  # rounded down: 256 CTAs on 132 SMs stay one piece (section 42)
     return max(1, min(wanted, tokens // MIN_PIECE))
 
 

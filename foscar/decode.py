@@ -15,6 +15,7 @@ import types
 import torch
 
 from .archs import arch_of_device, get_arch, packed_layouts
+from .launch import sm_waves
 from .query_rows import launches
 from .quantize import QuantizedKV, check_page_size
 from .scheme import PARAM_DTYPE, Scheme
@@ -138,7 +139,8 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
         return (out, lse) if return_lse else out
     for launch_tokens in {step, tokens % step} - {0}:  # compile first: a failed call leaves out and lse unwritten
         arch.compile_decode(scheme, page_size, num_splits > 1, launch_tokens,
-                            **arch.launch_options(scheme, launch_tokens, page_table.shape[1] * page_size, num_splits))
+                            **arch.launch_options(scheme, launch_tokens, page_table.shape[1] * page_size, num_splits,
+                                                  sm_waves(q.device, q.shape[0] * k_codes.shape[1] * num_splits)))
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
     for first, last, later in launches(tokens, step):

@@ -4,7 +4,7 @@ on torch CUDA tensors.
 An arch's decode kernels are a :class:`KernelSet` subclass in its ``decode`` module
 (``foscar.hopper.decode``, ``foscar.blackwell.decode``) that says only what differs: its kernel classes
 and their configs (the kernels' limits and entries: ``foscar.decode_kernel``), its compile options (Hopper:
-``consumers``) and whether its cache-decode launch attends the 16-bit sink + window itself. This module builds
+``consumers``, ``ctas_per_sm``) and whether its cache-decode launch attends the 16-bit sink + window itself. This module builds
 the argument lists of both arches' entries (:func:`decode_args`, :data:`CACHE_ARGS`: stand-ins to compile against
 and pointers to launch with, from :data:`POINTERS` and :data:`SCALARS`), keys the compile cache, allocates the
 outputs and partials, and runs the helper launches around the arch's: the split combine
@@ -40,7 +40,7 @@ from .scheme import Scheme
 from .split_merge import counter_words
 from .work_list import MAX_SPLITS, grid_ctas
 
-__all__ = ["KernelSet", "POINTERS", "SCALARS", "CACHE_ARGS", "decode_args"]
+__all__ = ["KernelSet", "POINTERS", "SCALARS", "CACHE_ARGS", "decode_args", "sm_waves"]
 
 # The launches' arguments by name. A pointer's element type (None: q's 16-bit type):
 POINTERS = {"q": None, "k_codes": Int32, "k_params": Float16, "v_codes": Int32, "v_params": Float16,
@@ -55,6 +55,17 @@ SCALARS = {"batch": Int32, "kv_heads": Int32, "max_pages": Int32, "budget": Int3
 CACHE_ARGS = ("q", "k_codes", "k_params", "v_codes", "v_params", "page_table", "seq_rows", "seq_lengths", "k_win",
               "v_win", "o_part", "lse_part", "out", "lse", "counters", "batch", "kv_heads", "max_pages", "budget",
               "num_splits", "parts", "sink", "ring", "window", "sm_scale")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sm_waves(device: torch.device, ctas: int) -> float:
+    """How many waves ``ctas`` CTAs make on ``device``'s SMs at one CTA per SM (0.0 off a GPU): what
+    ``KernelSet.launch_options`` is told of a launch's size."""
+    return ctas / _num_sms(device) if device.type == "cuda" else 0.0
 
 
 def decode_args(partial_output: bool) -> tuple[str, ...]:
@@ -114,9 +125,10 @@ class KernelSet:
         gives (none here; a TypeError names an unknown one)."""
         return ()
 
-    def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int) -> dict:
+    def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int, waves: float = 0.0) -> dict:
         """The keyword options :meth:`run_decode` compiles with where its caller gives none (or None), for a launch of
-        ``num_splits`` splits over page-table rows of ``capacity`` tokens (none here)."""
+        ``num_splits`` splits over page-table rows of ``capacity`` tokens that makes ``waves`` waves of CTAs at one CTA
+        per SM (:func:`sm_waves`; 0: not known) (none here)."""
         return {}
 
     def config(self, scheme: Scheme, page_size: int, partial_output: bool, tokens: int, *options):
@@ -159,7 +171,8 @@ class KernelSet:
         partial = num_splits > 1
         page_size = k_codes.shape[2] * 64
         options = {k: v for k, v in options.items() if v is not None}
-        options = options or self.launch_options(scheme, tokens, page_table.shape[1] * page_size, num_splits)
+        options = options or self.launch_options(scheme, tokens, page_table.shape[1] * page_size, num_splits,
+                                                 sm_waves(q.device, batch * k_codes.shape[1] * num_splits))
         compiled = self.compile_decode(scheme, page_size, partial, tokens, **options)
         out = torch.empty_like(q) if out is None else out
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse

@@ -60,8 +60,10 @@ ONE_ROUND_PARTS = 64  # parts whose groups the last merge reads in one round of 
 def one_round_parts(parts, select=lambda cond, a, b: a if cond else b):
     """``parts``, but a count less than a ``GROUP`` past ``ONE_ROUND_PARTS`` becomes ``ONE_ROUND_PARTS``: the extra
     parts' group would cost the last merge a second round of loads, more than they save (2 KV heads at 1 x 128K:
-    66 parts 18.5 us, 64 parts 18.0; benchmarks/NOTES.md sections 41-42). ``select``: ``cutlass.select_`` on the
-    device, whose ``WorkList`` plans as :func:`host_plan` does."""
+    66 parts 18.5 us, 64 parts 18.0, benchmarks/NOTES.md section 41; side by side 18.3 -> 18.0, section 42). Only
+    this step was measured: 72 to 128 parts also merge in two rounds and keep their count (tp8's 128 parts are
+    faster than 64). ``select``: ``cutlass.select_`` on the device, whose ``WorkList`` plans as :func:`host_plan`
+    does."""
     just_past = select(parts < ONE_ROUND_PARTS + GROUP, ONE_ROUND_PARTS, parts)
     return select(parts > ONE_ROUND_PARTS, just_past, parts)
 
@@ -73,7 +75,8 @@ def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: 
     (num_sms*CTAS_PER_SM))`` waves of ``max_tokens/n + SPLIT_OVERHEAD_TOKENS`` tokens each; pick
     the ``n`` with the least total (the fewest splits among equals), at most ``most``, with no split shorter than
     ``MIN_TOKENS_PER_SPLIT`` tokens, then the fewest splits that cut its longest split's whole tiles. Uses the page
-    table's capacity, not the lengths, so planning needs no device-to-host sync.
+    table's capacity, not the lengths, so planning needs no device-to-host sync. (The model counts one CTA per SM;
+    an unsplit launch of short sequences may then run two smaller ones per SM: ``foscar.hopper.decode``.)
     """
     for name, value in (("batch", batch), ("kv_heads", kv_heads), ("max_tokens", max_tokens), ("num_sms", num_sms),
                         ("most", most)):

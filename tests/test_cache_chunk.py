@@ -3,6 +3,7 @@ causally, their own 16-bit K/V) against float64 attention, on the CPU torch path
 path's cache; ``truncate`` / ``rollback_limit`` (a rollback equals never having appended the tokens), and the
 errors of both, which leave the cache unchanged."""
 
+import copy
 
 import pytest
 import torch
@@ -217,6 +218,29 @@ class RingModel:
         return k
 
 
+def test_a_deep_copy_leaves_the_kept_dequantize_launchers(rng):
+    """``copy.deepcopy`` of a cache (a view to truncate, a prompt cache reused): everything copied but the kept
+    dequantize launchers (compiled-kernel handles and pointers into the original's pools, which cannot be copied);
+    the copy holds what the original holds and builds its own launchers."""
+    scheme = SCHEMES[0]
+    cache = make_cache(scheme)
+    seq = cache.allocate()
+    k, v = kv(rng, scheme, 1, 700)
+    cache.append(0, [seq], k, v)
+
+    class Uncopyable:
+        def __deepcopy__(self, memo):
+            raise AssertionError("a kept launcher was copied")
+
+    cache._dequantizers[(0, "k", torch.bfloat16)] = Uncopyable()
+    view = copy.deepcopy(cache)
+    assert view._dequantizers == {} and len(cache._dequantizers) == 1
+    for got, want in zip(view.dense(0, seq), cache.dense(0, seq)):
+        assert torch.equal(got, want)
+    view.append(0, [seq], *kv(rng, scheme, 1, 5))
+    assert view.seq_len(seq) == 705 and cache.seq_len(seq) == 700
+
+
 @pytest.mark.parametrize("scheme", SCHEMES[:2] + SCHEMES[3:], ids=lambda s: s.name)
 def test_truncate_equals_never_having_appended(scheme, rng):
     """A random walk of appends (one token, chunks shorter and longer than the window) and rollbacks of up to
@@ -368,6 +392,11 @@ def test_attend_chunk_on_a_kernel_cache(scheme, rotate, packed_by, rng, monkeypa
         k_new, v_new = check_chunk(cache, ids[::-1], lambda seq: cache.dense(0, seq), rng, tokens)
         cache.append(0, ids[::-1], k_new.cuda(), v_new.cuda())
     assert bool(dequantized) == (packed_by == "blocks")  # the path asked for took the packed pages
+    # one kept launcher per role (one layer, one dtype) served every block; a copy of the cache builds its own
+    assert len(cache._dequantizers) == (2 if packed_by == "blocks" else 0)
+    view = copy.deepcopy(cache)
+    assert view._dequantizers == {}
+    check_chunk(view, ids, lambda seq: view.dense(0, seq), rng, 5)
 
 
 @pytest.mark.gpu

@@ -139,6 +139,18 @@ def _attention(q, k, v):
     return torch.einsum("lht,htd->lhd", torch.softmax(scores, -1), v.double().repeat_interleave(group, 0))
 
 
+def test_a_block_is_cut_into_pieces_while_the_grid_stays_within_two_ctas_per_sm(monkeypatch):
+    """``_pieces`` on a 132-SM GPU: 4096 rows per KV head at 8 KV heads (256 CTAs of 128 rows) stay one piece (rounded
+    up it was 2, whose merge cost more than the attention gained: benchmarks/NOTES.md section 42); 512 rows (32 CTAs)
+    take 8 pieces, at most one per ``MIN_PIECE`` tokens; the CPU one."""
+    monkeypatch.setattr(chunk_attention, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert chunk_attention._pieces(4096, 8, 32768, cuda) == 1
+    assert chunk_attention._pieces(512, 8, 32768, cuda) == 2 * 132 // 32 == 8
+    assert chunk_attention._pieces(512, 8, 3 * chunk_attention.MIN_PIECE, cuda) == 3
+    assert chunk_attention._pieces(512, 8, 32768, torch.device("cpu")) == 1
+
+
 def test_padded_rows_are_four_sizes_per_octave_at_most_a_quarter_more():
     for octave in range(9, 16):
         sizes = {padded_rows(rows) for rows in range(1 << octave, 2 << octave)}

@@ -96,9 +96,9 @@ def test_both_arches_share_the_entries_and_the_tile_copies():
 def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
     """Hopper's split decode launches compile with 2 consumer warpgroups where the default is 3 and each CTA attends
     at most SHORT_SPLIT_TOKENS (the page table's capacity over the splits); an unsplit one-token launch over rows of at
-    most SHORT_CONTEXT_TOKENS one warpgroup at two CTAs per SM where its ring fits; else the default; a caller's own
-    count wins, a None count is no count; the arch registry (decode_paged's
-    compile-ahead of several launches) gives the same options."""
+    most SHORT_CONTEXT_TOKENS, more than one wave of CTAs at one per SM, one warpgroup at two CTAs per SM where its loop
+    still pipelines; else the default; a caller's own count wins, a None count is no count; the arch registry
+    (decode_paged's compile-ahead of several launches) gives the same options."""
     from foscar.hopper.decode import KERNELS, SHORT_CONTEXT_TOKENS, SHORT_SPLIT_TOKENS
     from foscar.hopper.kernel import default_consumers
 
@@ -108,19 +108,24 @@ def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
     assert default_consumers(scheme) == 3
     assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS, 16) == two
     assert KERNELS.launch_options(scheme, 1, 16 * SHORT_SPLIT_TOKENS + 64, 16) == three
-    assert KERNELS.launch_options(scheme, 1, SHORT_SPLIT_TOKENS, 1) == two_ctas  # 256 x 2K: unsplit
-    assert KERNELS.launch_options(scheme, 1, SHORT_CONTEXT_TOKENS, 1) == two_ctas
-    assert KERNELS.launch_options(scheme, 1, SHORT_CONTEXT_TOKENS + 64, 1) == three
+    waves = 2048 / 132  # 256 x 2K, 8 KV heads, on 132 SMs
+    assert KERNELS.launch_options(scheme, 1, SHORT_SPLIT_TOKENS, 1, waves) == two_ctas  # unsplit
+    assert KERNELS.launch_options(scheme, 1, SHORT_CONTEXT_TOKENS, 1, 1.01) == two_ctas
+    assert KERNELS.launch_options(scheme, 1, SHORT_CONTEXT_TOKENS, 1, 1.0) == three  # one wave: 4 warps per SM
+    assert KERNELS.launch_options(scheme, 1, SHORT_CONTEXT_TOKENS, 1) == three  # the grid not known
+    assert KERNELS.launch_options(scheme, 1, SHORT_CONTEXT_TOKENS + 64, 1, waves) == three
     # several query tokens: not measured at two CTAs per SM
-    assert KERNELS.launch_options(scheme, 4, SHORT_SPLIT_TOKENS, 1) == {"consumers": default_consumers(scheme, 4),
-                                                                        "ctas_per_sm": 1}
+    assert KERNELS.launch_options(scheme, 4, SHORT_SPLIT_TOKENS, 1, waves) == {
+        "consumers": default_consumers(scheme, 4), "ctas_per_sm": 1}
     int4 = Scheme.make(4, "channel", 128, "token", 128, 128, 4)  # 2 by default: kept
     assert KERNELS.launch_options(int4, 1, 1024, 16) == {"consumers": default_consumers(int4), "ctas_per_sm": 1} == two
     int8 = Scheme.make(8, "token", 128, "token", 128, 128, 4)  # one stage per warp in half an SM: not pipelined
-    assert KERNELS.launch_options(int8, 1, 1024, 1) == {"consumers": default_consumers(int8), "ctas_per_sm": 1}
+    assert KERNELS.launch_options(int8, 1, 1024, 1, waves) == {"consumers": default_consumers(int8), "ctas_per_sm": 1}
     gqa16 = Scheme.make(2, "token", 128, "token", 128, 128, 16)  # two n8 blocks of columns: not pipelined
-    assert KERNELS.launch_options(gqa16, 1, 1024, 1) == {"consumers": default_consumers(gqa16), "ctas_per_sm": 1}
+    assert KERNELS.launch_options(gqa16, 1, 1024, 1, waves) == {"consumers": default_consumers(gqa16),
+                                                                 "ctas_per_sm": 1}
     assert HOPPER.launch_options(scheme, 1, 1024, 16) == KERNELS.launch_options(scheme, 1, 1024, 16)
+    assert HOPPER.launch_options(scheme, 1, 1024, 1, waves) == KERNELS.launch_options(scheme, 1, 1024, 1, waves)
     assert BLACKWELL.launch_options(scheme, 1, 1024, 16) == {}
 
     asked = []
@@ -133,13 +138,17 @@ def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(KERNELS, "compile_decode", compile_)
-    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(foscar.launch, "sm_waves", lambda device, ctas: ctas / 132)  # (q on the CPU here)
     codes = torch.zeros(1, 2, 2, 8, dtype=torch.int32)  # [pages, kv_heads, tiles per page (128 tokens), words]
-    for max_pages, splits, options in ((256, 16, two), (256, 2, three), (16, 1, two_ctas)):  # 2K, 16K, 2K unsplit
+    # 2K, 16K per split; 2K unsplit: batch 1 (2 CTAs), batch 67 (134 CTAs: more than a wave)
+    for batch, max_pages, splits, options in ((1, 256, 16, two), (1, 256, 2, three), (1, 16, 1, three),
+                                              (67, 16, 1, two_ctas)):
+        q = torch.zeros(batch, 8, 128, dtype=torch.bfloat16)
         with pytest.raises(Stop):
-            KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, max_pages, dtype=torch.int32), None, 0.1,
-                               scheme, splits)
+            KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(batch, max_pages, dtype=torch.int32), None,
+                               0.1, scheme, splits)
         assert asked[-1] == options
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
     with pytest.raises(Stop):
         KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, 256, dtype=torch.int32), None, 0.1, scheme, 16,
                            consumers=3)

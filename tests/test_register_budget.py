@@ -71,15 +71,21 @@ def test_two_ctas_per_sm_share_the_sm():
     threads launch at 128 registers (``.minnctapersm 2``), the producer's decrease frees what the consumers' increase
     takes (216), no spill, and the CTA's shared memory is at most half the SM's."""
     from foscar.hopper.decode import KERNELS
-    from foscar.hopper.kernel import PRODUCER_REGS, SM_SMEM_BYTES, DecodeConfig
+    from foscar.hopper.kernel import PRODUCER_REGS, SM_SMEM_BYTES, DecodeConfig, HopperDecodeKernel, two_ctas_pipeline
 
     cfg = DecodeConfig(INT2, 128, False, 1, ctas_per_sm=2)
-    compiled = KERNELS.compile_decode(INT2, 128, False, consumers=1, ctas_per_sm=2)
+    compiled = KERNELS.compile_decode(INT2, 128, False, ctas_per_sm=2)  # (one consumer warpgroup: the default there)
     threads, launch, moves = assert_setmaxnreg_within_launch(compiled)
     assert (threads, launch, cfg.launch_regs) == (256, 128, 128) and cfg.PIPELINED
     assert moves == {("dec", PRODUCER_REGS), ("inc", cfg.consumer_regs)} and cfg.consumer_regs == 216
     assert artifacts(compiled).resources().local_bytes == 0
-    assert 4 * cfg.RING_WORDS + 16 * cfg.STAGES + 1024 <= SM_SMEM_BYTES // 2 - 1024
+    for scheme in (INT2, Scheme.make(2, "channel", 128, "token", 128, 128, 8), Scheme.make(4, "token", 128, "channel",
+                   128, 128, 1), Scheme.make(4, "channel", 64, "channel", 64, 64, 4)):  # the largest rings taken
+        assert two_ctas_pipeline(scheme), scheme.name
+        storage = HopperDecodeKernel(DecodeConfig(scheme, 128, True, 1, ctas_per_sm=2)).shared_storage()
+        assert 2 * (storage.size_in_bytes() + 1024) <= SM_SMEM_BYTES, scheme.name  # (the driver's 1 KB per CTA)
+    with pytest.raises(ValueError, match="ctas_per_sm must be 1, or 2 with one consumer warpgroup"):
+        DecodeConfig(INT2, 128, False, 3, ctas_per_sm=2)
 
 
 def test_an_over_budget_role_set_is_refused_by_name():

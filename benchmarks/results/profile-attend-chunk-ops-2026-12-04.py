@@ -1,5 +1,5 @@
 """One-off: attend_chunk at chunk 1024 over a 100K INT2 kc128 prefix: GPU time per aten op, host time per function."""
-import cProfile, pstats, io, statistics, time
+import cProfile, pstats, io
 import torch
 from benchmarks.decode import MODELS, scheme_of
 from benchmarks.extend import foscar_prefix

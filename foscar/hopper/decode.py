@@ -27,12 +27,14 @@ class HopperKernels(KernelSet):
     def options(self, scheme: Scheme, tokens: int, consumers: int | None = None,
                 ctas_per_sm: int | None = None) -> tuple[int, int]:
         """``consumers``: consumer warpgroups per CTA (None: :func:`~foscar.hopper.kernel.default_consumers`);
-        ``ctas_per_sm``: CTAs resident per SM, 1 or 2 (None: 1), each built with that share of its registers and
-        shared memory."""
-        return (int(default_consumers(scheme, tokens) if consumers is None else consumers),
-                1 if ctas_per_sm is None else int(ctas_per_sm))
+        ``ctas_per_sm``: CTAs resident per SM, 1 or 2 (None: 1; 2 takes one consumer warpgroup), each built with that
+        share of its registers and shared memory."""
+        ctas_per_sm = 1 if ctas_per_sm is None else int(ctas_per_sm)
+        if consumers is None:  # two CTAs per SM hold one consumer warpgroup each (DecodeConfig)
+            consumers = default_consumers(scheme, tokens) if ctas_per_sm == 1 else 1
+        return int(consumers), ctas_per_sm
 
-    def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int) -> dict:
+    def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int, waves: float = 0.0) -> dict:
         """Two consumer warpgroups instead of three for a split launch (too few sequences to fill the GPU) whose
         CTAs attend at most ``SHORT_SPLIT_TOKENS`` of the ``capacity`` tokens a page-table row holds: with ~3 tiles
         per warp the per-warp set-up and the warps' merge outweigh the third warpgroup (H200, benchmarks/NOTES.md
@@ -41,14 +43,17 @@ class HopperKernels(KernelSet):
         loop, section 37).
 
         One consumer warpgroup at two CTAs per SM for an unsplit one-token launch over page-table rows of at most
-        ``SHORT_CONTEXT_TOKENS`` (a GPU of short sequences, 256 x 2K): one CTA's prologue, ring fill and merge then
-        overlap the other's loop, where a CTA alone on its SM leaves them bare (section 42, Qwen3-8B 256 x 2K: INT2 K
-        token-wise 159.9 -> 123.7 us, INT4 181.3 -> 164.2; 128 x 8K: 224.4 -> 215.4, 314.1 -> 307.2), where its loop
-        still pipelines in half the SM's shared memory (:func:`~foscar.hopper.kernel.two_ctas_pipeline`)."""
+        ``SHORT_CONTEXT_TOKENS`` that makes more than one wave at one CTA per SM (``waves``: many short sequences,
+        256 x 2K; a smaller grid would leave each SM one CTA of 4 consumer warps instead of 12): one CTA's prologue,
+        ring fill and merge then overlap the other's loop, where a CTA alone on its SM leaves them bare (section 42,
+        Qwen3-8B 256 x 2K: INT2 K token-wise 160.3 -> 123.2 us, K channel-wise 165.9 -> 133.8, INT4 177.8 -> 162.0;
+        32 x 8K, 1.9 waves: 0.95-0.99x), where its loop still pipelines in half the SM's shared memory
+        (:func:`~foscar.hopper.kernel.two_ctas_pipeline`)."""
         consumers = default_consumers(scheme, tokens)
         if consumers == 3 and num_splits > 1 and capacity // num_splits <= SHORT_SPLIT_TOKENS:
             consumers = 2
-        if num_splits == 1 and tokens == 1 and capacity <= SHORT_CONTEXT_TOKENS and two_ctas_pipeline(scheme):
+        if (num_splits == 1 and tokens == 1 and capacity <= SHORT_CONTEXT_TOKENS and waves > 1
+                and two_ctas_pipeline(scheme)):
             return {"consumers": 1, "ctas_per_sm": 2}
         return {"consumers": consumers, "ctas_per_sm": 1}
 

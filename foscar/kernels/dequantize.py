@@ -606,7 +606,7 @@ class PagesDequantizer:
                 raise ValueError(f"layout={layout!r} contradicts the config's layout={scheme.layout!r}")
         cfg = self.cfg = DequantizeConfig.of(scheme, role, names[dtype or torch.bfloat16], layout or "hopper")
         self.dtype, G = getattr(torch, cfg.dtype), cfg.group
-        self.num_pages, self.kv_heads, tiles_per_page, _words = codes.shape
+        self.num_pages, self.kv_heads, tiles_per_page, _ = codes.shape
         self.page_size = tiles_per_page * TILE_TOKENS
         if cfg.axis is Axis.CHANNEL and self.page_size % G:
             raise ValueError(f"page_size {self.page_size} must be a multiple of the channel-wise group {G}")
@@ -618,7 +618,7 @@ class PagesDequantizer:
         self.device = codes.device
         self._codes, self._params = codes, params  # kept alive: the pointers below are theirs
         self._pointers = gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16)
-        self._arch, self._compiled = device_arch(codes.device), None  # compiled at the first call, after its checks
+        self._compiled = None  # compiled at the first call, after its checks
 
     @staticmethod
     def _check(name, t, want, want_shape, device):
@@ -641,7 +641,7 @@ class PagesDequantizer:
         if out.numel() == 0:
             return out
         if self._compiled is None:
-            cfg, arch = self.cfg, self._arch
+            cfg, arch = self.cfg, device_arch(self.device)
             self._compiled = cached_compile(("dequantize", cfg, arch), lambda: compile_dequantize(cfg, arch=arch))
         self._compiled(*self._pointers, gmem_ptr(page_table, cutlass.Int32), gmem_ptr(out, self.cfg.out_type),
                        self.num_pages, self.kv_heads, self.page_size, batch, max_pages, current_stream(self.device))
