@@ -110,11 +110,13 @@ def queries(q, tokens: int):
 
 def checked(pkg, method: str, tokens: int, model: str, splits=(1, 3)) -> bool:
     """``pkg``'s decode of ``method`` (``tokens`` query tokens per sequence) against float64 (ragged lengths; 1 and 3
-    splits, and the counts a timed shape plans)."""
+    splits, and the counts a timed shape plans). 48 sequences of 3 KV heads: one split is more than a wave of CTAs on
+    an H200, where short rows take the two-CTA kernel (``foscar.hopper.decode``) that the timed many-sequence shapes
+    run."""
     from foscar.testing import check_causal_output, check_output, random_problem
 
     ref_scheme = scheme_for(importlib.import_module("foscar"), method, model)
-    q, cache = random_problem(ref_scheme, [tokens, 700, 4097, 129, 64, 65], kv_heads=3, page_size=128)
+    q, cache = random_problem(ref_scheme, [tokens, 700, 4097, 129, 64, 65] * 8, kv_heads=3, page_size=128)
     q = queries(q, tokens)
     check = check_output if tokens == 1 else check_causal_output
     ok = True

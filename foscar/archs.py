@@ -86,6 +86,10 @@ class Arch:
         that a caller compiling ahead gets the same kernel."""
         return self._kernels().launch_options(scheme, tokens, capacity, num_splits, waves)
 
+    def launch_options_for(self, scheme: Scheme, q, k_codes, page_table, num_splits: int, tokens: int) -> dict:
+        """:meth:`launch_options` of a launch on these tensors (``KernelSet.launch_options_for``)."""
+        return self._kernels().launch_options_for(scheme, q, k_codes, page_table, num_splits, tokens)
+
     def compile_cache_decode(self, scheme: Scheme, page_size: int, tokens: int = 1):
         """The compiled decode launch of :class:`~foscar.cache.PagedKVCache` (Hopper: packed pages,
         window slots and merge in one, or the quantized splits' partials where

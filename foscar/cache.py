@@ -73,6 +73,7 @@ import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
 from .chunk_attention import CUDNN_TOKENS, DECODE_COLUMNS, PackedPrefix, chunk_attention
+from .jit import sm_count
 from .kernels.dequantize import PagesDequantizer
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
@@ -279,7 +280,7 @@ class PagedKVCache:
         self._granule_steps = torch.arange(granule, device=dev)
         self._page_steps = torch.arange(page_size, device=dev)
         self._slots = torch.arange(sink + self.ring, device=dev)  # the 16-bit slots of a sequence
-        self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        self._num_sms = sm_count(dev) if dev.type == "cuda" else 1
         self.cta_budget = self._num_sms * CTAS_PER_SM  # one wave of the decode launch (class docstring)
         self._splits: dict[int, int] = {}  # num_splits per batch size
 

@@ -15,7 +15,7 @@ import types
 import torch
 
 from .archs import arch_of_device, get_arch, packed_layouts
-from .launch import sm_waves
+from .jit import sm_count
 from .query_rows import launches
 from .quantize import QuantizedKV, check_page_size
 from .scheme import PARAM_DTYPE, Scheme
@@ -126,9 +126,7 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
                          f"(quantize with layout={arch.layout!r})")
     arch.can_implement(scheme, page_size)  # a variant the kernel cannot build fails here, before compiling
     if num_splits is None:
-        props = torch.cuda.get_device_properties(q.device)
-        num_splits = plan_splits(q.shape[0], k_codes.shape[1], page_table.shape[1] * page_size,
-                                 props.multi_processor_count)
+        num_splits = plan_splits(q.shape[0], k_codes.shape[1], page_table.shape[1] * page_size, sm_count(q.device))
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
     tokens = q.shape[1] if q.dim() == 4 else 1
@@ -139,8 +137,7 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
         return (out, lse) if return_lse else out
     for launch_tokens in {step, tokens % step} - {0}:  # compile first: a failed call leaves out and lse unwritten
         arch.compile_decode(scheme, page_size, num_splits > 1, launch_tokens,
-                            **arch.launch_options(scheme, launch_tokens, page_table.shape[1] * page_size, num_splits,
-                                                  sm_waves(q.device, q.shape[0] * k_codes.shape[1] * num_splits)))
+                            **arch.launch_options_for(scheme, q, k_codes, page_table, num_splits, launch_tokens))
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse
     for first, last, later in launches(tokens, step):

@@ -9,6 +9,7 @@ A compiled kernel is kept in memory for the process and on disk for later proces
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -123,6 +124,12 @@ def gmem_ptr(tensor: torch.Tensor, dtype):
     if tensor.data_ptr() % 16:
         raise ValueError(f"a {tuple(tensor.shape)} tensor passed to a FOSCAR kernel is not 16-byte aligned")
     return make_ptr(dtype, tensor.data_ptr(), AddressSpace.gmem, assumed_align=16)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA ``device`` (kept: a device-properties query per call costs microseconds)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def current_stream(device):

@@ -31,7 +31,7 @@ import torch
 from cutlass import Float16, Float32, Int32, Int64
 
 from .inspect import compile_for
-from .jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type
+from .jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type, sm_count
 from .kernels.combine import combine_splits
 from .kernels.quantize import granule_of
 from .kernels.sink_window import check_sink_window, sink_window_attend, window_ctas
@@ -57,15 +57,10 @@ CACHE_ARGS = ("q", "k_codes", "k_params", "v_codes", "v_params", "page_table", "
               "num_splits", "parts", "sink", "ring", "window", "sm_scale")
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def sm_waves(device: torch.device, ctas: int) -> float:
     """How many waves ``ctas`` CTAs make on ``device``'s SMs at one CTA per SM (0.0 off a GPU): what
     ``KernelSet.launch_options`` is told of a launch's size."""
-    return ctas / _num_sms(device) if device.type == "cuda" else 0.0
+    return ctas / sm_count(device) if device.type == "cuda" else 0.0
 
 
 def decode_args(partial_output: bool) -> tuple[str, ...]:
@@ -131,6 +126,14 @@ class KernelSet:
         per SM (:func:`sm_waves`; 0: not known) (none here)."""
         return {}
 
+    def launch_options_for(self, scheme: Scheme, q, k_codes, page_table, num_splits: int, tokens: int) -> dict:
+        """:meth:`launch_options` of a decode launch of ``q`` (its batch) over ``k_codes`` (KV heads, page size) and
+        ``page_table`` (capacity) in ``num_splits`` splits: what :meth:`run_decode` compiles and what a caller
+        compiling ahead of it asks for (``foscar.decode.decode_paged``)."""
+        page_size = k_codes.shape[2] * 64
+        return self.launch_options(scheme, tokens, page_table.shape[1] * page_size, num_splits,
+                                   sm_waves(q.device, q.shape[0] * k_codes.shape[1] * num_splits))
+
     def config(self, scheme: Scheme, page_size: int, partial_output: bool, tokens: int, *options):
         """The decode kernel's config for ``tokens`` query tokens per sequence, the last tokens of its packed
         pages (causal); building it runs the checks that need its geometry."""
@@ -171,8 +174,7 @@ class KernelSet:
         partial = num_splits > 1
         page_size = k_codes.shape[2] * 64
         options = {k: v for k, v in options.items() if v is not None}
-        options = options or self.launch_options(scheme, tokens, page_table.shape[1] * page_size, num_splits,
-                                                 sm_waves(q.device, batch * k_codes.shape[1] * num_splits))
+        options = options or self.launch_options_for(scheme, q, k_codes, page_table, num_splits, tokens)
         compiled = self.compile_decode(scheme, page_size, partial, tokens, **options)
         out = torch.empty_like(q) if out is None else out
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if lse is None else lse

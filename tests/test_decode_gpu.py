@@ -55,23 +55,34 @@ def test_one_cta_over_a_long_sequence(scheme):
     assert acc.ok, acc
 
 
-@pytest.mark.parametrize("scheme", [Scheme.make(2, "token", 128, "token", 128, 128, 4),
-                                    Scheme.make(2, "channel", 128, "token", 128, 128, 1),
-                                    Scheme.make(4, "token", 128, "channel", 128, 128, 8, torch.float16),
-                                    Scheme.make(2, "channel", 64, "channel", 64, 64, 4)], ids=lambda s: s.name)
-def test_many_short_sequences_at_two_ctas_per_sm(scheme):
-    """More than a wave of short ragged sequences: ``decode`` launches one consumer warpgroup at two CTAs per SM
-    (``HopperKernels.launch_options``; registers and shared memory halved, a smaller ring), into NaN-poisoned outputs,
-    against float64."""
-    from foscar.hopper.decode import KERNELS
-    from foscar.launch import sm_waves
+def _two_ctas_matrix():
+    """The coverage matrix's variants whose unsplit launch over rows of at most SHORT_CONTEXT_TOKENS may run two CTAs
+    per SM (``foscar.hopper.kernel.two_ctas_pipeline``)."""
+    from foscar.hopper.decode import SHORT_CONTEXT_TOKENS
+    from foscar.hopper.kernel import two_ctas_pipeline
 
-    q, cache = random_problem(scheme, [1, 65, 700, 2049] * 40, kv_heads=2, page_size=128)
-    capacity = cache.page_table.shape[1] * 128
-    assert KERNELS.launch_options(scheme, 1, capacity, 1, sm_waves(q.device, q.shape[0] * 2)) == {
-        "consumers": 1, "ctas_per_sm": 2}
+    return [(scheme, page_size, lengths) for scheme, page_size, lengths in coverage_matrix("sm_90a")
+            if two_ctas_pipeline(scheme) and -(-max(lengths) // page_size) * page_size <= SHORT_CONTEXT_TOKENS]
+
+
+@pytest.mark.parametrize("scheme, page_size, lengths", _two_ctas_matrix(), ids=lambda p: getattr(p, "name", None))
+def test_many_short_sequences_at_two_ctas_per_sm(scheme, page_size, lengths, monkeypatch):
+    """More than a wave of short ragged sequences in one split: ``decode`` compiles and launches one consumer
+    warpgroup at two CTAs per SM (``HopperKernels.launch_options``; registers and shared memory halved, a smaller
+    ring), into NaN-poisoned outputs, against float64."""
+    from foscar.hopper.decode import KERNELS
+
+    asked, compile_decode = [], KERNELS.compile_decode
+
+    def recorded(*args, **options):
+        asked.append(options)
+        return compile_decode(*args, **options)
+
+    monkeypatch.setattr(KERNELS, "compile_decode", recorded)
+    q, cache = random_problem(scheme, lengths * -(-140 // len(lengths)), kv_heads=2, page_size=page_size)
     out, lse = _poisoned(q)
     decode(q, cache, return_lse=True, num_splits=1, out=out, lse=lse)
+    assert asked == [{"consumers": 1, "ctas_per_sm": 2}]  # (280+ CTAs: over two waves on 132 SMs)
     acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
     assert acc.ok, acc
 

@@ -82,7 +82,7 @@ def test_two_ctas_per_sm_share_the_sm():
     for scheme in (INT2, Scheme.make(2, "channel", 128, "token", 128, 128, 8), Scheme.make(4, "token", 128, "channel",
                    128, 128, 1), Scheme.make(4, "channel", 64, "channel", 64, 64, 4)):  # the largest rings taken
         assert two_ctas_pipeline(scheme), scheme.name
-        storage = HopperDecodeKernel(DecodeConfig(scheme, 128, True, 1, ctas_per_sm=2)).shared_storage()
+        storage = HopperDecodeKernel(DecodeConfig(scheme, 128, False, 1, ctas_per_sm=2)).shared_storage()
         assert 2 * (storage.size_in_bytes() + 1024) <= SM_SMEM_BYTES, scheme.name  # (the driver's 1 KB per CTA)
     with pytest.raises(ValueError, match="ctas_per_sm must be 1, or 2 with one consumer warpgroup"):
         DecodeConfig(INT2, 128, False, 3, ctas_per_sm=2)
