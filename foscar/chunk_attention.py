@@ -40,8 +40,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .jit import sm_count
-
 __all__ = ["Merged", "PackedPrefix", "chunk_attention", "fused_attention"]
 
 CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (_cudnn_rows)
@@ -117,12 +115,17 @@ class Merged:
         self.lse, self._held, self._held_bytes = total, [], 0
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:  # (foscar.jit.sm_count's query: this core module imports no layer above)
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _pieces(rows: int, kv_heads: int, tokens: int, device: torch.device) -> int:
     """How many pieces one block's attention of ``rows`` query rows per KV head splits into (a batch)."""
     if device.type != "cuda":
         return 1
     ctas = kv_heads * -(-rows // ROWS_PER_CTA)
-    wanted = PIECE_CTAS_PER_SM * sm_count(device) // ctas  # rounded down: 256 CTAs on 132 SMs stay one piece (section 42)
+    wanted = PIECE_CTAS_PER_SM * _sm_count(device) // ctas  # rounded down: 256 CTAs on 132 SMs stay one piece (section 42)
     return max(1, min(wanted, tokens // MIN_PIECE))
 
 

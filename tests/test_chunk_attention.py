@@ -143,7 +143,7 @@ def test_a_block_is_cut_into_pieces_while_the_grid_stays_within_two_ctas_per_sm(
     """``_pieces`` on a 132-SM GPU: 4096 rows per KV head at 8 KV heads (256 CTAs of 128 rows) stay one piece (rounded
     up it was 2, whose merge cost more than the attention gained: benchmarks/NOTES.md section 42); 512 rows (32 CTAs)
     take 8 pieces, at most one per ``MIN_PIECE`` tokens; the CPU one."""
-    monkeypatch.setattr(chunk_attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(chunk_attention, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     assert chunk_attention._pieces(4096, 8, 32768, cuda) == 1
     assert chunk_attention._pieces(512, 8, 32768, cuda) == 2 * 132 // 32 == 8
