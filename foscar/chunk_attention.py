@@ -125,7 +125,7 @@ def _pieces(rows: int, kv_heads: int, tokens: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     ctas = kv_heads * -(-rows // ROWS_PER_CTA)
-    wanted = PIECE_CTAS_PER_SM * _sm_count(device) // ctas  # rounded down: 256 CTAs on 132 SMs stay one piece (section 42)
+    wanted = PIECE_CTAS_PER_SM * _sm_count(device) // ctas  # rounded down: 256 CTAs on 132 SMs stay one piece
     return max(1, min(wanted, tokens // MIN_PIECE))
 
 

@@ -4,8 +4,8 @@ on torch CUDA tensors.
 An arch's decode kernels are a :class:`KernelSet` subclass in its ``decode`` module
 (``foscar.hopper.decode``, ``foscar.blackwell.decode``) that says only what differs: its kernel classes
 and their configs (the kernels' limits and entries: ``foscar.decode_kernel``), its compile options (Hopper:
-``consumers``, ``ctas_per_sm``) and whether its cache-decode launch attends the 16-bit sink + window itself. This module builds
-the argument lists of both arches' entries (:func:`decode_args`, :data:`CACHE_ARGS`: stand-ins to compile against
+``consumers``, ``ctas_per_sm``) and whether its cache-decode launch attends the 16-bit sink + window itself. This
+module builds the argument lists of both arches' entries (:func:`decode_args`, :data:`CACHE_ARGS`: stand-ins to compile against
 and pointers to launch with, from :data:`POINTERS` and :data:`SCALARS`), keys the compile cache, allocates the
 outputs and partials, and runs the helper launches around the arch's: the split combine
 (``foscar.kernels.combine``) and the sink + window kernel (``foscar.kernels.sink_window``).

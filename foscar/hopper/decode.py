@@ -46,10 +46,9 @@ class HopperKernels(KernelSet):
         ``SHORT_CONTEXT_TOKENS`` that makes more than one wave at one CTA per SM (``waves``: many short sequences,
         256 x 2K; a grid of at most a wave would leave each SM one CTA of 4 consumer warps instead of 12, and past
         one wave the one-CTA launch needs a second round; measured at 1.9, 7.8 and 15.5 waves, not between 1 and 1.9):
-        one CTA's prologue,
-        ring fill and merge then overlap the other's loop, where a CTA alone on its SM leaves them bare (section 42,
-        Qwen3-8B 256 x 2K: INT2 K token-wise 160.3 -> 123.2 us, K channel-wise 165.9 -> 133.8, INT4 177.8 -> 162.0;
-        32 x 8K, 1.9 waves: 0.95-0.99x), where its loop still pipelines in half the SM's shared memory
+        one CTA's prologue, ring fill and merge then overlap the other's loop, where a CTA alone on its SM leaves them
+        bare (section 42, Qwen3-8B 256 x 2K: INT2 K token-wise 160.3 -> 123.2 us, K channel-wise 165.9 -> 133.8, INT4
+        177.8 -> 162.0; 32 x 8K, 1.9 waves: 0.95-0.99x), where its loop still pipelines in half the SM's shared memory
         (:func:`~foscar.hopper.kernel.two_ctas_pipeline`)."""
         consumers = default_consumers(scheme, tokens)
         if consumers == 3 and num_splits > 1 and capacity // num_splits <= SHORT_SPLIT_TOKENS:

@@ -263,8 +263,8 @@ class DecodeConfig(StageLayout):
         if consumers not in (1, 2, 3, 4):
             raise ValueError(f"consumers must be 1 to 4 warpgroups, got {consumers}")
         if ctas_per_sm not in (1, 2) or (ctas_per_sm == 2 and consumers != 1):
-            raise ValueError(f"ctas_per_sm must be 1, or 2 with one consumer warpgroup (half an SM's registers: 128 per "
-                             f"thread at launch), got {ctas_per_sm} with consumers={consumers}")
+            raise ValueError(f"ctas_per_sm must be 1, or 2 with one consumer warpgroup (half an SM's registers: 128 "
+                             f"per thread at launch), got {ctas_per_sm} with consumers={consumers}")
         self.ctas_per_sm = ctas_per_sm
         plan = scheme.plan("sm_90a")
         self.scheme = scheme
