@@ -252,6 +252,19 @@ def test_dequantize_pages_refuses_a_dtype_its_config_contradicts():
         dequantize_pages(torch.zeros(1), torch.zeros(1), torch.zeros(1), cfg, "k", torch.float32)
 
 
+def test_pages_dequantizer_names_a_tensor_of_the_wrong_rank():
+    """``codes`` and ``page_table`` of the wrong rank are named, not unpacked into Python's own error."""
+    from foscar.kernels import PagesDequantizer, dequantize_pages
+
+    cfg = DequantizeConfig(2, 128, "k", "token", 128, "bfloat16")
+    with pytest.raises(ValueError, match=r"codes: need a \[num_pages, kv_heads, tiles per page, \d+\] int32 tensor, "
+                                         r"got \(3, 2, 2\)"):
+        dequantize_pages(torch.zeros(3, 2, 2), torch.zeros(1), torch.zeros(1, 1), cfg, "k")
+    dequantizer = object.__new__(PagesDequantizer)  # (a real one needs CUDA pools)
+    with pytest.raises(ValueError, match=r"page_table: need a \[batch, max_pages\] int32 tensor, got \(3,\)"):
+        dequantizer(torch.zeros(3, dtype=torch.int32))
+
+
 def test_benchmark_checks_its_arguments_then_says_it_needs_a_gpu(monkeypatch, capsys):
     """``benchmarks.dequantize`` (the pattern of tests/test_benchmark_cli.py): a bad choice is named before the GPU
     check, and without a GPU it stops at once."""

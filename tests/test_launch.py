@@ -128,6 +128,10 @@ def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
     assert HOPPER.launch_options(scheme, 1, 1024, 1, waves) == KERNELS.launch_options(scheme, 1, 1024, 1, waves)
     assert BLACKWELL.launch_options(scheme, 1, 1024, 16) == {}
 
+    for bad in ({"consumers": True}, {"ctas_per_sm": "2"}, {"consumers": 1.0}):
+        with pytest.raises(ValueError, match=rf"{next(iter(bad))} must be None or an int, got"):
+            KERNELS.options(scheme, 1, **bad)
+
     asked = []
 
     class Stop(Exception):

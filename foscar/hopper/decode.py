@@ -29,10 +29,13 @@ class HopperKernels(KernelSet):
         """``consumers``: consumer warpgroups per CTA (None: :func:`~foscar.hopper.kernel.default_consumers`);
         ``ctas_per_sm``: CTAs resident per SM, 1 or 2 (None: 1; 2 takes one consumer warpgroup), each built with that
         share of its registers and shared memory."""
-        ctas_per_sm = 1 if ctas_per_sm is None else int(ctas_per_sm)
+        for name, value in (("consumers", consumers), ("ctas_per_sm", ctas_per_sm)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be None or an int, got {value!r}")
+        ctas_per_sm = 1 if ctas_per_sm is None else ctas_per_sm
         if consumers is None:  # two CTAs per SM hold one consumer warpgroup each (DecodeConfig)
             consumers = default_consumers(scheme, tokens) if ctas_per_sm == 1 else 1
-        return int(consumers), ctas_per_sm
+        return consumers, ctas_per_sm
 
     def launch_options(self, scheme: Scheme, tokens: int, capacity: int, num_splits: int, waves: float = 0.0) -> dict:
         """Two consumer warpgroups instead of three for a split launch (too few sequences to fill the GPU) whose

@@ -583,6 +583,11 @@ def dequantize_pages(codes, params, page_table, scheme, role: str, dtype=None, l
     return PagesDequantizer(codes, params, scheme, role, dtype, layout)(page_table, out)
 
 
+def _described(x) -> str:
+    """A bad argument in an error message: a tensor's shape, else its type."""
+    return str(tuple(x.shape)) if hasattr(x, "shape") else type(x).__name__
+
+
 class PagesDequantizer:
     """:func:`dequantize_pages` of one pool of ``codes`` and ``params`` (a cache's layer and role), with their
     checks, the config, the compiled kernel and their pointers resolved once: a call checks and takes only the page
@@ -606,6 +611,9 @@ class PagesDequantizer:
                 raise ValueError(f"layout={layout!r} contradicts the config's layout={scheme.layout!r}")
         cfg = self.cfg = DequantizeConfig.of(scheme, role, names[dtype or torch.bfloat16], layout or "hopper")
         self.dtype, G = getattr(torch, cfg.dtype), cfg.group
+        if not isinstance(codes, torch.Tensor) or codes.dim() != 4:
+            raise ValueError(f"codes: need a [num_pages, kv_heads, tiles per page, {cfg.tile_words}] int32 tensor, got "
+                             f"{_described(codes)}")
         self.num_pages, self.kv_heads, tiles_per_page, _ = codes.shape
         self.page_size = tiles_per_page * TILE_TOKENS
         if cfg.axis is Axis.CHANNEL and self.page_size % G:
@@ -631,6 +639,8 @@ class PagesDequantizer:
         """The pages of ``page_table [batch, max_pages]`` (int32) as :func:`dequantize_pages` returns them."""
         import torch
 
+        if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
+            raise ValueError(f"page_table: need a [batch, max_pages] int32 tensor, got {_described(page_table)}")
         batch, max_pages = page_table.shape
         shape = (batch, self.kv_heads, max_pages * self.page_size, self.cfg.head_dim)
         self._check("page_table", page_table, torch.int32, (batch, max_pages), self.device)
