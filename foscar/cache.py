@@ -174,7 +174,8 @@ class PagedKVCache:
     is quantized).
 
     ``cta_budget`` (attribute, default the SM count x ``foscar.work_list.CTAS_PER_SM``): the CTAs the
-    decode launch's work list spreads a batch over (``foscar.work_list``); lower it to cut
+    decode launch's work list spreads a batch over (``foscar.work_list``; twice as many where the launch runs
+    two CTAs per SM: many short sequences on Hopper, ``KernelSet.cache_launch``); lower it to cut
     sequences into fewer parts. ``num_splits(batch)``: the split count of the launches without a
     work list (Hopper's two-launch variants), from capacities.
     """

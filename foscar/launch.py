@@ -40,7 +40,7 @@ from .scheme import Scheme
 from .split_merge import counter_words
 from .work_list import MAX_SPLITS, grid_ctas
 
-__all__ = ["KernelSet", "POINTERS", "SCALARS", "CACHE_ARGS", "decode_args", "sm_waves"]
+__all__ = ["KernelSet", "POINTERS", "SCALARS", "CACHE_ARGS", "decode_args", "sm_waves", "cache_capacity"]
 
 # The launches' arguments by name. A pointer's element type (None: q's 16-bit type):
 POINTERS = {"q": None, "k_codes": Int32, "k_params": Float16, "v_codes": Int32, "v_params": Float16,
@@ -125,6 +125,25 @@ class KernelSet:
         ``num_splits`` splits over page-table rows of ``capacity`` tokens that makes ``waves`` waves of CTAs at one CTA
         per SM (:func:`sm_waves`; 0: not known) (none here)."""
         return {}
+
+    def cache_launch_options(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, heads: int,
+                             budget: int) -> dict:
+        """The keyword options :meth:`run_cache_decode` compiles with where its caller gives none, for ``heads``
+        (sequence, KV head) pairs of sequences holding at most ``capacity`` packed tokens each (0: not known), over
+        a work list of ``budget`` CTAs, one wave at one CTA per SM (none here)."""
+        return {}
+
+    def ctas_per_sm(self, opts: tuple) -> int:
+        """The CTAs per SM a kernel built with the resolved options ``opts`` (:meth:`options`) runs (here 1)."""
+        return 1
+
+    def cache_launch(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, heads: int, budget: int,
+                     options: dict) -> tuple[tuple, int]:
+        """A cache decode launch's resolved options (``options``, else :meth:`cache_launch_options`) and its work
+        list's CTAs: ``budget`` (one wave at one CTA per SM) times the CTAs per SM those options run."""
+        opts = self.options(scheme, tokens, **(options or self.cache_launch_options(
+            scheme, page_size, tokens, capacity, heads, budget)))
+        return opts, budget * self.ctas_per_sm(opts)
 
     def launch_options_for(self, scheme: Scheme, q, k_codes, page_table, num_splits: int, tokens: int) -> dict:
         """:meth:`launch_options` of a decode launch of ``q`` (its batch) over ``k_codes`` (KV heads, page size) and
@@ -216,13 +235,14 @@ class KernelSet:
             scheme, page_size, tokens, *opts)), CACHE_ARGS))
 
     def cache_partials(self, scheme: Scheme, page_size: int, batch: int, kv_heads: int, num_splits: int,
-                       budget: int, slots: int, tokens: int = 1, **options) -> tuple[int, ...]:
+                       budget: int, slots: int, tokens: int = 1, capacity: int = 0, **options) -> tuple[int, ...]:
         """The shape of the fp32 ``o`` partials :meth:`run_cache_decode` allocates (``lse``'s: all but the
         last dim): one launch, one ``[R, D]`` per work item (``foscar.work_list``: at most ``budget + batch *
-        kv_heads``; R = gqa x tokens); two, ``[batch, Hq, parts, D]``, the window kernel's partials after
-        the splits'."""
-        return self._partials(scheme, page_size, batch, kv_heads, num_splits, budget, slots, tokens,
-                              self.options(scheme, tokens, **options))
+        kv_heads``, the work list's budget: :meth:`cache_launch`; R = gqa x tokens); two, ``[batch, Hq, parts,
+        D]``, the window kernel's partials after the splits'. ``capacity``: as :meth:`run_cache_decode` derives
+        it from the cache's tensors (:func:`cache_capacity`; 0: not known)."""
+        opts, budget = self.cache_launch(scheme, page_size, tokens, capacity, batch * kv_heads, budget, options)
+        return self._partials(scheme, page_size, batch, kv_heads, num_splits, budget, slots, tokens, opts)
 
     def _partials(self, scheme, page_size, batch, kv_heads, num_splits, budget, slots, tokens, opts):
         r, d = scheme.gqa_ratio * tokens, scheme.head_dim
@@ -243,9 +263,10 @@ class KernelSet:
         batch, tokens, d = q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-1]
         kv_heads, slots = k_win.shape[1], k_win.shape[2]
         page_size = k_codes.shape[2] * 64
-        opts = self.options(scheme, tokens, **options)
-        one_launch = self.fuses_window(scheme, page_size, *opts)
         _check_cache_launch(num_splits, counters, batch * kv_heads, budget)  # before anything compiles or launches
+        opts, budget = self.cache_launch(scheme, page_size, tokens, cache_capacity(k_codes, page_table, batch),
+                                         batch * kv_heads, budget, options)
+        one_launch = self.fuses_window(scheme, page_size, *opts)
         if not one_launch:
             check_sink_window(d, scheme.gqa_ratio * tokens, slots)
         compiled = self._cache_decode(scheme, page_size, tokens, opts)
@@ -265,6 +286,13 @@ class KernelSet:
             sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters,
                                num_splits, sink, window, granule_of(scheme), sm_scale, self.arch)
         return out, lse
+
+
+def cache_capacity(k_codes, page_table, batch: int) -> int:
+    """The packed tokens a cache decode's sequences hold at most, on average over the batch, from the cache's
+    tensors: a page-table row's, and the page pool's (``k_codes``' first dim) over ``batch`` (each of
+    ``PagedKVCache``'s pages belongs to one sequence)."""
+    return min(page_table.shape[1], k_codes.shape[0] // batch) * k_codes.shape[2] * 64
 
 
 def _check_cache_launch(num_splits: int, counters, heads: int, budget: int):

@@ -98,10 +98,12 @@ def poison_attend_buffers(cache, batch, q, rotate: bool):
     next requests of that size, so an element the kernels fail to write most likely reads NaN and
     fails the comparison. (Best effort: ``attend`` allocates its buffers itself.)"""
     from foscar.hopper.decode import KERNELS
+    from foscar.launch import cache_capacity
 
     hq, d = q.shape[1], q.shape[2]
     part = KERNELS.cache_partials(cache.scheme, cache.page_size, batch, cache.kv_heads, cache.num_splits(batch),
-                                  cache.cta_budget, cache.sink + cache.ring)
+                                  cache.cta_budget, cache.sink + cache.ring,
+                                  capacity=cache_capacity(cache.k_codes[0], cache.page_table, batch))
     shapes = [((batch, hq, d), q.dtype)] * (2 if rotate else 1)  # the rotated q takes one such block first
     shapes += [((batch, hq), torch.float32), (part, torch.float32), (part[:-1], torch.float32)]
     torch.cuda.synchronize()
@@ -123,6 +125,34 @@ def test_one_launch_decode_any_work_budget(case, budget, rng):
     the CTA writes the output itself), 7 (more (sequence, KV head)s than CTAs: shares rounded up) and
     1000 (up to each sequence's cap): the window tiles ``x, x + parts, ...`` of each part and the merge."""
     check_cache_decode(*CASES[case], rng, budget=budget)
+
+
+def _two_ctas_cases():
+    from foscar.hopper.cache_decode import two_ctas_pipeline_with_window
+    from foscar.hopper.decode import SHORT_CONTEXT_TOKENS
+
+    return [i for i, (scheme, page_size, max_len, *_) in enumerate(CASES)
+            if max_len <= SHORT_CONTEXT_TOKENS and two_ctas_pipeline_with_window(scheme, page_size)]
+
+
+@pytest.mark.parametrize("case", _two_ctas_cases(), ids=lambda i: CASES[i][0].name)
+def test_many_short_sequences_at_two_ctas_per_sm(case, rng, monkeypatch):
+    """More (sequence, KV head) pairs than the work list's one-wave budget (the SM count), sequences of at most
+    ``SHORT_CONTEXT_TOKENS``: the launch compiles one consumer warpgroup at two CTAs per SM and its work list
+    fills twice the budget (``HopperKernels.cache_launch_options``), into NaN-poisoned buffers, against float64."""
+    from foscar.hopper.decode import KERNELS
+
+    asked, cache_decode = [], KERNELS._cache_decode
+
+    def recorded(scheme, page_size, tokens, opts):
+        asked.append(opts)
+        return cache_decode(scheme, page_size, tokens, opts)
+
+    monkeypatch.setattr(KERNELS, "_cache_decode", recorded)
+    scheme, page_size, max_len, kv_heads, rotate = CASES[case]
+    pairs = kv_heads * len(lengths_for(1))
+    check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, copies=-(-140 // pairs))
+    assert asked == [(1, 2)]  # (140+ pairs: past one wave of the H200's 132 SMs)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
@@ -190,9 +220,10 @@ def test_one_launch_decode_batch_of_one(case, budget, rng):
 
 
 def check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, splits=None, budget=None,
-                       only_longest=False):
+                       only_longest=False, copies=1):
+    """``copies``: how many times the batch holds each of :func:`lengths_for`'s lengths."""
     lengths = lengths_for(PagedKVCache(scheme, 1, 1, 1, 1, 4096, page_size, SINK, WINDOW, device="meta",
-                                       use_kernels=False).granule)
+                                       use_kernels=False).granule) * copies
     cache = PagedKVCache(scheme, 2, kv_heads, num_pages=len(lengths) * max_len // page_size + 8,
                          max_seqs=len(lengths) + 1, max_seq_len=max_len, page_size=page_size, sink=SINK, window=WINDOW,
                          rotate=rotate, device="cuda")

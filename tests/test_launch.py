@@ -64,8 +64,9 @@ def test_cache_launch_values_are_checked_before_compiling(monkeypatch, arch, sch
     for change, message in cases:
         args = dict(q=q, k_win=window, counters=counters, num_splits=4, budget=132) | change
         with pytest.raises(ValueError, match=message):
-            kernels.run_cache_decode(args["q"], k_codes, None, None, None, None, args["k_win"], args["k_win"], None,
-                                     None, args["counters"], 64, 256, 1.0, scheme, args["num_splits"], args["budget"])
+            kernels.run_cache_decode(args["q"], k_codes, None, None, None, torch.zeros(4, 1, dtype=torch.int32),
+                                     args["k_win"], args["k_win"], None, None, args["counters"], 64, 256, 1.0, scheme,
+                                     args["num_splits"], args["budget"])
 
 
 @pytest.mark.parametrize("arch", ARCHS.values(), ids=lambda a: a.name)
@@ -161,6 +162,56 @@ def test_short_splits_take_two_consumer_warpgroups(monkeypatch):
         KERNELS.run_decode(q, codes, None, codes, None, torch.zeros(1, 256, dtype=torch.int32), None, 0.1, scheme, 16,
                            consumers=None)
     assert asked[-1] == two
+
+
+def test_many_short_sequences_in_the_cache_decode_take_two_ctas_per_sm(monkeypatch):
+    """Hopper's cache decode compiles one consumer warpgroup at two CTAs per SM, and its work list fills twice the
+    budget, for one query token over more (sequence, KV head) pairs than the one-wave budget whose sequences hold at
+    most SHORT_CONTEXT_TOKENS packed tokens (a page-table row, or the page pool over the batch), where its loop
+    pipelines with the window tiles in the ring (K token-wise); else the default options and the budget as given; a
+    caller's options win; the partials' shape follows the budget; Blackwell keeps its own."""
+    from foscar.hopper.decode import KERNELS, SHORT_CONTEXT_TOKENS
+    from foscar.hopper.kernel import default_consumers
+    from foscar.launch import cache_capacity
+    from foscar.work_list import grid_ctas
+
+    scheme, kc = (Scheme.make(2, k, 128, "token", 128, 128, 4) for k in ("token", "channel"))
+    two_ctas, default = (1, 2), (default_consumers(scheme), 1)
+    short = SHORT_CONTEXT_TOKENS
+    assert KERNELS.cache_launch(scheme, 128, 1, short, 133, 132, {}) == (two_ctas, 264)
+    assert KERNELS.cache_launch(scheme, 128, 1, short, 132, 132, {}) == (default, 132)  # one wave
+    assert KERNELS.cache_launch(scheme, 128, 1, short + 128, 133, 132, {}) == (default, 132)
+    assert KERNELS.cache_launch(scheme, 128, 1, 0, 133, 132, {}) == (default, 132)  # capacity not known
+    assert KERNELS.cache_launch(scheme, 128, 2, short, 133, 132, {})[1] == 132  # several query tokens
+    assert KERNELS.cache_launch(kc, 128, 1, short, 133, 132, {}) == ((default_consumers(kc), 1), 132)
+    assert KERNELS.cache_launch(scheme, 128, 1, short, 133, 132, {"consumers": 2}) == ((2, 1), 132)
+    assert KERNELS.cache_partials(scheme, 128, 67, 2, 1, 132, 320, capacity=short) == (grid_ctas(264, 67, 2), 4, 128)
+    assert KERNELS.cache_partials(scheme, 128, 67, 2, 1, 132, 320) == (grid_ctas(132, 67, 2), 4, 128)
+    assert BLACKWELL._kernels().cache_launch(scheme, 128, 1, short, 133, 132, {}) == ((), 132)
+
+    codes = torch.zeros(1000, 2, 1, 8, dtype=torch.int32)  # [pages (the pool), kv_heads, tiles per page, words]
+    assert cache_capacity(codes, torch.zeros(4, 256, dtype=torch.int32), 4) == 250 * 64  # the pool over the batch
+    assert cache_capacity(codes, torch.zeros(4, 16, dtype=torch.int32), 4) == 16 * 64  # a page-table row
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def compile_(scheme, page_size, tokens, opts):
+        asked.append(opts)
+        raise Stop
+
+    monkeypatch.setattr(KERNELS, "_cache_decode", compile_)
+    counters = torch.zeros(4096, dtype=torch.int32)
+    win = torch.zeros(1, 2, 320, 128, dtype=torch.bfloat16)
+    for batch, pool, options in ((67, 67 * 4, two_ctas), (67, 67 * 1000, default), (66, 66 * 4, default)):
+        codes = torch.zeros(pool, 2, 2, 8, dtype=torch.int32)
+        q = torch.zeros(batch, 8, 128, dtype=torch.bfloat16)
+        with pytest.raises(Stop):
+            KERNELS.run_cache_decode(q, codes, None, codes, None, torch.zeros(batch, 1000, dtype=torch.int32), win,
+                                     win, None, None, counters, 64, 256, 0.1, scheme, 1, 132)
+        assert asked[-1] == options
 
 
 class _Captured(Exception):

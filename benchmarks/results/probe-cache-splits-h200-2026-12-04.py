@@ -1,5 +1,9 @@
 """One-off: the cache decode (PagedKVCache.attend, sink 64 + window 256) of two packages side by side, interleaved
-rounds, CUDA-graph replays (benchmarks.decode.time_layers)."""
+rounds, CUDA-graph replays (benchmarks.decode.time_layers).
+
+    python benchmarks/results/probe-cache-splits-h200-2026-12-04.py <revA>,<revB> [model:batch:context:bits,...]
+
+(rows default to the few-KV-head batch-1 ones; K token-wise groups of 128)."""
 import importlib, statistics, sys, tempfile
 from pathlib import Path
 import torch
@@ -31,8 +35,10 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         pkgs = load(revs, Path(tmp))
-        for model, batch, context, bits in [("tp8-70b", 1, 131072, 2), ("tp4-70b", 1, 131072, 2),
-                                            ("tp8-70b", 1, 131072, 4)]:
+        shapes = [("tp8-70b", 1, 131072, 2), ("tp4-70b", 1, 131072, 2), ("tp8-70b", 1, 131072, 4)]
+        if len(sys.argv) > 2:
+            shapes = [(m, int(b), int(c), int(bits)) for m, b, c, bits in (x.split(":") for x in sys.argv[2].split(","))]
+        for model, batch, context, bits in shapes:
             q_heads, kv_heads, d = MODELS[model]
             fns = {}
             for pkg in pkgs:

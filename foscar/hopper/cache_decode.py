@@ -57,7 +57,7 @@ from ..warp_mma import WarpMma
 from ..work_list import MAX_SPLITS, PLAN_WORDS, CacheWork, WorkList
 from .kernel import PRODUCER_REGS, PRODUCER_WARPS, DecodeConfig, HopperDecodeKernel, WarpState
 
-__all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window"]
+__all__ = ["HopperCacheDecodeKernel", "cache_decode_config", "fuses_window", "two_ctas_pipeline_with_window"]
 
 
 def cache_decode_config(scheme, page_size: int, consumers: int, tokens: int = 1, ctas_per_sm: int = 1) -> DecodeConfig:
@@ -80,6 +80,18 @@ def fuses_window(scheme, page_size: int, consumers: int, ctas_per_sm: int = 1) -
     two: this kernel's quantized splits' partials, then ``foscar.kernels.sink_window``'s launch,
     which attends the 16-bit slots and merges all partials."""
     return cache_decode_config(scheme, page_size, consumers, ctas_per_sm=ctas_per_sm).window is not None
+
+
+@functools.lru_cache(maxsize=256)
+def two_ctas_pipeline_with_window(scheme, page_size: int) -> bool:
+    """Whether the one-launch cache decode at one consumer warpgroup and two CTAs per SM holds its window tiles in
+    the ring and keeps the software-pipelined loop (``DecodeConfig.PIPELINED``: 3 stages per warp; the window
+    tiles' larger stages leave K channel-wise 2)."""
+    try:
+        cfg = cache_decode_config(scheme, page_size, 1, ctas_per_sm=2)
+    except ValueError:
+        return False
+    return cfg.window is not None and cfg.PIPELINED
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,15 @@ the GPU, or, where :func:`~foscar.hopper.cache_decode.fuses_window` says no, the
 the window kernel), compiled with ``consumers`` consumer warpgroups per CTA and ``ctas_per_sm`` CTAs per SM (both
 part of the compile key): ``default_consumers(scheme, tokens)`` at one CTA per SM, but 2 warpgroups for a decode
 launch whose CTAs attend short splits and one warpgroup at two CTAs per SM for an unsplit launch of short sequences
-(:meth:`HopperKernels.launch_options`), unless a caller asks. ``compile_decode`` without options (what
+(:meth:`HopperKernels.launch_options`) and for a cache decode of many short sequences
+(:meth:`HopperKernels.cache_launch_options`), unless a caller asks. ``compile_decode`` without options (what
 ``foscar.inspect`` and the notebooks show) builds the default."""
 
 from __future__ import annotations
 
 from ..launch import KernelSet
 from ..scheme import Scheme
-from .cache_decode import HopperCacheDecodeKernel, cache_decode_config, fuses_window
+from .cache_decode import HopperCacheDecodeKernel, cache_decode_config, fuses_window, two_ctas_pipeline_with_window
 from .kernel import DecodeConfig, HopperDecodeKernel, default_consumers, two_ctas_pipeline
 
 __all__ = ["HopperKernels", "KERNELS", "SHORT_SPLIT_TOKENS", "SHORT_CONTEXT_TOKENS"]
@@ -60,6 +61,21 @@ class HopperKernels(KernelSet):
                 and two_ctas_pipeline(scheme)):
             return {"consumers": 1, "ctas_per_sm": 2}
         return {"consumers": consumers, "ctas_per_sm": 1}
+
+    def cache_launch_options(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, heads: int,
+                             budget: int) -> dict:
+        """The cache decode's :meth:`launch_options` rule for two CTAs per SM: one query token, sequences of at most
+        ``SHORT_CONTEXT_TOKENS`` packed tokens, more (sequence, KV head) pairs than the work list's one-wave
+        ``budget`` (so every pair is one part at least: many short sequences), and the loop pipelined with the window
+        tiles in half an SM's shared memory (:func:`~foscar.hopper.cache_decode.two_ctas_pipeline_with_window`);
+        its work list then fills twice the budget."""
+        if (tokens == 1 and 0 < capacity <= SHORT_CONTEXT_TOKENS and heads > budget
+                and two_ctas_pipeline_with_window(scheme, page_size)):
+            return {"consumers": 1, "ctas_per_sm": 2}
+        return {}
+
+    def ctas_per_sm(self, opts: tuple) -> int:
+        return opts[1]
 
     def config(self, scheme, page_size, partial_output, tokens, consumers, ctas_per_sm):
         return DecodeConfig(scheme, page_size, partial_output, consumers, tokens=tokens, packed_causal=True,
