@@ -38,7 +38,7 @@ from .kernels.sink_window import check_sink_window, sink_window_attend, window_c
 from .query_rows import MAX_QUERY_COLUMNS
 from .scheme import Scheme
 from .split_merge import counter_words
-from .work_list import MAX_SPLITS, grid_ctas
+from .work_list import MAX_SPLITS, grid_ctas, wave_budget
 
 __all__ = ["KernelSet", "POINTERS", "SCALARS", "CACHE_ARGS", "decode_args", "sm_waves", "cache_capacity"]
 
@@ -140,10 +140,11 @@ class KernelSet:
     def cache_launch(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, heads: int, budget: int,
                      options: dict) -> tuple[tuple, int]:
         """A cache decode launch's resolved options (``options``, else :meth:`cache_launch_options`) and its work
-        list's CTAs: ``budget`` (one wave at one CTA per SM) times the CTAs per SM those options run."""
+        list's budget: a wave, ``budget`` (at one CTA per SM) times the CTAs per SM those options run, and past one
+        wave the budget that cuts pairs into whole waves (:func:`~foscar.work_list.wave_budget`)."""
         opts = self.options(scheme, tokens, **(options or self.cache_launch_options(
             scheme, page_size, tokens, capacity, heads, budget)))
-        return opts, budget * self.ctas_per_sm(opts)
+        return opts, wave_budget(budget * self.ctas_per_sm(opts), heads, capacity)
 
     def launch_options_for(self, scheme: Scheme, q, k_codes, page_table, num_splits: int, tokens: int) -> dict:
         """:meth:`launch_options` of a decode launch of ``q`` (its batch) over ``k_codes`` (KV heads, page size) and

@@ -45,7 +45,7 @@ from .window_tiles import BLOCK, quantized_tokens
 
 __all__ = ["WorkList", "CacheWork", "host_plan", "grid_ctas", "PLAN_WORDS", "plan_splits", "MAX_SPLITS",
            "MAX_DECODE_SPLITS", "WINDOW_MERGE_SPLITS", "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM", "GROUP",
-           "ONE_ROUND_PARTS", "one_round_parts"]
+           "ONE_ROUND_PARTS", "one_round_parts", "wave_budget"]
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 128  # the one-launch cache decode's parts (its two-level merge, its counters): NOTES 41
@@ -101,6 +101,20 @@ def _planned_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, mo
     # tiles are 64 of 32 and two empty CTAs)
     tiles = -(-max_tokens // TILE_TOKENS)
     return -(-tiles // -(-tiles // best))
+
+
+def wave_budget(budget: int, heads: int, capacity: int) -> int:
+    """The budget a work list of ``heads`` (sequence, KV head) pairs plans with, for waves of ``budget`` CTAs: past
+    one wave every pair is one part at least, so the launch's CTAs run in ``ceil(items / budget)`` rounds and
+    sequences of equal length leave the last round's SMs idle (serving, 100K-token prefixes: 432 pairs on 132 SMs
+    are 3.3 waves of work in 4 rounds). Where :func:`plan_splits`' cost model over sequences of ``capacity`` tokens
+    (0: not known) cuts each pair into ``P > 1`` parts, the budget is ``P x heads``: the work list then gives a
+    pair ``floor(P x its work / the mean work)`` parts (``P`` each at equal lengths; rounded down, at least 1);
+    else ``budget`` as given."""
+    if heads <= budget or capacity < 1:
+        return budget
+    parts = _planned_splits(heads, 1, capacity, budget, MAX_SPLITS)
+    return budget if parts == 1 else min(heads * parts, 1 << 16)
 
 
 ITEM_FIELDS = 6  # b, part, parts, first item of the sequence, the sequence's two payload words

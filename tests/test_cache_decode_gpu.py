@@ -89,7 +89,18 @@ def planned_parts(cache, lengths):
     work = kernels.cache_kernel(kernels.cache_config(scheme, page_size, 1, *kernels.options(scheme, 1))).cache_work
     ring = cache.k_bf16[0].shape[2] - cache.sink
     works, caps = zip(*(work.host_sequence(n, cache.sink, cache.window, ring) for n in lengths))
-    return {parts for *_, parts in host_plan(works, caps, cache.kv_heads, cache.cta_budget)}
+    return {parts for *_, parts in host_plan(works, caps, cache.kv_heads, launch_budget(cache, len(lengths)))}
+
+
+def launch_budget(cache, batch):
+    """The budget the cache decode's work list plans ``batch`` sequences with (``KernelSet.cache_launch``: a wave of
+    ``cache.cta_budget``, or more past one wave)."""
+    from foscar.launch import cache_capacity
+
+    kernels = cache.arch._kernels()
+    return kernels.cache_launch(cache.scheme, cache.page_size, 1, cache_capacity(cache.k_codes[0], cache.page_table,
+                                                                                 batch),
+                                batch * cache.kv_heads, cache.cta_budget, {})[1]
 
 
 def poison_attend_buffers(cache, batch, q, rotate: bool):
@@ -332,14 +343,17 @@ def test_window_kernel_matches_float64(case, rng):
 
 
 @pytest.mark.parametrize("lengths, budget", [([1, 70, SINK + WINDOW + 200, 3001, 9000, 700, 16000], 20),
-                                             ([SINK + WINDOW + 66 * 256 + 500], 132)], ids=["ragged", "one-round"])
+                                             ([SINK + WINDOW + 66 * 256 + 500], 132),
+                                             ([9000, 9000, 9000, 8000, 9000], 8)], ids=["ragged", "one-round", "waves"])
 def test_device_plan_is_the_host_plan(lengths, budget, monkeypatch, rng):
     """The work list as the Hopper launch plans it on the GPU (foscar.work_list.WorkList.find) is
     ``foscar.work_list.host_plan``, the CPU mirror that the Blackwell cache decode's plan (the same WorkList and
     CacheWork) is checked with (tests/test_blackwell_cache.py): the item partials the launch writes are exactly
     those of the (sequence, KV head)s the host plan cuts into several parts, and the output matches float64.
     Ragged: some sequences in one part, some in several; one round: a sequence alone whose 66 parts per KV head
-    (132 / 2) the plan cuts to ONE_ROUND_PARTS (foscar.work_list.one_round_parts)."""
+    (132 / 2) the plan cuts to ONE_ROUND_PARTS (foscar.work_list.one_round_parts); waves: 10 pairs on a budget of
+    8, which ``wave_budget`` cuts into parts over whole waves (the 9000-token sequences in more parts than the
+    8000-token one)."""
     import foscar.launch
     from foscar.work_list import ONE_ROUND_PARTS, host_plan
 
@@ -372,10 +386,17 @@ def test_device_plan_is_the_host_plan(lengths, budget, monkeypatch, rng):
     work = kernels.cache_kernel(kernels.cache_config(scheme, page_size, 1, *kernels.options(scheme, 1))).cache_work
     ring = cache.k_bf16[0].shape[2] - SINK
     works, caps = zip(*(work.host_sequence(lengths[ids.index(s)], SINK, WINDOW, ring) for s in order))
-    items = host_plan(works, caps, kv_heads, budget)
+    planned_budget = launch_budget(cache, len(order))
+    assert (planned_budget > budget) == (len(lengths) * kv_heads > budget)  # past one wave: whole waves of parts
+    items = host_plan(works, caps, kv_heads, planned_budget)
     assert written == {x for x, (_b, _h, _part, parts) in enumerate(items) if parts > 1}
     planned = {parts for *_, parts in items}
-    assert planned == {ONE_ROUND_PARTS} if len(lengths) == 1 else (1 in planned and max(planned) > 1)
+    if len(lengths) == 1:
+        assert planned == {ONE_ROUND_PARTS}
+    elif planned_budget > budget:
+        assert len(planned) == 2 and min(planned) > 1
+    else:
+        assert 1 in planned and max(planned) > 1
     ref, ref_lse, low = reference(cache, 0, order, q, d**-0.5, dtype)
     tol = 2 * float((low.double() - ref).abs().max()) + FLOOR
     assert float((out.double() - ref).abs().max()) <= tol

@@ -86,16 +86,21 @@ def torch_quantize(src, cfg, codes, params, page, slot, fmt=None):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("runs", [1, 3])
 @pytest.mark.parametrize("layout", ["hopper", "blackwell"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].name}-{c[1]}")
-def test_quantize_tiles_bit_identical(case, layout, rng):
+def test_quantize_tiles_bit_identical(case, layout, runs, rng, monkeypatch):
     """The append kernel writes either arch's bit order (it is SIMT: the Blackwell order is checked on
-    any CUDA GPU)."""
+    any CUDA GPU); ``runs``: a source past the kernel's 32-bit index range launches per run of tiles (the limit
+    lowered here to 4 tiles' elements)."""
+    import foscar.kernels.quantize
     from foscar.kernels.quantize import quantize_tiles
 
     scheme, role = case
     cfg = QuantizeConfig.of(scheme, role, layout)
     kvh, num_pages, page_size, tiles = 3, 7, 256, 9
+    if runs > 1:
+        monkeypatch.setattr(foscar.kernels.quantize, "SRC_INDEX_LIMIT", 4 * kvh * cfg.granule * cfg.head_dim)
     src = torch.randn(tiles, kvh, cfg.granule, cfg.head_dim, generator=rng) * 3 + torch.randn(cfg.head_dim, generator=rng) * 4
     src[0] = 0.5  # constant groups: scale 0, codes 0
     src[1] *= 1e-3  # tiny ranges

@@ -23,9 +23,12 @@ def layers(pkg, scheme, batch, context, kv_heads, sink=64, window=256, page_size
                                    max_seqs=batch, max_seq_len=context, page_size=page_size, sink=sink, window=window)
     seqs = [cache.allocate() for _ in range(batch)]
     gen = torch.Generator("cuda").manual_seed(1)
+    group = max(1, 2**30 // (kv_heads * context * d))  # sequences per append (below 2^31 elements per tensor)
     for layer in range(copies):
-        k = torch.randn(batch, kv_heads, context, d, device="cuda", generator=gen, dtype=scheme.q_dtype)
-        cache.append(layer, seqs, k, torch.randn_like(k))
+        for first in range(0, batch, group):
+            k = torch.randn(min(group, batch - first), kv_heads, context, d, device="cuda", generator=gen,
+                            dtype=scheme.q_dtype)
+            cache.append(layer, seqs[first:first + group], k, torch.randn_like(k))
     q = torch.randn(batch, kv_heads * scheme.gqa_ratio, d, device="cuda", generator=gen, dtype=scheme.q_dtype)
     return [(lambda layer=layer: cache.attend(layer, seqs, q)) for layer in range(copies)]
 

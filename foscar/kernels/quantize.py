@@ -60,6 +60,7 @@ __all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "bw_word_code_coord
            "compile_quantize", "quantize_tiles", "granule_of"]
 
 THREADS = 128
+SRC_INDEX_LIMIT = 2**31  # elements of src one launch indexes (32-bit offsets; quantize_tiles launches per run)
 SRC_DTYPES = ("bfloat16", "float16")
 
 
@@ -366,6 +367,10 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
     if page_size % cfg.granule:
         raise ValueError(f"page_size {page_size} must be a multiple of the granule {cfg.granule}")
+    for name, t in (("codes", codes), ("params", params)):
+        if t.numel() >= SRC_INDEX_LIMIT:
+            raise ValueError(f"{name}: the quantize kernel indexes a pool in 32-bit ints, so it holds fewer than 2^31 "
+                             f"elements; got {tuple(t.shape)} (fewer pages per layer)")
     if tiles == 0:
         return
     arch = device_arch(src.device)
@@ -373,7 +378,12 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
 
 
     stream = current_stream(src.device)
-    compiled(
-        gmem_ptr(src, cfg.cute_src), gmem_ptr(dest_page, cutlass.Int32), gmem_ptr(dest_slot, cutlass.Int32),
-        gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16), tiles, kv_heads, num_pages, page_size, stream,
-    )
+    codes_ptr, params_ptr = gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16)
+    # the kernel indexes src in 32-bit ints: a bulk append of many long sequences (36 x 100K tokens of 8 KV heads:
+    # 3.7e9 elements) launches per run of whole tiles below 2^31 elements
+    step = SRC_INDEX_LIMIT // (kv_heads * granule * dim) // 4 * 4  # (4 int32 pages: 16-byte aligned slices)
+    for first in range(0, tiles, step):
+        last = min(tiles, first + step)
+        compiled(gmem_ptr(src[first:last], cfg.cute_src), gmem_ptr(dest_page[first:last], cutlass.Int32),
+                 gmem_ptr(dest_slot[first:last], cutlass.Int32), codes_ptr, params_ptr, last - first, kv_heads,
+                 num_pages, page_size, stream)
