@@ -53,6 +53,9 @@ MAX_DECODE_SPLITS = 128  # decode_paged's launches (merged by the combine kernel
 WINDOW_MERGE_SPLITS = 64  # the two-launch cache decode: the window kernel's one CTA merges every split (NOTES 14)
 CTAS_PER_SM = 1  # the Hopper kernel: producer + 3 consumer warpgroups hold an SM's registers (setmaxnreg)
 SPLIT_OVERHEAD_TOKENS = 256  # per-CTA prologue, ring fill and combine traffic, in tokens of work
+# a cache decode part's: the work list's find, the ring's fill, the partial and its merge, with one CTA per SM and
+# nothing beside them (fit to serving steps at 100K-token prefixes, H200: 2.4K-3.9K tokens; benchmarks/NOTES.md 43)
+CACHE_PART_OVERHEAD_TOKENS = 3072
 GROUP = 8  # consecutive parts one first-level merge takes (foscar.split_merge: one BATCH of loads per thread)
 ONE_ROUND_PARTS = 64  # parts whose groups the last merge reads in one round of loads (GROUP x split_merge.BATCH)
 
@@ -86,14 +89,15 @@ def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: 
 
 
 @functools.lru_cache(maxsize=4096)
-def _planned_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: int) -> int:
+def _planned_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: int,
+                    overhead: int = SPLIT_OVERHEAD_TOKENS) -> int:
     """:func:`plan_splits` of checked arguments, kept per shape: a ``decode_paged`` call without ``num_splits``
     plans every time, and the search over up to ``MAX_DECODE_SPLITS`` counts costs ~40 us of Python."""
     slots = num_sms * CTAS_PER_SM
     most = max(1, min(most, max_tokens // MIN_TOKENS_PER_SPLIT))
 
     def cost(n):
-        return math.ceil(batch * kv_heads * n / slots) * (max_tokens / n + SPLIT_OVERHEAD_TOKENS)
+        return math.ceil(batch * kv_heads * n / slots) * (max_tokens / n + overhead)
 
     best = min(range(1, most + 1), key=lambda n: (cost(n), n))
     # the kernels cut whole tiles, ceil(tiles / n) per split (foscar.pipeline.split_range; rounded up to whole K
@@ -106,14 +110,14 @@ def _planned_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, mo
 def wave_budget(budget: int, heads: int, capacity: int) -> int:
     """The budget a work list of ``heads`` (sequence, KV head) pairs plans with, for waves of ``budget`` CTAs: past
     one wave every pair is one part at least, so the launch's CTAs run in ``ceil(items / budget)`` rounds and
-    sequences of equal length leave the last round's SMs idle (serving, 100K-token prefixes: 432 pairs on 132 SMs
+    sequences of equal length leave the last round's SMs idle (serving, 100K-token prefixes: 440 pairs on 132 SMs
     are 3.3 waves of work in 4 rounds). Where :func:`plan_splits`' cost model over sequences of ``capacity`` tokens
-    (0: not known) cuts each pair into ``P > 1`` parts, the budget is ``P x heads``: the work list then gives a
-    pair ``floor(P x its work / the mean work)`` parts (``P`` each at equal lengths; rounded down, at least 1);
-    else ``budget`` as given."""
+    (0: not known), with a part's overhead ``CACHE_PART_OVERHEAD_TOKENS``, cuts each pair into ``P > 1`` parts, the
+    budget is ``P x heads``: the work list then gives a pair ``floor(P x its work / the mean work)`` parts (``P``
+    each at equal lengths; rounded down, at least 1); else ``budget`` as given."""
     if heads <= budget or capacity < 1:
         return budget
-    parts = _planned_splits(heads, 1, capacity, budget, MAX_SPLITS)
+    parts = _planned_splits(heads, 1, capacity, budget, MAX_SPLITS, CACHE_PART_OVERHEAD_TOKENS)
     return budget if parts == 1 else min(heads * parts, 1 << 16)
 
 
