@@ -1,6 +1,7 @@
 """Decode-attention benchmark: FOSCAR variants and the baselines, side by side, in one process.
 
     python -m benchmarks.decode [--quick] [--out benchmarks/results]
+    python -m benchmarks.decode --rows qwen3-8b:256x2048,tp8-70b:1x131072 --methods flashinfer-bf16,int2-kt128+sw
 
 Baselines: FlashInfer BF16 paged decode (tensor cores), FlashInfer FP8 (e4m3) KV decode through the
 same wrapper (``flashinfer-fp8``) and through FlashInfer's XQA kernel (``flashinfer-fp8-xqa``: on
@@ -489,12 +490,28 @@ def plot(rows, ceiling_tbps, path):
     fig.savefig(path, dpi=110)
 
 
+def parse_rows(text: str) -> list[tuple[str, int, int]]:
+    """``"qwen3-8b:256x2048,tp8-70b:1x131072"`` as ``[(model, batch, context), ...]``; a ValueError names a bad
+    entry."""
+    rows = []
+    for entry in text.split(","):
+        model, _, shape = entry.partition(":")
+        batch, _, context = shape.partition("x")
+        if model not in MODELS or not (batch.isdigit() and context.isdigit()) or int(batch) < 1 or int(context) < 1:
+            raise ValueError(f"{entry!r} is not <model>:<batch>x<context> with a model of {', '.join(MODELS)}")
+        rows.append((model, int(batch), int(context)))
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="three configs, fewer replays (about a minute)")
     parser.add_argument("--shapes", choices=("standard", "serving", "all"), default="standard",
                         help="standard: the Qwen3-8B sweep + extra models; serving: few KV heads, head_dim 256, "
                              "256 short sequences; all: both")
+    parser.add_argument("--rows", default=None, metavar="MODEL:BxC,...",
+                        help="these rows, in place of --shapes' and --quick's, e.g. qwen3-8b:256x2048,tp8-70b:1x131072 (models: "
+                             f"{', '.join(MODELS)})")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--methods", default="flashinfer-bf16,flashinfer-fp8,sdpa-bf16,int2-kt128,int2-kc128,int4-kt128,"
                         "int4-kc128,int2-kc128+sw,int4-kt128+sw")
@@ -511,17 +528,25 @@ def main(argv=None):
     for method in methods:  # a typo fails now, naming the choices, not after the first configs
         if method not in BASELINES and scheme_of(method) is None:
             parser.error(f"--methods: {method!r} is neither a baseline {BASELINES} nor <format>-k<t|c><group>[+sw]")
+    rows = None
+    if args.rows:
+        try:
+            rows = parse_rows(args.rows)
+        except ValueError as err:
+            parser.error(f"--rows: {err}")
     if not torch.cuda.is_available():
         sys.exit("benchmarks.decode needs a CUDA GPU")
     check_flashinfer_paths(methods)
     shapes = [("qwen3-8b", b, l) for b, l in (QUICK if args.quick else STANDARD)] + ([] if args.quick else EXTRA)
     if args.shapes != "standard":
         shapes = (shapes if args.shapes == "all" else []) + SERVING
+    shapes = rows or shapes
     reps = args.reps or (10 if args.quick else 30)
     ceiling_us, ceiling_bytes = read_ceiling_us()
     ceiling = ceiling_bytes / ceiling_us / 1e6
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.decode " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -552,6 +577,8 @@ def save(rows, meta, ceiling, stem):
         json.dump({"meta": meta, "geomean": geo, "rows": [asdict(r) | {"tbps": r.tbps} for r in rows]}, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(f"# Decode benchmark ({meta['device']}, {meta['date']})\n\n")
+        if meta.get("command"):
+            f.write(f"Command: `{meta['command']}`\n\n")
         f.write(f"Read ceiling: {ceiling:.2f} TB/s. {meta['timing']}. Versions: {meta['versions']}\n\n")
         f.write(f"vs FI fp8: against the faster of {', '.join(FP8_BASELINES)} for the config (geo-means: "
                 f"'vs {FASTEST_FP8}'); a FlashInfer row's note names the path it ran.\n\n{table}\n\n")

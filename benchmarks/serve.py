@@ -564,7 +564,8 @@ def _release(device):
         torch.cuda.empty_cache()
 
 
-TARGETS = (("int2", "bf16", 4.4), ("int2", "fp8", 2.0), ("int4", "bf16", 3.0))
+# peak ratios the project aims for, reported, not asserted (INT2 vs BF16 was 4.4x before the read-ceiling work)
+TARGETS = (("int2", "bf16", 5.5), ("int2", "fp8", 2.0), ("int4", "bf16", 3.0))
 
 
 def peak_ratios(records):

@@ -121,17 +121,18 @@ class Arch:
 
     def run_cache_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows,
                          seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
-                         num_splits: int, budget: int):
+                         num_splits: int, budget: int, packed_mean: int = 0):
         """Decode over a :class:`~foscar.cache.PagedKVCache` layer (the cache validates): the quantized
         splits and the 16-bit sink + window, merged in one launch (``foscar.hopper.cache_decode``,
-        ``foscar.blackwell.cache_decode``), its work split on the device over ``budget`` CTAs by the sequences'
-        lengths (``foscar.work_list``); on Hopper ``num_splits`` splits per sequence and the window kernel where
-        the window does not fit its ring; returns ``(out, lse)``."""
+        ``foscar.blackwell.cache_decode``), its work split on the device by the sequences' lengths over a wave of
+        ``budget`` CTAs, or past one wave over whole waves where the sequences' mean packed tokens ``packed_mean``
+        are known (``foscar.work_list``, ``KernelSet.cache_launch``); on Hopper ``num_splits`` splits per sequence
+        and the window kernel where the window does not fit its ring; returns ``(out, lse)``."""
         if not self.cache_decode:
             raise NotImplementedError(f"the {self.name} kernels have no PagedKVCache decode")
         return self._kernels().run_cache_decode(q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win,
                                                 seq_rows, seq_lengths, counters, sink, window, sm_scale, scheme,
-                                                num_splits, budget)
+                                                num_splits, budget, packed_mean)
 
 
 HOPPER = Arch("sm_90a", "hopper", "foscar.hopper.decode", cache_decode=True)

@@ -173,10 +173,10 @@ class PagedKVCache:
     slots, so :meth:`rollback_limit` never falls below it (default 0: it may fall to 1 right after a granule
     is quantized).
 
-    ``cta_budget`` (attribute, default the SM count x ``foscar.work_list.CTAS_PER_SM``): the CTAs the
-    decode launch's work list spreads a batch over (``foscar.work_list``; twice as many where the launch runs
-    two CTAs per SM: many short sequences on Hopper, ``KernelSet.cache_launch``); lower it to cut
-    sequences into fewer parts. ``num_splits(batch)``: the split count of the launches without a
+    ``cta_budget`` (attribute, default the SM count x ``foscar.work_list.CTAS_PER_SM``): the CTAs of one wave
+    of the decode launch, which its work list spreads a batch over (``foscar.work_list``; twice as many where the
+    launch runs two CTAs per SM: many short sequences on Hopper; past one wave, parts over whole waves of it:
+    ``KernelSet.cache_launch``); within a wave, lower it to cut sequences into fewer parts. ``num_splits(batch)``: the split count of the launches without a
     work list (Hopper's two-launch variants), from capacities.
     """
 
@@ -775,10 +775,19 @@ class PagedKVCache:
             out, lse = self.arch.run_cache_decode(
                 one, self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer],
                 self.page_table, self.k_bf16[layer], self.v_bf16[layer], index, lengths, self._counters,
-                self.sink, self.window, sm_scale, self.scheme, self.num_splits(q.shape[0]), self.cta_budget)
+                self.sink, self.window, sm_scale, self.scheme, self.num_splits(q.shape[0]), self.cta_budget,
+                self._packed_mean(layer, ids, later))
             return out.view(q.shape), lse.view(q.shape[:-1])
         plan = self._attend_plan(layer, ids, index, later)
         return self._softmax_attend(layer, q, plan, lengths[index], sm_scale)
+
+    def _packed_mean(self, layer, ids, later: int) -> int:
+        """The mean packed tokens of sequences ``ids`` without their last ``later`` tokens, from the host mirror,
+        which lags behind appends replayed in a CUDA graph (reading the device's lengths would sync): a hint that
+        plans the decode's parts past one wave (``foscar.work_list.wave_budget``; any plan attends correctly, and a
+        graph keeps the plan of its capture)."""
+        held = (self._host_len[layer, list(ids)] - later - self.sink - self.window).clamp(min=0)
+        return int((held // self.granule * self.granule).sum()) // len(ids)
 
     def _tokens_per_launch(self) -> int:
         """The most query tokens per sequence one kernel launch (or one torch-path softmax) attends."""

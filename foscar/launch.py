@@ -38,7 +38,7 @@ from .kernels.sink_window import check_sink_window, sink_window_attend, window_c
 from .query_rows import MAX_QUERY_COLUMNS
 from .scheme import Scheme
 from .split_merge import counter_words
-from .work_list import MAX_SPLITS, grid_ctas, wave_budget
+from .work_list import MAX_BUDGET, MAX_SPLITS, grid_ctas, wave_budget
 
 __all__ = ["KernelSet", "POINTERS", "SCALARS", "CACHE_ARGS", "decode_args", "sm_waves", "cache_capacity"]
 
@@ -126,25 +126,29 @@ class KernelSet:
         per SM (:func:`sm_waves`; 0: not known) (none here)."""
         return {}
 
-    def cache_launch_options(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, heads: int,
+    def cache_launch_options(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, pairs: int,
                              budget: int) -> dict:
-        """The keyword options :meth:`run_cache_decode` compiles with where its caller gives none, for ``heads``
-        (sequence, KV head) pairs of sequences holding at most ``capacity`` packed tokens each (0: not known), over
-        a work list of ``budget`` CTAs, one wave at one CTA per SM (none here)."""
+        """The keyword options :meth:`run_cache_decode` compiles with where its caller gives none, for ``pairs``
+        (sequence, KV head) pairs of sequences holding about ``capacity`` packed tokens at most (:func:`cache_capacity`;
+        0: not known), over a work list of ``budget`` CTAs, one wave at one CTA per SM (none here)."""
         return {}
 
     def ctas_per_sm(self, opts: tuple) -> int:
         """The CTAs per SM a kernel built with the resolved options ``opts`` (:meth:`options`) runs (here 1)."""
         return 1
 
-    def cache_launch(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, heads: int, budget: int,
-                     options: dict) -> tuple[tuple, int]:
+    def cache_launch(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, pairs: int, budget: int,
+                     options: dict, packed_mean: int = 0) -> tuple[tuple, int]:
         """A cache decode launch's resolved options (``options``, else :meth:`cache_launch_options`) and its work
-        list's budget: a wave, ``budget`` (at one CTA per SM) times the CTAs per SM those options run, and past one
-        wave the budget that cuts pairs into whole waves (:func:`~foscar.work_list.wave_budget`)."""
+        list's budget: a wave, ``budget`` (at one CTA per SM) times the CTAs per SM those options run; at one CTA per
+        SM past one wave, the budget that cuts the pairs into whole waves, where the caller knows the sequences'
+        mean packed tokens ``packed_mean`` (:func:`~foscar.work_list.wave_budget`; the two-CTA config's part costs
+        are not measured)."""
         opts = self.options(scheme, tokens, **(options or self.cache_launch_options(
-            scheme, page_size, tokens, capacity, heads, budget)))
-        return opts, wave_budget(budget * self.ctas_per_sm(opts), heads, capacity)
+            scheme, page_size, tokens, capacity, pairs, budget)))
+        ctas = self.ctas_per_sm(opts)
+        wave = min(budget * ctas, MAX_BUDGET)
+        return opts, wave_budget(wave, pairs, packed_mean) if ctas == 1 else wave
 
     def launch_options_for(self, scheme: Scheme, q, k_codes, page_table, num_splits: int, tokens: int) -> dict:
         """:meth:`launch_options` of a decode launch of ``q`` (its batch) over ``k_codes`` (KV heads, page size) and
@@ -236,13 +240,15 @@ class KernelSet:
             scheme, page_size, tokens, *opts)), CACHE_ARGS))
 
     def cache_partials(self, scheme: Scheme, page_size: int, batch: int, kv_heads: int, num_splits: int,
-                       budget: int, slots: int, tokens: int = 1, capacity: int = 0, **options) -> tuple[int, ...]:
+                       budget: int, slots: int, tokens: int = 1, capacity: int = 0, packed_mean: int = 0,
+                       **options) -> tuple[int, ...]:
         """The shape of the fp32 ``o`` partials :meth:`run_cache_decode` allocates (``lse``'s: all but the
         last dim): one launch, one ``[R, D]`` per work item (``foscar.work_list``: at most ``budget + batch *
         kv_heads``, the work list's budget: :meth:`cache_launch`; R = gqa x tokens); two, ``[batch, Hq, parts,
         D]``, the window kernel's partials after the splits'. ``capacity``: as :meth:`run_cache_decode` derives
-        it from the cache's tensors (:func:`cache_capacity`; 0: not known)."""
-        opts, budget = self.cache_launch(scheme, page_size, tokens, capacity, batch * kv_heads, budget, options)
+        it from the cache's tensors (:func:`cache_capacity`; 0: not known); ``packed_mean``: as given to it."""
+        opts, budget = self.cache_launch(scheme, page_size, tokens, capacity, batch * kv_heads, budget, options,
+                                         packed_mean)
         return self._partials(scheme, page_size, batch, kv_heads, num_splits, budget, slots, tokens, opts)
 
     def _partials(self, scheme, page_size, batch, kv_heads, num_splits, budget, slots, tokens, opts):
@@ -253,20 +259,22 @@ class KernelSet:
 
     def run_cache_decode(self, q, k_codes, k_params, v_codes, v_params, page_table, k_win, v_win, seq_rows,
                          seq_lengths, counters, sink: int, window: int, sm_scale: float, scheme: Scheme,
-                         num_splits: int, budget: int, **options):
+                         num_splits: int, budget: int, packed_mean: int = 0, **options):
         """Decode on a cache layer's tensors (``PagedKVCache.attend`` validates them): ``q [B, Hq, D]``, or
         ``q [B, tokens, Hq, D]`` for several query tokens per sequence (the sequence's last tokens: causal),
         packed pages in the arch's word order, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win
         [max_seqs, kv_heads, sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs],
-        ``counters`` int32 (>= ``split_merge.counter_words(B * kv_heads, MAX_SPLITS)``, zero; left zero). One launch whose work list fills ``budget``
-        CTAs where :meth:`fuses_window`, else ``num_splits`` splits per sequence then the window kernel.
+        ``counters`` int32 (>= ``split_merge.counter_words(B * kv_heads, MAX_SPLITS)``, zero; left zero). One launch whose work list fills
+        :meth:`cache_launch`'s budget (a wave of ``budget`` CTAs at one CTA per SM, or more; ``packed_mean``: the
+        sequences' mean packed tokens where the caller knows them, else 0) where :meth:`fuses_window`, else
+        ``num_splits`` splits per sequence then the window kernel.
         Returns ``(out, lse)``: q's dtype and shape, fp32 ``lse`` of q's shape less head_dim."""
         batch, tokens, d = q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-1]
         kv_heads, slots = k_win.shape[1], k_win.shape[2]
         page_size = k_codes.shape[2] * 64
         _check_cache_launch(num_splits, counters, batch * kv_heads, budget)  # before anything compiles or launches
         opts, budget = self.cache_launch(scheme, page_size, tokens, cache_capacity(k_codes, page_table, batch),
-                                         batch * kv_heads, budget, options)
+                                         batch * kv_heads, budget, options, packed_mean)
         one_launch = self.fuses_window(scheme, page_size, *opts)
         if not one_launch:
             check_sink_window(d, scheme.gqa_ratio * tokens, slots)
@@ -290,9 +298,9 @@ class KernelSet:
 
 
 def cache_capacity(k_codes, page_table, batch: int) -> int:
-    """The packed tokens a cache decode's sequences hold at most, on average over the batch, from the cache's
-    tensors: a page-table row's, and the page pool's (``k_codes``' first dim) over ``batch`` (each of
-    ``PagedKVCache``'s pages belongs to one sequence)."""
+    """A bound on the packed tokens of a cache decode's sequences, from the cache's tensors: the least of a page-table
+    row's (every sequence's bound) and the page pool's (``k_codes``' first dim) over ``batch`` (the batch's mean
+    bound: each of ``PagedKVCache``'s pages belongs to one sequence)."""
     return min(page_table.shape[1], k_codes.shape[0] // batch) * k_codes.shape[2] * 64
 
 
@@ -304,7 +312,7 @@ def _check_cache_launch(num_splits: int, counters, heads: int, budget: int):
         raise ValueError(f"batch must hold at least one sequence (batch * kv_heads = {heads})")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    if type(budget) is not int or not 1 <= budget <= 1 << 16:
+    if type(budget) is not int or not 1 <= budget <= MAX_BUDGET:
         raise ValueError(f"budget must be an int in [1, 65536] (CTAs of a wave: PagedKVCache.cta_budget), "
                          f"got {budget!r}")
     need = counter_words(heads, MAX_SPLITS)

@@ -3,7 +3,8 @@ launches without a work list), or balanced over a batch of ragged sequences, pla
 (:class:`WorkList`).
 
 Each (sequence, KV head) gets ``parts`` CTAs in proportion to its work: with ``W`` the batch's total
-work (all KV heads) and ``budget`` the CTAs one wave holds (SMs x CTAs per SM),
+work (all KV heads) and ``budget`` the work list's budget (the host's: the CTAs one wave holds, SMs x CTAs per SM,
+or past one wave :func:`wave_budget`'s),
 
     parts = clamp(floor(work * budget / W), 1, min(max_parts, cap))
 
@@ -11,9 +12,9 @@ work (all KV heads) and ``budget`` the CTAs one wave holds (SMs x CTAs per SM),
 ``ONE_ROUND_PARTS`` is then cut to it, :func:`one_round_parts`),
 so a long sequence next to short ones is cut into as many parts as its share of the GPU, where a
 split count fixed per call (:func:`plan_splits`, from capacities) gives each the same.
-When ``batch * kv_heads > budget`` (several waves whatever the parts) the share is rounded up
-instead, so a long sequence's parts do not outlast the short sequences' CTAs (4 x 32K among 60 x
-1K: 1.8 -> 2 parts). The items are numbered sequence by sequence, KV head by KV head, part by
+When ``batch * kv_heads > budget`` (several waves whatever the parts, and the host's cost model keeps one part
+per pair at the mean length: :func:`wave_budget`) the share is rounded up instead, so a long sequence's parts do
+not outlast the short sequences' CTAs (4 x 32K among 60 x 1K: 1.8 -> 2 parts). The items are numbered sequence by sequence, KV head by KV head, part by
 part; their count is at most ``budget + batch * kv_heads`` (each (sequence, KV head)'s parts are at
 most its real share + 1, and the shares sum to ``budget``), which is the launch's grid
 (:func:`grid_ctas`): CTAs past the last item exit. For equal lengths this gives about
@@ -45,12 +46,13 @@ from .window_tiles import BLOCK, quantized_tokens
 
 __all__ = ["WorkList", "CacheWork", "host_plan", "grid_ctas", "PLAN_WORDS", "plan_splits", "MAX_SPLITS",
            "MAX_DECODE_SPLITS", "WINDOW_MERGE_SPLITS", "MIN_TOKENS_PER_SPLIT", "CTAS_PER_SM", "GROUP",
-           "ONE_ROUND_PARTS", "one_round_parts", "wave_budget"]
+           "ONE_ROUND_PARTS", "one_round_parts", "wave_budget", "MAX_BUDGET", "CACHE_PART_OVERHEAD_TOKENS"]
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 128  # the one-launch cache decode's parts (its two-level merge, its counters): NOTES 41
 MAX_DECODE_SPLITS = 128  # decode_paged's launches (merged by the combine kernel): 1 x 128K, 1 KV head, NOTES 41
 WINDOW_MERGE_SPLITS = 64  # the two-launch cache decode: the window kernel's one CTA merges every split (NOTES 14)
+MAX_BUDGET = 1 << 16  # a work list's budget at most (its products with a sequence's work stay within 64 bits)
 CTAS_PER_SM = 1  # the Hopper kernel: producer + 3 consumer warpgroups hold an SM's registers (setmaxnreg)
 SPLIT_OVERHEAD_TOKENS = 256  # per-CTA prologue, ring fill and combine traffic, in tokens of work
 # a cache decode part's: the work list's find, the ring's fill, the partial and its merge, with one CTA per SM and
@@ -107,18 +109,20 @@ def _planned_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, mo
     return -(-tiles // -(-tiles // best))
 
 
-def wave_budget(budget: int, heads: int, capacity: int) -> int:
-    """The budget a work list of ``heads`` (sequence, KV head) pairs plans with, for waves of ``budget`` CTAs: past
+def wave_budget(budget: int, pairs: int, packed_mean: int) -> int:
+    """The budget a work list of ``pairs`` (sequence, KV head) pairs plans with, for waves of ``budget`` CTAs: past
     one wave every pair is one part at least, so the launch's CTAs run in ``ceil(items / budget)`` rounds and
     sequences of equal length leave the last round's SMs idle (serving, 100K-token prefixes: 440 pairs on 132 SMs
-    are 3.3 waves of work in 4 rounds). Where :func:`plan_splits`' cost model over sequences of ``capacity`` tokens
-    (0: not known), with a part's overhead ``CACHE_PART_OVERHEAD_TOKENS``, cuts each pair into ``P > 1`` parts, the
-    budget is ``P x heads``: the work list then gives a pair ``floor(P x its work / the mean work)`` parts (``P``
-    each at equal lengths; rounded down, at least 1); else ``budget`` as given."""
-    if heads <= budget or capacity < 1:
+    are 3.3 waves of work in 4 rounds). Where :func:`plan_splits`' cost model over sequences of ``packed_mean``
+    packed tokens (their mean; 0: not known), with a part's overhead ``CACHE_PART_OVERHEAD_TOKENS``, cuts each pair
+    into ``P > 1`` parts, the budget is ``P x pairs + pairs // 2``: the work list's share of a pair, ``floor(its work
+    x budget / the total)``, is then its work over the mean's ``P + 1/2`` rounded down, i.e. ``P`` parts per mean's
+    worth rounded to the nearest count (``P`` each at equal lengths, and at lengths a little under the mean; at
+    least 1); the items stay within ``grid_ctas`` of that budget. Else ``budget`` as given."""
+    if pairs <= budget or packed_mean < 1:
         return budget
-    parts = _planned_splits(heads, 1, capacity, budget, MAX_SPLITS, CACHE_PART_OVERHEAD_TOKENS)
-    return budget if parts == 1 else min(heads * parts, 1 << 16)
+    parts = _planned_splits(pairs, 1, packed_mean, budget, MAX_SPLITS, CACHE_PART_OVERHEAD_TOKENS)
+    return budget if parts == 1 else min(pairs * parts + pairs // 2, MAX_BUDGET)
 
 
 ITEM_FIELDS = 6  # b, part, parts, first item of the sequence, the sequence's two payload words

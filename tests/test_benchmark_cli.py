@@ -155,3 +155,16 @@ def test_ab_loads_a_revision_as_its_own_package(tmp_path):
         for name in list(sys.modules):
             if name.startswith("foscar_"):
                 del sys.modules[name]
+
+
+def test_decode_rows_pick_shapes_and_name_a_bad_entry(capsys):
+    """``--rows`` picks the benchmark's rows (model:batch x context); a bad entry fails before any GPU work, naming it."""
+    from benchmarks import decode
+
+    assert decode.parse_rows("qwen3-8b:256x2048,tp8-70b:1x131072") == [("qwen3-8b", 256, 2048), ("tp8-70b", 1, 131072)]
+    for bad in ("qwen3:1x2", "qwen3-8b:1x", "qwen3-8b:0x2048", "qwen3-8b"):
+        with pytest.raises(ValueError, match="is not <model>:<batch>x<context>"):
+            decode.parse_rows(bad)
+    with pytest.raises(SystemExit):
+        decode.main(["--rows", "qwen3-8b:2x", "--methods", "int2-kt128"])
+    assert "--rows: 'qwen3-8b:2x' is not" in capsys.readouterr().err

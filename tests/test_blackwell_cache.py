@@ -19,7 +19,7 @@ from foscar.pipeline import split_range  # noqa: E402
 from foscar.scheme import Scheme  # noqa: E402
 from foscar.window_tiles import BLOCK, window_blocks  # noqa: E402
 from foscar.work_list import (GROUP, MAX_SPLITS, ONE_ROUND_PARTS, CacheWork, grid_ctas, host_plan,  # noqa: E402
-                              one_round_parts, wave_budget)
+                              MAX_BUDGET, one_round_parts, wave_budget)
 
 SCHEMES = [  # (scheme, page_size): both bit widths and axes, head_dim 64/128/256, FP16 and BF16, mixed bits
     (Scheme.make(2, "token", 128, "token", 128, 128, 4), 128),
@@ -100,28 +100,31 @@ def test_host_plan_keeps_the_last_merge_to_one_round(kv_heads, budget, parts):
     assert [one_round_parts(p) for p in (1, 64, 65, 71, 72, 128)] == [1, 64, 64, 64, 72, 128]
 
 
-@pytest.mark.parametrize("sequences", [20, 36, 54, 60])
+@pytest.mark.parametrize("sequences", [20, 36, 55, 60])
 def test_past_one_wave_the_budget_cuts_pairs_into_whole_waves(sequences):
     """Serving at 100K-token prefixes (8 KV heads, 132 SMs): every pair in one part made ceil(pairs / 132) rounds of
-    a whole sequence each (432 pairs: 3.3 waves of work in 4 rounds); ``wave_budget`` gives the work list
-    ``P x pairs``, so each pair of an equal-length batch takes P parts and the rounds of whole-sequence work fall
-    (plan_splits' cost model), the items within the launch's grid; ragged lengths share the parts by their work.
-    Within one wave, many waves of short sequences, or with no capacity known the budget is as given."""
-    kv_heads, budget, capacity = 8, 132, 101376
+    a whole sequence each (440 pairs: 3.3 waves of work in 4 rounds); ``wave_budget`` gives the work list ``P x pairs
+    + pairs // 2``, so each pair of an equal-length batch, and of one whose lengths are a little apart, takes P parts
+    and the rounds of whole-sequence work fall (plan_splits' cost model), the items within the launch's grid; a
+    sequence of half the mean length takes fewer. Within one wave, many waves of short sequences, or with
+    the mean not known the budget is as given."""
+    kv_heads, budget, packed = 8, 132, 100096
     pairs = sequences * kv_heads
-    planned = wave_budget(budget, pairs, capacity)
+    planned = wave_budget(budget, pairs, packed)
     parts = planned // pairs
-    assert planned == parts * pairs and parts > 1
+    assert planned == parts * pairs + pairs // 2 and parts > 1
     assert math.ceil(pairs * parts / budget) / parts < math.ceil(pairs / budget)  # rounds of a whole sequence
     work = CacheWork(4608, 128, 128)
-    items = host_plan(*zip(*[work.host_sequence(capacity, 64, 256, 320)] * sequences), kv_heads, planned)
-    assert {p for *_, p in items} == {parts} and len(items) == pairs * parts <= grid_ctas(planned, sequences, kv_heads)
-    ragged = [capacity] * (sequences - 1) + [capacity // 2]
-    items = host_plan(*zip(*(work.host_sequence(n, 64, 256, 320) for n in ragged)), kv_heads, planned)
-    assert items[-1][3] < parts == items[0][3] and len(items) <= grid_ctas(planned, sequences, kv_heads)
-    assert wave_budget(budget, 8 * kv_heads, capacity) == budget  # one wave
+    ragged = [packed + 64 * (i % 16) - 512 for i in range(sequences)]  # 100K +- 512 tokens
+    for lengths in ([packed] * sequences, ragged, [packed] * (sequences - 1) + [packed // 2]):
+        items = host_plan(*zip(*(work.host_sequence(n + 320, 64, 256, 320) for n in lengths)), kv_heads, planned)
+        counts = [p for b, _h, part, p in items if part == 0]  # per pair, in sequence order
+        assert set(counts[:-kv_heads]) == {parts} and len(items) <= grid_ctas(planned, sequences, kv_heads)
+        assert (counts[-1] == parts) == (lengths[-1] > packed // 2)  # the half-length sequence: fewer
+    assert wave_budget(budget, 8 * kv_heads, packed) == budget  # one wave
     assert wave_budget(2 * budget, 256 * kv_heads, 2048) == 2 * budget  # 256 x 2K: 8 waves, one part each
     assert wave_budget(budget, pairs, 0) == budget
+    assert wave_budget(budget, 1 << 15, packed) <= MAX_BUDGET
 
 
 def _slot_position(j, n, qlen, sink, ring):

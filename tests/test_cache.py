@@ -58,6 +58,21 @@ def test_round_trip_and_append_paths(scheme, rng):
         assert c.seq_len(ids[0][0], layer=0) == 0 and c.seq_len(ids[0][0], layer=1) == 900
 
 
+def test_the_decode_plans_its_parts_from_the_mean_packed_tokens(rng):
+    """What the cache tells the decode launch for planning past one wave (``foscar.work_list.wave_budget``): the
+    mean packed tokens of the attended sequences (less ``later`` tokens each), from the host mirror."""
+    scheme = SCHEMES[1]  # granule 64
+    cache = make_cache(scheme, sink=16, window=128)
+    ids = [cache.allocate() for _ in range(3)]
+    for seq, n in zip(ids, (100, 16 + 128 + 64 * 3 + 5, 16 + 128 + 64 * 9)):
+        cache.append(0, [seq], *kv(rng, scheme, 1, n))
+    assert [cache.quantized_tokens(cache.seq_len(s)) for s in ids] == [0, 192, 576]
+    assert cache._packed_mean(0, tuple(ids), 0) == (0 + 192 + 576) // 3
+    assert cache._packed_mean(0, tuple(ids[1:]), 0) == (192 + 576) // 2
+    assert cache._packed_mean(0, tuple(ids[2:]), 1) == 512  # a truncate of the last token: one granule less
+    assert cache._packed_mean(1, tuple(ids), 0) == 0  # nothing in layer 1
+
+
 def test_page_accounting(rng):
     scheme = SCHEMES[1]
     cache = make_cache(scheme, num_pages=10, sink=16, window=128)

@@ -89,18 +89,19 @@ def planned_parts(cache, lengths):
     work = kernels.cache_kernel(kernels.cache_config(scheme, page_size, 1, *kernels.options(scheme, 1))).cache_work
     ring = cache.k_bf16[0].shape[2] - cache.sink
     works, caps = zip(*(work.host_sequence(n, cache.sink, cache.window, ring) for n in lengths))
-    return {parts for *_, parts in host_plan(works, caps, cache.kv_heads, launch_budget(cache, len(lengths)))}
+    return {parts for *_, parts in host_plan(works, caps, cache.kv_heads, launch_budget(cache, lengths))}
 
 
-def launch_budget(cache, batch):
-    """The budget the cache decode's work list plans ``batch`` sequences with (``KernelSet.cache_launch``: a wave of
-    ``cache.cta_budget``, or more past one wave)."""
+def launch_budget(cache, lengths):
+    """The budget the cache decode's work list plans sequences of ``lengths`` tokens with (``KernelSet.cache_launch``:
+    a wave of ``cache.cta_budget``, or past one wave whole waves of parts of the mean packed tokens)."""
     from foscar.launch import cache_capacity
 
-    kernels = cache.arch._kernels()
+    kernels, batch = cache.arch._kernels(), len(lengths)
+    packed_mean = sum(cache.quantized_tokens(n) for n in lengths) // batch
     return kernels.cache_launch(cache.scheme, cache.page_size, 1, cache_capacity(cache.k_codes[0], cache.page_table,
                                                                                  batch),
-                                batch * cache.kv_heads, cache.cta_budget, {})[1]
+                                batch * cache.kv_heads, cache.cta_budget, {}, packed_mean)[1]
 
 
 def poison_attend_buffers(cache, batch, q, rotate: bool):
@@ -162,8 +163,9 @@ def test_many_short_sequences_at_two_ctas_per_sm(case, rng, monkeypatch):
     monkeypatch.setattr(KERNELS, "_cache_decode", recorded)
     scheme, page_size, max_len, kv_heads, rotate = CASES[case]
     pairs = kv_heads * len(lengths_for(1))
-    check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, copies=-(-140 // pairs))
-    assert asked == [(1, 2)]  # (140+ pairs: past one wave of the H200's 132 SMs)
+    wave = PagedKVCache(scheme, 1, kv_heads, 1, 1, 4096, page_size, SINK, WINDOW, device="cuda").cta_budget
+    check_cache_decode(scheme, page_size, max_len, kv_heads, rotate, rng, copies=-(-(wave + 1) // pairs))
+    assert asked == [(1, 2)]  # (past one wave of the GPU's SMs)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
@@ -344,7 +346,7 @@ def test_window_kernel_matches_float64(case, rng):
 
 @pytest.mark.parametrize("lengths, budget", [([1, 70, SINK + WINDOW + 200, 3001, 9000, 700, 16000], 20),
                                              ([SINK + WINDOW + 66 * 256 + 500], 132),
-                                             ([9000, 9000, 9000, 8000, 9000], 8)], ids=["ragged", "one-round", "waves"])
+                                             ([9000, 9000, 9000, 4000, 9000], 8)], ids=["ragged", "one-round", "waves"])
 def test_device_plan_is_the_host_plan(lengths, budget, monkeypatch, rng):
     """The work list as the Hopper launch plans it on the GPU (foscar.work_list.WorkList.find) is
     ``foscar.work_list.host_plan``, the CPU mirror that the Blackwell cache decode's plan (the same WorkList and
@@ -352,8 +354,8 @@ def test_device_plan_is_the_host_plan(lengths, budget, monkeypatch, rng):
     those of the (sequence, KV head)s the host plan cuts into several parts, and the output matches float64.
     Ragged: some sequences in one part, some in several; one round: a sequence alone whose 66 parts per KV head
     (132 / 2) the plan cuts to ONE_ROUND_PARTS (foscar.work_list.one_round_parts); waves: 10 pairs on a budget of
-    8, which ``wave_budget`` cuts into parts over whole waves (the 9000-token sequences in more parts than the
-    8000-token one)."""
+    8, which ``wave_budget`` cuts into parts over whole waves (the 9000-token sequences in P = 2 parts, the
+    4000-token one in 1)."""
     import foscar.launch
     from foscar.work_list import ONE_ROUND_PARTS, host_plan
 
@@ -386,15 +388,16 @@ def test_device_plan_is_the_host_plan(lengths, budget, monkeypatch, rng):
     work = kernels.cache_kernel(kernels.cache_config(scheme, page_size, 1, *kernels.options(scheme, 1))).cache_work
     ring = cache.k_bf16[0].shape[2] - SINK
     works, caps = zip(*(work.host_sequence(lengths[ids.index(s)], SINK, WINDOW, ring) for s in order))
-    planned_budget = launch_budget(cache, len(order))
+    planned_budget = launch_budget(cache, lengths)
     assert (planned_budget > budget) == (len(lengths) * kv_heads > budget)  # past one wave: whole waves of parts
     items = host_plan(works, caps, kv_heads, planned_budget)
     assert written == {x for x, (_b, _h, _part, parts) in enumerate(items) if parts > 1}
     planned = {parts for *_, parts in items}
     if len(lengths) == 1:
         assert planned == {ONE_ROUND_PARTS}
-    elif planned_budget > budget:
-        assert len(planned) == 2 and min(planned) > 1
+    elif planned_budget > budget:  # (the order is reversed: the 4000-token sequence is second)
+        counts = [parts for _b, _h, part, parts in items if part == 0]
+        assert counts == [2] * kv_heads + [1] * kv_heads + [2] * 3 * kv_heads
     else:
         assert 1 in planned and max(planned) > 1
     ref, ref_lse, low = reference(cache, 0, order, q, d**-0.5, dtype)

@@ -168,9 +168,10 @@ def test_many_short_sequences_in_the_cache_decode_take_two_ctas_per_sm(monkeypat
     """Hopper's cache decode compiles one consumer warpgroup at two CTAs per SM, and its work list fills twice the
     budget, for one query token over more (sequence, KV head) pairs than the one-wave budget whose sequences hold at
     most SHORT_CONTEXT_TOKENS packed tokens (a page-table row, or the page pool over the batch), where its loop
-    pipelines with the window tiles in the ring (K token-wise); else the default options, and past one wave the
-    budget of whole waves (foscar.work_list.wave_budget); a caller's options win; the partials' shape follows the
-    budget; Blackwell keeps one CTA per SM."""
+    pipelines with the window tiles in the ring (K token-wise); else the default options, and past one wave, where
+    the caller knows the mean packed tokens, the budget of whole waves (foscar.work_list.wave_budget); the budget
+    stays within MAX_BUDGET; a caller's options win; the partials' shape follows the budget; Blackwell keeps one CTA
+    per SM."""
     from foscar.hopper.decode import KERNELS, SHORT_CONTEXT_TOKENS
     from foscar.hopper.kernel import default_consumers
     from foscar.launch import cache_capacity
@@ -181,18 +182,21 @@ def test_many_short_sequences_in_the_cache_decode_take_two_ctas_per_sm(monkeypat
     short = SHORT_CONTEXT_TOKENS
     assert KERNELS.cache_launch(scheme, 128, 1, short, 133, 132, {}) == (two_ctas, 264)
     assert KERNELS.cache_launch(scheme, 128, 1, short, 132, 132, {}) == (default, 132)  # one wave
-    # past one wave at one CTA per SM: the budget that cuts the pairs into whole waves (wave_budget)
-    assert KERNELS.cache_launch(scheme, 128, 1, short + 128, 133, 132, {}) == (
-        default, wave_budget(132, 133, short + 128)) != (default, 132)
+    assert KERNELS.cache_launch(scheme, 128, 1, short + 128, 133, 132, {}) == (default, 132)
     assert KERNELS.cache_launch(scheme, 128, 1, 0, 133, 132, {}) == (default, 132)  # capacity not known
-    assert KERNELS.cache_launch(scheme, 128, 2, short, 133, 132, {})[0] == default  # several query tokens
-    assert KERNELS.cache_launch(kc, 128, 1, short, 133, 132, {})[0] == (default_consumers(kc), 1)
-    assert KERNELS.cache_launch(scheme, 128, 1, short, 133, 132, {"consumers": 2}) == (
-        (2, 1), wave_budget(132, 133, short))
+    assert KERNELS.cache_launch(scheme, 128, 2, short, 133, 132, {}) == (default, 132)  # several query tokens
+    assert KERNELS.cache_launch(kc, 128, 1, short, 133, 132, {}) == ((default_consumers(kc), 1), 132)
+    assert KERNELS.cache_launch(scheme, 128, 1, short, 133, 132, {"consumers": 2}) == ((2, 1), 132)
+    # past one wave at one CTA per SM with the mean packed tokens known: whole waves (wave_budget); not at two CTAs
+    assert KERNELS.cache_launch(scheme, 128, 1, 0, 133, 132, {}, short) == (
+        default, wave_budget(132, 133, short)) != (default, 132)
+    assert KERNELS.cache_launch(scheme, 128, 1, short, 133, 132, {}, short) == (two_ctas, 264)
+    assert KERNELS.cache_launch(scheme, 128, 1, short, 1 << 15, 1 << 16, {"ctas_per_sm": 2})[1] == 1 << 16
     assert KERNELS.cache_partials(scheme, 128, 67, 2, 1, 132, 320, capacity=short) == (grid_ctas(264, 67, 2), 4, 128)
     assert KERNELS.cache_partials(scheme, 128, 66, 2, 1, 132, 320) == (grid_ctas(132, 66, 2), 4, 128)
-    assert BLACKWELL._kernels().cache_launch(scheme, 128, 1, short, 133, 132, {}) == ((), wave_budget(132, 133, short))
-    assert BLACKWELL._kernels().cache_launch(scheme, 128, 1, short, 132, 132, {}) == ((), 132)
+    assert BLACKWELL._kernels().cache_launch(scheme, 128, 1, short, 133, 132, {}, short) == (
+        (), wave_budget(132, 133, short))
+    assert BLACKWELL._kernels().cache_launch(scheme, 128, 1, short, 133, 132, {}) == ((), 132)
 
     codes = torch.zeros(1000, 2, 1, 8, dtype=torch.int32)  # [pages (the pool), kv_heads, tiles per page, words]
     assert cache_capacity(codes, torch.zeros(4, 256, dtype=torch.int32), 4) == 250 * 64  # the pool over the batch

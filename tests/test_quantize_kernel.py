@@ -101,6 +101,13 @@ def test_quantize_tiles_bit_identical(case, layout, runs, rng, monkeypatch):
     kvh, num_pages, page_size, tiles = 3, 7, 256, 9
     if runs > 1:
         monkeypatch.setattr(foscar.kernels.quantize, "SRC_INDEX_LIMIT", 4 * kvh * cfg.granule * cfg.head_dim)
+    launches, cached_compile = [], foscar.kernels.quantize.cached_compile
+
+    def counted(key, build):  # the compiled kernel, the tiles of each of its calls recorded
+        kernel = cached_compile(key, build)
+        return lambda *args: (launches.append(args[5]), kernel(*args))[1]
+
+    monkeypatch.setattr(foscar.kernels.quantize, "cached_compile", counted)
     src = torch.randn(tiles, kvh, cfg.granule, cfg.head_dim, generator=rng) * 3 + torch.randn(cfg.head_dim, generator=rng) * 4
     src[0] = 0.5  # constant groups: scale 0, codes 0
     src[1] *= 1e-3  # tiny ranges
@@ -118,5 +125,6 @@ def test_quantize_tiles_bit_identical(case, layout, runs, rng, monkeypatch):
     got_codes, got_params = codes.cuda(), params.cuda()
     quantize_tiles(src.cuda(), page.cuda(), slot.cuda(), got_codes, got_params, scheme, role, layout)
     torch.cuda.synchronize()
+    assert launches == ([tiles] if runs == 1 else [4, 4, 1])  # tiles per launch
     assert torch.equal(got_params.cpu().view(torch.int16), want_params.view(torch.int16))
     assert torch.equal(got_codes.cpu(), want_codes)

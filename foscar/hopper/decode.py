@@ -18,7 +18,7 @@ from .kernel import DecodeConfig, HopperDecodeKernel, default_consumers, two_cta
 __all__ = ["HopperKernels", "KERNELS", "SHORT_SPLIT_TOKENS", "SHORT_CONTEXT_TOKENS"]
 
 SHORT_SPLIT_TOKENS = 2048  # tokens per CTA at most for which a split decode launch takes 2 consumer warpgroups
-SHORT_CONTEXT_TOKENS = 8192  # page-table capacity at most for which an unsplit launch runs two CTAs per SM
+SHORT_CONTEXT_TOKENS = 8192  # packed tokens per sequence at most for which a launch of many runs two CTAs per SM
 
 
 class HopperKernels(KernelSet):
@@ -62,20 +62,21 @@ class HopperKernels(KernelSet):
             return {"consumers": 1, "ctas_per_sm": 2}
         return {"consumers": consumers, "ctas_per_sm": 1}
 
-    def cache_launch_options(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, heads: int,
+    def cache_launch_options(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, pairs: int,
                              budget: int) -> dict:
-        """The cache decode's :meth:`launch_options` rule for two CTAs per SM: one query token, sequences of at most
-        ``SHORT_CONTEXT_TOKENS`` packed tokens, more (sequence, KV head) pairs than the work list's one-wave
-        ``budget`` (so every pair is one part at least: many short sequences), and the loop pipelined with the window
-        tiles in half an SM's shared memory (:func:`~foscar.hopper.cache_decode.two_ctas_pipeline_with_window`);
-        its work list then fills twice the budget."""
-        if (tokens == 1 and 0 < capacity <= SHORT_CONTEXT_TOKENS and heads > budget
+        """The cache decode's :meth:`launch_options` rule for two CTAs per SM: one query token, sequences bounded by
+        ``SHORT_CONTEXT_TOKENS`` packed tokens (``capacity``: ``foscar.launch.cache_capacity``, a page-table row or
+        the pool over the batch), more (sequence, KV head) ``pairs`` than the work list's one-wave ``budget`` (so
+        every pair is one part at least: many short sequences), and the loop pipelined with the window tiles in
+        half an SM's shared memory (:func:`~foscar.hopper.cache_decode.two_ctas_pipeline_with_window`); its work
+        list then fills twice the budget."""
+        if (tokens == 1 and 0 < capacity <= SHORT_CONTEXT_TOKENS and pairs > budget
                 and two_ctas_pipeline_with_window(scheme, page_size)):
             return {"consumers": 1, "ctas_per_sm": 2}
         return {}
 
     def ctas_per_sm(self, opts: tuple) -> int:
-        return opts[1]
+        return opts[1]  # (consumers, ctas_per_sm): options()
 
     def config(self, scheme, page_size, partial_output, tokens, consumers, ctas_per_sm):
         return DecodeConfig(scheme, page_size, partial_output, consumers, tokens=tokens, packed_causal=True,

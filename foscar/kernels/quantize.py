@@ -61,6 +61,7 @@ __all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "bw_word_code_coord
 
 THREADS = 128
 SRC_INDEX_LIMIT = 2**31  # elements of src one launch indexes (32-bit offsets; quantize_tiles launches per run)
+POOL_INDEX_LIMIT = 2**31  # elements of a layer's codes or params the kernel indexes (32-bit offsets)
 SRC_DTYPES = ("bfloat16", "float16")
 
 
@@ -368,7 +369,7 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
     if page_size % cfg.granule:
         raise ValueError(f"page_size {page_size} must be a multiple of the granule {cfg.granule}")
     for name, t in (("codes", codes), ("params", params)):
-        if t.numel() >= SRC_INDEX_LIMIT:
+        if t.numel() >= POOL_INDEX_LIMIT:
             raise ValueError(f"{name}: the quantize kernel indexes a pool in 32-bit ints, so it holds fewer than 2^31 "
                              f"elements; got {tuple(t.shape)} (fewer pages per layer)")
     if tiles == 0:
@@ -382,6 +383,8 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
     # the kernel indexes src in 32-bit ints: a bulk append of many long sequences (36 x 100K tokens of 8 KV heads:
     # 3.7e9 elements) launches per run of whole tiles below 2^31 elements
     step = SRC_INDEX_LIMIT // (kv_heads * granule * dim) // 4 * 4  # (4 int32 pages: 16-byte aligned slices)
+    if step < 1:
+        raise ValueError(f"src: a tile of {kv_heads} KV heads x {granule} x {dim} is past the kernel's 32-bit index")
     for first in range(0, tiles, step):
         last = min(tiles, first + step)
         compiled(gmem_ptr(src[first:last], cfg.cute_src), gmem_ptr(dest_page[first:last], cutlass.Int32),
