@@ -582,7 +582,9 @@ def save(rows, meta, ceiling, stem):
         f.write(f"Read ceiling: {ceiling:.2f} TB/s. {meta['timing']}. Versions: {meta['versions']}\n\n")
         f.write(f"vs FI fp8: against the faster of {', '.join(FP8_BASELINES)} for the config (geo-means: "
                 f"'vs {FASTEST_FP8}'); a FlashInfer row's note names the path it ran.\n\n{table}\n\n")
-        f.write("Geo-means over the standard sweep (speedups, and fractions of the read ceiling):\n\n")
+        present = {(r.batch, r.context) for r in rows if r.model == "qwen3-8b"} & set(STANDARD)
+        f.write(f"Geo-means over the standard sweep's shapes run here ({len(present)} of {len(STANDARD)}; speedups, "
+                "and fractions of the read ceiling):\n\n")
         f.write("\n".join(f"- {k}: {v:.2f}" for k, v in geo.items() if v) + "\n")
         f.write("\nSASS main loop per KV element (shift/logic; all instructions), of the default build (split launches "
                 "of <= 2K tokens per CTA run 2 consumer warpgroups: benchmarks/NOTES.md section 34):\n\n")
