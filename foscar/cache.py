@@ -174,9 +174,10 @@ class PagedKVCache:
     is quantized).
 
     ``cta_budget`` (attribute, default the SM count x ``foscar.work_list.CTAS_PER_SM``): the CTAs of one wave
-    of the decode launch, which its work list spreads a batch over (``foscar.work_list``; twice as many where the
-    launch runs two CTAs per SM: many short sequences on Hopper; past one wave, parts over whole waves of it:
-    ``KernelSet.cache_launch``); within a wave, lower it to cut sequences into fewer parts. ``num_splits(batch)``: the split count of the launches without a
+    of the decode launch, which its work list spreads a batch over (``foscar.work_list``); within a wave, lower it
+    to cut sequences into fewer parts. Past one wave (more (sequence, KV head) pairs than it) the launch may run
+    two CTAs per SM with twice the budget (many short sequences on Hopper) or cut pairs into parts over whole waves
+    of it (``KernelSet.cache_launch``), so a budget below the pair count changes the plan that way too. ``num_splits(batch)``: the split count of the launches without a
     work list (Hopper's two-launch variants), from capacities.
     """
 
@@ -267,7 +268,7 @@ class PagedKVCache:
         # host state: the page allocator, and a mirror of ``lengths`` for reservation and validation
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest index
         self._pages: list[list[int] | None] = [None] * max_seqs  # None: slot free
-        self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64)  # host mirror of lengths
+        self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64, device="cpu")  # host mirror
         # the longest each sequence was since its last truncate (its ring slots hold the last `ring` tokens of that)
         self._written = torch.zeros((num_layers, max_seqs), dtype=torch.int64)
         self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
@@ -785,7 +786,9 @@ class PagedKVCache:
         """The mean packed tokens of sequences ``ids`` without their last ``later`` tokens, from the host mirror,
         which lags behind appends replayed in a CUDA graph (reading the device's lengths would sync): a hint that
         plans the decode's parts past one wave (``foscar.work_list.wave_budget``; any plan attends correctly, and a
-        graph keeps the plan of its capture)."""
+        graph keeps the plan of its capture); 0 (not asked) for a batch within one wave, where it plans nothing."""
+        if len(ids) * self.kv_heads <= self.cta_budget:
+            return 0
         held = (self._host_len[layer, list(ids)] - later - self.sink - self.window).clamp(min=0)
         return int((held // self.granule * self.granule).sum()) // len(ids)
 

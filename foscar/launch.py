@@ -140,15 +140,15 @@ class KernelSet:
     def cache_launch(self, scheme: Scheme, page_size: int, tokens: int, capacity: int, pairs: int, budget: int,
                      options: dict, packed_mean: int = 0) -> tuple[tuple, int]:
         """A cache decode launch's resolved options (``options``, else :meth:`cache_launch_options`) and its work
-        list's budget: a wave, ``budget`` (at one CTA per SM) times the CTAs per SM those options run; at one CTA per
-        SM past one wave, the budget that cuts the pairs into whole waves, where the caller knows the sequences'
-        mean packed tokens ``packed_mean`` (:func:`~foscar.work_list.wave_budget`; the two-CTA config's part costs
-        are not measured)."""
+        list's budget: a wave, ``budget`` (at one CTA per SM) times the CTAs per SM those options run; for one query
+        token at one CTA per SM past one wave, the budget that cuts the pairs into whole waves, where the caller
+        knows the sequences' mean packed tokens ``packed_mean`` (:func:`~foscar.work_list.wave_budget`; the part
+        costs of the two-CTA config and of several query tokens are not measured)."""
         opts = self.options(scheme, tokens, **(options or self.cache_launch_options(
             scheme, page_size, tokens, capacity, pairs, budget)))
         ctas = self.ctas_per_sm(opts)
         wave = min(budget * ctas, MAX_BUDGET)
-        return opts, wave_budget(wave, pairs, packed_mean) if ctas == 1 else wave
+        return opts, wave_budget(wave, pairs, packed_mean) if ctas == 1 and tokens == 1 else wave
 
     def launch_options_for(self, scheme: Scheme, q, k_codes, page_table, num_splits: int, tokens: int) -> dict:
         """:meth:`launch_options` of a decode launch of ``q`` (its batch) over ``k_codes`` (KV heads, page size) and
