@@ -510,7 +510,8 @@ def main(argv=None):
                         help="standard: the Qwen3-8B sweep + extra models; serving: few KV heads, head_dim 256, "
                              "256 short sequences; all: both")
     parser.add_argument("--rows", default=None, metavar="MODEL:BxC,...",
-                        help="these rows, in place of --shapes' and --quick's, e.g. qwen3-8b:256x2048,tp8-70b:1x131072 (models: "
+                        help="these rows, in place of --shapes' and --quick's, e.g. "
+                             "qwen3-8b:256x2048,tp8-70b:1x131072 (models: "
                              f"{', '.join(MODELS)})")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--methods", default="flashinfer-bf16,flashinfer-fp8,sdpa-bf16,int2-kt128,int2-kc128,int4-kt128,"

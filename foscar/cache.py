@@ -177,8 +177,9 @@ class PagedKVCache:
     of the decode launch, which its work list spreads a batch over (``foscar.work_list``); within a wave, lower it
     to cut sequences into fewer parts. Past one wave (more (sequence, KV head) pairs than it) the launch may run
     two CTAs per SM with twice the budget (many short sequences on Hopper) or cut pairs into parts over whole waves
-    of it (``KernelSet.cache_launch``), so a budget below the pair count changes the plan that way too. ``num_splits(batch)``: the split count of the launches without a
-    work list (Hopper's two-launch variants), from capacities.
+    of it (``KernelSet.cache_launch``), so a budget below the pair count changes the plan that way too.
+    ``num_splits(batch)``: the split count of the launches without a work list (Hopper's two-launch variants), from
+    capacities.
     """
 
     def __init__(self, scheme: Scheme, num_layers: int, kv_heads: int, num_pages: int, max_seqs: int, max_seq_len: int,

@@ -5,9 +5,9 @@ An arch's decode kernels are a :class:`KernelSet` subclass in its ``decode`` mod
 (``foscar.hopper.decode``, ``foscar.blackwell.decode``) that says only what differs: its kernel classes
 and their configs (the kernels' limits and entries: ``foscar.decode_kernel``), its compile options (Hopper:
 ``consumers``, ``ctas_per_sm``) and whether its cache-decode launch attends the 16-bit sink + window itself. This
-module builds the argument lists of both arches' entries (:func:`decode_args`, :data:`CACHE_ARGS`: stand-ins to compile against
-and pointers to launch with, from :data:`POINTERS` and :data:`SCALARS`), keys the compile cache, allocates the
-outputs and partials, and runs the helper launches around the arch's: the split combine
+module builds the argument lists of both arches' entries (:func:`decode_args`, :data:`CACHE_ARGS`: stand-ins to
+compile against and pointers to launch with, from :data:`POINTERS` and :data:`SCALARS`), keys the compile cache,
+allocates the outputs and partials, and runs the helper launches around the arch's: the split combine
 (``foscar.kernels.combine``) and the sink + window kernel (``foscar.kernels.sink_window``).
 
 The compiled kernels take raw pointers, a few runtime int32 extents (batch, kv_heads, max_pages,
@@ -264,10 +264,10 @@ class KernelSet:
         ``q [B, tokens, Hq, D]`` for several query tokens per sequence (the sequence's last tokens: causal),
         packed pages in the arch's word order, ``page_table [max_seqs, max_pages]``, 16-bit ``k_win, v_win
         [max_seqs, kv_heads, sink + ring, D]``, ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs],
-        ``counters`` int32 (>= ``split_merge.counter_words(B * kv_heads, MAX_SPLITS)``, zero; left zero). One launch whose work list fills
-        :meth:`cache_launch`'s budget (a wave of ``budget`` CTAs at one CTA per SM, or more; ``packed_mean``: the
-        sequences' mean packed tokens where the caller knows them, else 0) where :meth:`fuses_window`, else
-        ``num_splits`` splits per sequence then the window kernel.
+        ``counters`` int32 (>= ``split_merge.counter_words(B * kv_heads, MAX_SPLITS)``, zero; left zero). One
+        launch whose work list fills :meth:`cache_launch`'s budget (a wave of ``budget`` CTAs at one CTA per SM,
+        or more; ``packed_mean``: the sequences' mean packed tokens where the caller knows them, else 0) where
+        :meth:`fuses_window`, else ``num_splits`` splits per sequence then the window kernel.
         Returns ``(out, lse)``: q's dtype and shape, fp32 ``lse`` of q's shape less head_dim."""
         batch, tokens, d = q.shape[0], q.shape[1] if q.dim() == 4 else 1, q.shape[-1]
         kv_heads, slots = k_win.shape[1], k_win.shape[2]

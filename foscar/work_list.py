@@ -14,9 +14,10 @@ so a long sequence next to short ones is cut into as many parts as its share of 
 split count fixed per call (:func:`plan_splits`, from capacities) gives each the same.
 When ``batch * kv_heads > budget`` (several waves whatever the parts, and the host's cost model keeps one part
 per pair at the mean length: :func:`wave_budget`) the share is rounded up instead, so a long sequence's parts do
-not outlast the short sequences' CTAs (4 x 32K among 60 x 1K: 1.8 -> 2 parts). The items are numbered sequence by sequence, KV head by KV head, part by
-part; their count is at most ``budget + batch * kv_heads`` (each (sequence, KV head)'s parts are at
-most its real share + 1, and the shares sum to ``budget``), which is the launch's grid
+not outlast the short sequences' CTAs (4 x 32K among 60 x 1K: 1.8 -> 2 parts). The items are numbered sequence
+by sequence, KV head by KV head, part by part; their count is at most ``budget + batch * kv_heads`` (each
+(sequence, KV head)'s parts are at most its real share + 1, and the shares sum to ``budget``), which is the
+launch's grid
 (:func:`grid_ctas`): CTAs past the last item exit. For equal lengths this gives about
 ``plan_splits``'s count: ``plan_splits`` then takes the fewest splits that cut its longest split in whole tiles, the
 work list does not (benchmarks/NOTES.md section 41), so the two may differ by that step.

@@ -158,7 +158,8 @@ def test_ab_loads_a_revision_as_its_own_package(tmp_path):
 
 
 def test_decode_rows_pick_shapes_and_name_a_bad_entry(capsys):
-    """``--rows`` picks the benchmark's rows (model:batch x context); a bad entry fails before any GPU work, naming it."""
+    """``--rows`` picks the benchmark's rows (model:batch x context); a bad entry fails before any GPU work, naming
+    it."""
     from benchmarks import decode
 
     assert decode.parse_rows("qwen3-8b:256x2048,tp8-70b:1x131072") == [("qwen3-8b", 256, 2048), ("tp8-70b", 1, 131072)]
