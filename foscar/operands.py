@@ -7,21 +7,24 @@ Hopper (FP16, mma.sync with A in registers): register ``n`` of a thread holds co
 ``bits*(n % (16/bits))`` (+16 for the second half, ``foscar.layouts.fragment``). A code that lies
 at mantissa bits ``[p, p + bits)`` of an FP16 with exponent ``E = 10 - bits - p`` makes the value
 ``2^E + c/2^bits``: the same code weight ``1/2^bits`` in every slot, only the bias ``2^E`` differs.
-So the slots inside the 10-bit mantissa need no shift at all (one LOP3 each), and one shift by 6
-per word brings the remaining slots (the top of each half) into the mantissa::
+So the slots inside the 10-bit mantissa need no shift at all (one LOP3 each), one shift right by 6
+per word brings the top slots of each half into the mantissa, and one shift left by 6 lifts the
+bottom slots up it (a code low in the mantissa carries a large bias)::
 
-    op = (word & mask[k]) | magic[k]              # slots with bits*k + bits <= 10
-    op = ((word >> 6) & mask[k]) | magic[k]        # the rest, one shared shift per word
+    op = ((word << 6) & mask[k]) | magic[k]        # slots with bits*k + 6 + bits <= 10
+    op = (word & mask[k]) | magic[k]               # the other slots inside the mantissa
+    op = ((word >> 6) & mask[k]) | magic[k]        # the top of each half
 
-INT2: 9 instructions per 16 codes (biases 256, 64, 16, 4, 1, 16, 4, 1); INT4: 5 per 8 codes
-(biases 64, 4, 16, 1). The bias never reaches the folding algebra: it depends only on the slot,
+INT2: 10 instructions per 16 codes (biases 4, 1, 16, 4, 1, 16, 4, 1); INT4: 6 per 8 codes
+(biases 1, 4, 16, 1). The bias never reaches the folding algebra: it depends only on the slot,
 i.e. on the reduction index and the accumulator row parity (``bias_slot``), so the kernel
 removes it inside the accumulator with one more MMA against a constant A fragment of ``-bias``
 (exact powers of two) and the *same* rounded B operand the data MMA multiplies. What is left is
 ``c/2^bits`` (``HOPPER_FP16``: ``a = 1/2^bits, b = 0``), and the offset corrections take the
-unrounded Q or P. The cancellation of a bias up to ``2^10/2^bits`` times the code weight costs
-FP32 accumulator bits: emulated, its error in Q.K is typically 7-12x (INT2) and 25-40x (INT4) below
-the error of the FP16 rounding of Q itself (tests/test_kernel_numerics.py). FP16 rather than BF16
+unrounded Q or P. The cancellation of a bias up to 16 (64x the INT2 code weight) costs FP32
+accumulator bits, in proportion to the largest bias: the MMA's accumulation truncates, and with the
+biases of the unlifted slots (up to 256) the H200's score error was 21x (INT2) and 5x (INT4) larger
+(benchmarks/NOTES.md section 44; the shift left runs as an IMAD.SHL, off the LOP3s' ALU pipe). FP16 rather than BF16
 because the other MMA operand (Q or P times a group scale) is rounded to the MMA type: FP16's
 10-bit mantissa makes that rounding 4x smaller than BF16's, which is what keeps the kernels within
 2x of a BF16 PyTorch computation's error.
@@ -58,7 +61,7 @@ def _f16x2(value: float) -> int:
 class HopperSlot:
     """How register slot ``k`` of a packed word becomes an f16x2 operand ``bias + c/2^bits``."""
 
-    shift: int  # right shift of the word (0 or SHARED_SHIFT)
+    shift: int  # shift of the word: right by ``shift`` (SHARED_SHIFT), left by ``-shift`` (-SHARED_SHIFT), or none
     mask: int  # the slot's two codes, after the shift, at mantissa bits [p, p + bits) of each half
     magic: int  # f16x2 exponent bits of 2^E, E = 10 - bits - p
     bias: float  # 2^E: the operand is bias + c/2^bits
@@ -75,7 +78,12 @@ class HopperRecipe:
         out = []
         for k in range(HALF_BITS // self.bits):
             low = self.bits * k  # the slot's code bits in the word's low half
-            shift = 0 if low + self.bits <= FP16_MANTISSA else SHARED_SHIFT
+            if low + self.bits > FP16_MANTISSA:
+                shift = SHARED_SHIFT  # the top of each half, down into the mantissa
+            elif low + SHARED_SHIFT + self.bits <= FP16_MANTISSA:
+                shift = -SHARED_SHIFT  # the bottom of each half, up: a smaller bias (see the module doc)
+            else:
+                shift = 0
             p = low - shift
             bias = 2.0 ** (FP16_MANTISSA - self.bits - p)
             out.append(HopperSlot(shift, ((2**self.bits - 1) << p) * 0x00010001, _f16x2(bias), bias))
@@ -84,7 +92,8 @@ class HopperRecipe:
     def build(self, words: torch.Tensor, k: int) -> torch.Tensor:
         """Operand f16x2 words (int64 holding 32 bits) for slot ``k`` of int32 ``words``."""
         slot = self.slots[k]
-        return (((words.to(torch.int64) & 0xFFFFFFFF) >> slot.shift) & slot.mask) | slot.magic
+        w = words.to(torch.int64) & 0xFFFFFFFF
+        return ((w >> slot.shift if slot.shift >= 0 else w << -slot.shift) & slot.mask) | slot.magic
 
 
 def bias_slot(regs_per_word: int, k_block: int, reg: int) -> int:

@@ -31,7 +31,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng():
-    """A freshly seeded generator per test; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A freshly seeded generator per test; the seed is printed so that a failure can be replayed
+    (``FOSCAR_TEST_SEED=<seed> pytest <the test's id>``)."""
+    seed = int(os.environ.get("FOSCAR_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from foscar.decode import decode
+from foscar.reference import attend_dequantized
 from foscar.scheme import Scheme
 from foscar.testing import check_output, coverage_matrix, random_problem
 
@@ -53,6 +54,21 @@ def test_one_cta_over_a_long_sequence(scheme):
     decode(q, cache, return_lse=True, num_splits=1, out=out, lse=lse)
     acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
     assert acc.ok, acc
+
+
+@pytest.mark.parametrize("scheme", [Scheme.make(2, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16),
+                                    Scheme.make(4, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16)],
+                         ids=lambda s: s.name)
+def test_scores_of_one_token_sequences(scheme):
+    """A sequence of one token has ``lse = sm_scale * q.k``: its lse error is the kernel's score error, i.e. what
+    cancelling the operand biases in the MMA's truncating FP32 accumulation costs (``foscar.operands``). With the slot
+    biases up to 16, 32K scores of FP16 q erred at most 1.4e-4 on the H200 (mean 6e-6 INT2, 1.3e-5 INT4); with the
+    biases up to 256 / 64 of the unlifted bottom slots, 2.8e-3 / 6.4e-4 (benchmarks/NOTES.md section 44)."""
+    q, cache = random_problem(scheme, [1] * 1024, kv_heads=8, page_size=128)
+    out, lse = _poisoned(q)
+    decode(q, cache, sm_scale=0.1, return_lse=True, num_splits=1, out=out, lse=lse)
+    err = (lse.double() - attend_dequantized(q, cache, 0.1)[1]).abs()
+    assert float(err.max()) <= 5e-4 and float(err.mean()) <= 5e-5, (float(err.max()), float(err.mean()))
 
 
 def _two_ctas_matrix():

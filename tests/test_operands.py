@@ -24,12 +24,16 @@ def test_hopper_recipe_builds_every_operand_exactly(geom, rng):
     assert torch.equal(ops - hopper_tile_biases(geom), HOPPER_FP16[geom.bits].operand(codes))
 
 
-@pytest.mark.parametrize("bits, shifted, biases", [(2, 3, [256, 64, 16, 4, 1, 16, 4, 1]), (4, 2, [64, 4, 16, 1]), (8, 1, [4, 1])])
-def test_hopper_recipe_needs_one_shift_per_word(bits, shifted, biases):
+@pytest.mark.parametrize("bits, shifts, biases", [
+    (2, [-6, -6, 0, 0, 0, 6, 6, 6], [4, 1, 16, 4, 1, 16, 4, 1]),
+    (4, [-6, 0, 6, 6], [1, 4, 16, 1]),
+    (8, [0, 6], [4, 1]),
+])
+def test_hopper_recipe_needs_two_shifts_per_word(bits, shifts, biases):
     slots = HopperRecipe(bits).slots
-    # the slots inside the mantissa take no shift; the rest share one shift by 6
-    assert [s.shift for s in slots].count(SHARED_SHIFT) == shifted and {s.shift for s in slots} == {0, SHARED_SHIFT}
-    assert [s.bias for s in slots] == biases
+    # the top slots of each half share a shift right by 6, the bottom ones a shift left by 6 (a smaller bias)
+    assert [s.shift for s in slots] == shifts and {abs(s.shift) for s in slots} <= {0, SHARED_SHIFT}
+    assert [s.bias for s in slots] == biases and max(biases) <= 16
     # every mask covers one code in each FP16 half, inside the mantissa, clear of the exponent bits
     for s in slots:
         assert bin(s.mask).count("1") == 2 * bits and s.mask & 0xFC00FC00 == 0 and s.magic & s.mask == 0

@@ -210,7 +210,7 @@ def v_fragments(mma: WarpMma, operand, vw, md: int, cfg):
 class VTokenHooks(_Hooks):
     """P^T scaled per token by s'[l,j], one copy per channel block j; the offsets add
     sum_l z[l,j] P[l] to every channel of block j. A tile's PV starts at its own -(bias x P^T) and is added
-    to O^T by an FP32 add: an accumulator that carried the bias (2^E, up to 256x the code weight) over a
+    to O^T by an FP32 add: an accumulator that carried the bias (2^E, then up to 1024x the code weight) over a
     whole split lost its low bits to the MMA's truncating accumulation, an error growing with the split's
     tokens (3x the accuracy rule at 32K tokens per CTA, benchmarks/NOTES.md section 30)."""
 

@@ -16,9 +16,10 @@ max/P exchanges of the warpgroup form cost more instructions than the MMAs).
 A (the codes) comes from registers: the packed order of a tile is the mma A-fragment order of a
 128-thread warpgroup (foscar/layouts/fragment.py); the warp that owns the tile reads the words of
 all four "virtual warps" (16-byte ld.shared, conflict-free) and turns two codes into one f16x2
-register with one LOP3, plus one shift per word for its top slots (foscar.operands.HopperRecipe):
+register with one LOP3, plus one shift per word for its top slots and one for its bottom slots
+(foscar.operands.HopperRecipe):
 
-    op = ((word >> shift[k]) & mask[k]) | magic[k] = f16x2(bias[k] + c/2^bits)
+    op = ((word >> shift[k] or << -shift[k]) & mask[k]) | magic[k] = f16x2(bias[k] + c/2^bits)
 
 The bias depends only on the slot k, i.e. on the MMA's k16 block parity and the A register
 (``bias_slot``): one MMA of a constant A fragment of -bias with the same B operand removes it

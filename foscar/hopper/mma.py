@@ -73,5 +73,5 @@ def _slot_operand(word, slot):
     emits two LOP3s.
     """
     w = cutlass.Uint32(word)
-    x = w >> slot.shift if slot.shift else w
+    x = w >> slot.shift if slot.shift > 0 else (w << -slot.shift if slot.shift < 0 else w)
     return Int32(cute.arch.lop3(cutlass.Uint32(x), cutlass.Uint32(slot.mask), cutlass.Uint32(slot.magic), 0xEA))
