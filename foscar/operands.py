@@ -46,7 +46,8 @@ from .layouts.fragment import THREADS
 
 FP16_MANTISSA = 10
 HALF_BITS = 16
-# one right shift per word brings the top code of each FP16 half to the top of its mantissa
+# one shift right per word brings the top code of each FP16 half to the top of its mantissa, one shift left the
+# bottom codes up it (HopperRecipe)
 SHARED_SHIFT = HALF_BITS - FP16_MANTISSA
 
 

@@ -56,19 +56,21 @@ def test_one_cta_over_a_long_sequence(scheme):
     assert acc.ok, acc
 
 
-@pytest.mark.parametrize("scheme", [Scheme.make(2, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16),
-                                    Scheme.make(4, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16)],
-                         ids=lambda s: s.name)
-def test_scores_of_one_token_sequences(scheme):
+@pytest.mark.parametrize("scheme, max_err, mean_err", [
+    (Scheme.make(2, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16), 5e-4, 5e-5),
+    (Scheme.make(4, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16), 4e-4, 3e-5),
+], ids=lambda p: getattr(p, "name", None))
+def test_scores_of_one_token_sequences(scheme, max_err, mean_err, rng):
     """A sequence of one token has ``lse = sm_scale * q.k``: its lse error is the kernel's score error, i.e. what
     cancelling the operand biases in the MMA's truncating FP32 accumulation costs (``foscar.operands``). With the slot
     biases up to 16, 32K scores of FP16 q erred at most 1.4e-4 on the H200 (mean 6e-6 INT2, 1.3e-5 INT4); with the
-    biases up to 256 / 64 of the unlifted bottom slots, 2.8e-3 / 6.4e-4 (benchmarks/NOTES.md section 44)."""
-    q, cache = random_problem(scheme, [1] * 1024, kv_heads=8, page_size=128)
+    biases up to 256 / 64 of the unlifted bottom slots, one draw gave max 2.8e-3 / 6.4e-4, mean 3.2e-4 / 6.5e-5
+    (benchmarks/NOTES.md section 44), beyond both bounds."""
+    q, cache = random_problem(scheme, [1] * 1024, kv_heads=8, page_size=128, generator=rng)
     out, lse = _poisoned(q)
     decode(q, cache, sm_scale=0.1, return_lse=True, num_splits=1, out=out, lse=lse)
     err = (lse.double() - attend_dequantized(q, cache, 0.1)[1]).abs()
-    assert float(err.max()) <= 5e-4 and float(err.mean()) <= 5e-5, (float(err.max()), float(err.mean()))
+    assert float(err.max()) <= max_err and float(err.mean()) <= mean_err, (float(err.max()), float(err.mean()))
 
 
 def _two_ctas_matrix():

@@ -85,8 +85,8 @@ def mma_counts(cfg):
 # regression fails. Measured with nvidia-cutlass-dsl 4.8.1 (pinned in pyproject.toml) and its ptxas:
 # a DSL upgrade may change the SASS and needs a re-measurement.
 LOOP_BOUNDS = [
-    # measured (benchmarks/NOTES.md section 44; before the bottom slots' shift left: 0.584, 0.574, 0.637), K channel-wise
-    # with the Q scaling and the unpacking of the 16-bit q at each group's rebuild
+    # measured (benchmarks/NOTES.md section 44; before the bottom slots' shift left: 0.584, 0.574, 0.637), K
+    # channel-wise with the Q scaling and the unpacking of the 16-bit q at each group's rebuild
     ((2, "channel", 128, "token", 128, 128, 4, 128, True), 0.67),  # measured 0.646
     ((2, "token", 128, "token", 128, 128, 4, 128, True), 0.66),  # measured 0.637
     ((4, "token", 128, "token", 128, 128, 4, 128, True), 0.79),  # measured 0.762

@@ -87,7 +87,7 @@ def _truncated_fp32(x):
 
 def test_the_v_operand_bias_is_cancelled_per_tile(rng):
     """O^T += (bias + c/4)^T P^T per k16 block, each MMA truncated to FP32, over 256 tiles (16K tokens of a split):
-    cancelling the V bias (up to 256x the code weight) in an accumulator summed over the whole split and adding it
+    cancelling the V bias (up to 64x the code weight) in an accumulator summed over the whole split and adding it
     at the end (the kernel before benchmarks/NOTES.md section 30) errs >= 10x more than cancelling it per tile and
     adding each tile to O in FP32 (the kernel now), whose error stays at the per-tile level (errors per unit of
     sum P, i.e. of the normalized output, in code units)."""
@@ -113,7 +113,8 @@ def test_the_v_operand_bias_is_cancelled_per_tile(rng):
         psum += p.sum(0)
     summed = float(((summed_o.double() + summed_bias.double() - exact) / psum).abs().max())
     per_tile = float(((per_tile_o.double() - exact) / psum).abs().max())
-    assert per_tile <= 2e-5 and summed >= 10 * per_tile, (summed, per_tile)
+    # per tile, 30 seeds: at most 5.2e-7 (8e-6 with the unlifted biases of up to 256x)
+    assert per_tile <= 2e-6 and summed >= 10 * per_tile, (summed, per_tile)
 
 
 def _attend_with_operands(q, cache, sm_scale, round_q, round_p):

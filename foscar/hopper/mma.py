@@ -66,8 +66,9 @@ class FragmentOperand:
 
 
 def _slot_operand(word, slot):
-    """f16x2 operand ``bias + c/2^bits`` of a slot's two codes: ((word >> shift) & mask) | magic,
-    one LOP3 (the shift by 6 is shared by the word's top slots; the compiler keeps one).
+    """f16x2 operand ``bias + c/2^bits`` of a slot's two codes: ((word >> shift) & mask) | magic, or
+    ``word << -shift`` for a negative shift, then one LOP3 (the shift right by 6 is shared by the word's top slots,
+    the shift left by 6 by its bottom ones; the compiler keeps one of each).
 
     The AND and the OR are fused explicitly (LUT 0xEA = (a & b) | c): left to itself the compiler
     emits two LOP3s.
