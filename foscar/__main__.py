@@ -94,7 +94,7 @@ def compile_report(scheme: Scheme, page_size: int, archs=ARCHS) -> int:
         if name == "decode (hopper)":
             stats = decode_loop_stats(loop, scheme.head_dim)
             print(f"{'':8} {'':18} {'':4} {'':5}  main loop per KV element: {stats['shift_logic_per_element']:.2f} shift/logic "
-                  f"(LOP3/SHF/PRMT), {stats['instructions_per_element']:.2f} instructions in all", flush=True)
+                  f"(LOP3/SHF/PRMT/IMAD.SHL), {stats['instructions_per_element']:.2f} instructions in all", flush=True)
     if failed:
         print(f"{failed} of {len(builds)} kernels did not build")
     return failed

@@ -45,6 +45,7 @@ __all__ = [
     "role_loops",
     "instruction_mix",
     "SHIFT_LOGIC_OPS",
+    "is_shift_logic",
     "decode_loop_stats",
 ]
 
@@ -381,7 +382,7 @@ def role_loops(function_sass: str, min_instructions: int = 32) -> list[Loop]:
             role = "load"
         elif "FMNMX" in bases:  # the running max of online softmax
             role = "softmax"
-        elif "STS" in bases and sum(n for op, n in bases.items() if op in SHIFT_LOGIC_OPS) >= 0.15 * len(body):
+        elif "STS" in bases and sum(n for op, n in bases.items() if is_shift_logic(op)) >= 0.15 * len(body):
             role = "operands"  # codes -> MMA operands in shared memory
         else:
             role = "other"
@@ -457,8 +458,14 @@ def artifacts(compiled) -> Artifacts:
     return Artifacts(arch=m.group(1) if m else "", ptx=ptx, cubin=bytes(cubin), kernels=kernel_resources(cubin))
 
 
-# Operand construction and bit plumbing in SASS: what "ALU instructions per KV element" counts.
+# Operand construction and bit plumbing in SASS: what "ALU instructions per KV element" counts (opcode bases, and
+# the IMAD.SHL that ptxas issues for a shift left; a warp shuffle, SHFL, is none of them).
 SHIFT_LOGIC_OPS = ("LOP3", "SHF", "IMAD.SHL", "PRMT", "SHL", "SHR")
+
+
+def is_shift_logic(opcode: str) -> bool:
+    """Whether a SASS opcode (``LOP3.LUT``, or its base ``LOP3``) is one of :data:`SHIFT_LOGIC_OPS`."""
+    return opcode.split(".")[0] in SHIFT_LOGIC_OPS or opcode.startswith("IMAD.SHL")
 
 
 def decode_loop_stats(loop: Counter, head_dim: int, tile_tokens: int = 64, threads: int = 32) -> dict:
@@ -469,7 +476,7 @@ def decode_loop_stats(loop: Counter, head_dim: int, tile_tokens: int = 64, threa
     ``2*tile_tokens*head_dim/threads`` elements per thread; SASS counts are per thread.
     """
     per_thread = 2 * tile_tokens * head_dim // threads
-    shift_logic = sum(n for op, n in loop.items() if op.startswith(SHIFT_LOGIC_OPS))
+    shift_logic = sum(n for op, n in loop.items() if is_shift_logic(op))
     return {
         "instructions": sum(loop.values()),
         "mma": sum(n for op, n in loop.items() if "MMA" in op),

@@ -85,11 +85,11 @@ def mma_counts(cfg):
 # regression fails. Measured with nvidia-cutlass-dsl 4.8.1 (pinned in pyproject.toml) and its ptxas:
 # a DSL upgrade may change the SASS and needs a re-measurement.
 LOOP_BOUNDS = [
-    # measured (benchmarks/NOTES.md section 44; before the bottom slots' shift left: 0.584, 0.574, 0.637), K
+    # measured (benchmarks/NOTES.md section 44; before the bottom slots' shift left: 0.565, 0.5625, 0.625), K
     # channel-wise with the Q scaling and the unpacking of the 16-bit q at each group's rebuild
-    ((2, "channel", 128, "token", 128, 128, 4, 128, True), 0.67),  # measured 0.646
-    ((2, "token", 128, "token", 128, 128, 4, 128, True), 0.66),  # measured 0.637
-    ((4, "token", 128, "token", 128, 128, 4, 128, True), 0.79),  # measured 0.762
+    ((2, "channel", 128, "token", 128, 128, 4, 128, True), 0.65),  # measured 0.627
+    ((2, "token", 128, "token", 128, 128, 4, 128, True), 0.64),  # measured 0.625: 256 LOP3 + 32 SHF + 32 IMAD.SHL
+    ((4, "token", 128, "token", 128, 128, 4, 128, True), 0.77),  # measured 0.750
 ]
 
 
@@ -98,7 +98,7 @@ LOOP_BOUNDS = [
 def test_main_loop_shift_logic_per_element(variant, bound):
     from foscar.hopper.decode import KERNELS
     from foscar.hopper.kernel import DecodeConfig, default_consumers
-    from foscar.inspect import artifacts
+    from foscar.inspect import artifacts, is_shift_logic
 
     bits, ka, kg, va, vg, d, r, ps, partial = variant
     scheme = Scheme.make(bits, k=ka, k_group=kg, v=va, v_group=vg, head_dim=d, gqa_ratio=r)
@@ -107,7 +107,7 @@ def test_main_loop_shift_logic_per_element(variant, bound):
     # the consumer's main loop: a channel-wise K scales Q^T (and its bias MMAs) inside it
     in_loop = data + v_bias + (0 if scheme.k.axis.value == "token" else k_bias)
     assert sum(n for op, n in loop.items() if op.startswith("HMMA")) == in_loop
-    construction = sum(n for op, n in loop.items() if op.startswith(("LOP3", "SHF", "IMAD.SHL", "PRMT")))
+    construction = sum(n for op, n in loop.items() if is_shift_logic(op))
     per_element = construction / (2 * 64 * d // 32)
     assert per_element <= bound, (per_element, sorted(loop.items(), key=lambda x: -x[1])[:12])
 
