@@ -313,7 +313,7 @@ def _check_cache_launch(num_splits: int, counters, heads: int, budget: int):
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if type(budget) is not int or not 1 <= budget <= MAX_BUDGET:
-        raise ValueError(f"budget must be an int in [1, 65536] (CTAs of a wave: PagedKVCache.cta_budget), "
+        raise ValueError(f"budget must be an int in [1, {MAX_BUDGET}] (CTAs of a wave: PagedKVCache.cta_budget), "
                          f"got {budget!r}")
     need = counter_words(heads, MAX_SPLITS)
     if counters.dtype != torch.int32 or counters.numel() < need:
