@@ -168,7 +168,7 @@ def compile_pipeline_only(scheme, page_size: int = 128, arch: str = "sm_90a", co
 def probe_layers(scheme, batch, context, copies=("tile",)):
     """Decode closures, {copies: probe closures}, bytes per call and splits, over the same cache clones."""
     from foscar.hopper.decode import KERNELS
-    from foscar.jit import current_stream, gmem_ptr, half_type
+    from foscar.jit import half_type, launch
 
     q, sets, nbytes = cache_sets(scheme, batch, context)
     splits = planned_splits(batch, sets[0].k_codes.shape[1], sets[0].max_tokens)
@@ -178,11 +178,9 @@ def probe_layers(scheme, batch, context, copies=("tile",)):
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
 
     def probe(compiled, c):
-        compiled(gmem_ptr(q, q_type), gmem_ptr(c.k_codes, Int32), gmem_ptr(c.k_params, cutlass.Float16),
-                 gmem_ptr(c.v_codes, Int32), gmem_ptr(c.v_params, cutlass.Float16), gmem_ptr(c.page_table, Int32),
-                 gmem_ptr(c.lengths, Int32), gmem_ptr(o, Float32), gmem_ptr(lse, Float32), Int32(b),
-                 Int32(c.k_codes.shape[1]), Int32(c.page_table.shape[1]), Int32(splits), Float32(1.0),
-                 current_stream(q.device))
+        launch(compiled, (q, q_type), (c.k_codes, Int32), (c.k_params, cutlass.Float16), (c.v_codes, Int32),
+               (c.v_params, cutlass.Float16), (c.page_table, Int32), (c.lengths, Int32), (o, Float32), (lse, Float32),
+               (b, Int32), (c.k_codes.shape[1], Int32), (c.page_table.shape[1], Int32), (splits, Int32), (1.0, Float32))
 
     fns = [(lambda c=c: KERNELS.run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table,
                                            c.lengths, scheme.head_dim**-0.5, scheme, splits,

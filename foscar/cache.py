@@ -75,6 +75,7 @@ from .archs import HOPPER, arch_of_device, get_arch
 from .chunk_attention import CUDNN_TOKENS, DECODE_COLUMNS, PackedPrefix, chunk_attention
 from .jit import sm_count
 from .kernels.dequantize import PagesDequantizer
+from .kernels.merge_parts import merge_parts
 from .kernels.quantize import granule_of
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .quantize import PAGE_SIZES, QuantizedKV, dequantize_groups, quantize_groups, stack_params
@@ -890,8 +891,10 @@ class PagedKVCache:
         q, k = self._rotate(q), self._rotate(k)
         if self._dequantized is None:
             prefixes = [self._packed_prefix(layer, seq, n, tokens, sm_scale) for seq, n in zip(ids, held)]
+            merge = merge_parts if self.device.type == "cuda" else None
             parts = [chunk_attention(q[b], k[b], v[b], self._cached_blocks(layer, seq, n, q.dtype, prefix is None),
-                                     sm_scale, prefix) for b, (seq, n, prefix) in enumerate(zip(ids, held, prefixes))]
+                                     sm_scale, prefix, merge)
+                     for b, (seq, n, prefix) in enumerate(zip(ids, held, prefixes))]
             out, lse = (torch.stack(x) for x in zip(*parts))
             return (out, lse) if return_lse else out
         plan = self._attend_plan(layer, ids, index, 0)

@@ -14,8 +14,10 @@ query rows padded to one of four sizes per octave; the rest (a sequence's last b
 chunk's own tokens; every block of a model whose ``BLOCK_BYTES`` hold fewer than ``CUDNN_TOKENS`` tokens, e.g. 32
 KV heads of head_dim 256) takes FlashAttention-2, which plans nothing.
 
-The partial outputs merge by their LSE (:class:`Merged`), in FP32. Extra memory: one block, the partials held for
-a merge (``HELD_BYTES``), the chunk's query, outputs and its K/V repeated per query head, never the whole prefix.
+The partial outputs merge by their LSE in FP32: on a GPU in one launch of ``foscar.kernels.merge_parts``, which
+reads each partial once and writes the chunk's output layout (:class:`MergedParts`), else by torch ops
+(:class:`Merged`). Extra memory: one block, the partials held for a merge (``HELD_BYTES``), the chunk's query,
+outputs and its K/V repeated per query head, never the whole prefix.
 
 Shapes: a query head ``h`` of KV head ``h // gqa``; for the cached blocks, which every token sees, the ``gqa``
 heads of a KV head fold into the rows of one attention (``[kv_heads, gqa * L, D]``, row ``g * L + t``), so the
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Merged", "PackedPrefix", "chunk_attention", "fused_attention"]
+__all__ = ["Merged", "MergedParts", "PackedPrefix", "chunk_attention", "fused_attention"]
 
 CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (_cudnn_rows)
 CUDNN_TOKENS = 8192  # cuDNN attends blocks of a multiple of this many keys: the full blocks, a bounded set of shapes
@@ -49,7 +51,8 @@ ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward ker
 PIECE_CTAS_PER_SM = 2  # pieces are added while the grid stays within this many CTAs per SM
 DECODE_COLUMNS = 512  # query columns per KV head (tiles of 16, one pass over the pages each) up to which the decode
 # kernel attends the packed pages (PackedPrefix) rather than dequantized blocks, which read them once in all
-HELD_BYTES = 64 << 20  # FP32 bytes of partial outputs Merged holds before it merges them (its working memory)
+HELD_BYTES = 256 << 20  # bytes of partial outputs held before a merge (Merged: their FP32 weighted copies;
+# MergedParts: the partials themselves)
 
 
 def fused_attention(q, k, v, sm_scale: float, causal: bool, cudnn: bool = False):
@@ -113,6 +116,49 @@ class Merged:
                 self.out.add_((out * share).sum(0))
             first += out.shape[0]
         self.lse, self._held, self._held_bytes = total, [], 0
+
+
+class MergedParts:
+    """:class:`Merged` on a GPU: the partials (views of the fused attentions' outputs, each read once) merged by
+    ``merge`` (``foscar.kernels.merge_parts.merge_parts``, one launch), straight into the chunk's output layout. The
+    partials held past ``HELD_BYTES`` merge into an FP32 running part first. ``add`` takes :class:`Merged`'s
+    batches (rows ``g * L + t`` of a KV head), :meth:`add_part` a part ``o [kv_heads, gqa, L, D]``, ``lse
+    [kv_heads, gqa, L]`` (any strides, channels contiguous)."""
+
+    def __init__(self, merge: Callable, group: int, tokens: int):
+        self.merge, self.group, self.tokens = merge, group, tokens
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._held_bytes = 0
+        self._running: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 (o, lse) of the parts merged so far
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        for o, part_lse in zip(out, lse):  # [kv_heads, gqa * L, D] -> [kv_heads, gqa, L, D]: views
+            self.add_part(o.unflatten(1, (self.group, self.tokens)), part_lse.unflatten(1, (self.group, self.tokens)))
+
+    def add_part(self, o: torch.Tensor, lse: torch.Tensor) -> None:
+        self._held.append((o, lse))
+        self._held_bytes += o.numel() * o.element_size()
+        if self._held_bytes >= HELD_BYTES:
+            parts = self._parts()
+            if self._running is None:
+                self._running = (torch.empty(o.shape, dtype=torch.float32, device=o.device),
+                                 torch.empty(o.shape[:-1], dtype=torch.float32, device=o.device))
+            self.merge(parts, *self._running)  # in place where it is a part: each row is read before it is written
+            self._held, self._held_bytes = [], 0
+
+    def result(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [L, Hq, D] in dtype, lse [L, Hq] fp32)`` of everything added."""
+        parts = self._parts()
+        kv_heads, _, tokens, d = parts[0][0].shape
+        out = torch.empty(tokens, kv_heads * self.group, d, dtype=dtype, device=parts[0][0].device)
+        lse = torch.empty(tokens, kv_heads * self.group, dtype=torch.float32, device=out.device)
+        # (kv_heads, gqa, L, D) and (kv_heads, gqa, L) views of them
+        self.merge(parts, out.view(tokens, kv_heads, self.group, d).permute(1, 2, 0, 3),
+                   lse.view(tokens, kv_heads, self.group).permute(1, 2, 0))
+        return out, lse
+
+    def _parts(self):
+        return self._held + ([self._running] if self._running is not None else [])
 
 
 @functools.cache
@@ -196,11 +242,13 @@ class PackedPrefix:
                 lse[:, :, :tokens].reshape(kv_heads, group * tokens))
 
 
-def chunk_attention(q, k_new, v_new, blocks, sm_scale: float, packed: PackedPrefix | None = None):
+def chunk_attention(q, k_new, v_new, blocks, sm_scale: float, packed: PackedPrefix | None = None,
+                    merge: Callable | None = None):
     """Attention of ``L`` new tokens ``q [L, Hq, D]`` over the cached ``blocks`` (an iterable of ``(k, v)``
     ``[kv_heads, T, D]`` in q's dtype, each fully visible; empty ones are skipped), the ``packed`` prefix where
     given (fully visible too), and, causally, their own ``k_new, v_new [kv_heads, L, D]``. Returns ``out [L, Hq,
-    D]`` (q's dtype) and ``lse [L, Hq]`` (fp32)."""
+    D]`` (q's dtype) and ``lse [L, Hq]`` (fp32). ``merge``: the GPU's merge kernel (:class:`MergedParts`), else
+    the partials merge by torch ops (:class:`Merged`)."""
     tokens, q_heads, d = q.shape
     kv_heads = k_new.shape[0]
     group = q_heads // kv_heads
@@ -214,7 +262,7 @@ def chunk_attention(q, k_new, v_new, blocks, sm_scale: float, packed: PackedPref
         padded = torch.nn.functional.pad(q_rows, (0, 0, 0, rows - group * tokens))
         return padded.expand(pieces, -1, -1, -1).contiguous()
 
-    merged = Merged()
+    merged = Merged() if merge is None else MergedParts(merge, group, tokens)
     if packed is not None:
         merged.add(*(x[None] for x in packed.attend(q, kv_heads)))
     for k, v in blocks:
@@ -224,6 +272,9 @@ def chunk_attention(q, k_new, v_new, blocks, sm_scale: float, packed: PackedPref
     queries.cache_clear()
     own_k, own_v = (x.repeat_interleave(group, dim=0)[None] for x in (k_new, v_new))  # [1, Hq, L, D]
     out, lse = fused_attention(q_by_head[None], own_k, own_v, sm_scale, causal=True)
+    if merge is not None:  # [1, Hq, L, D] -> [kv_heads, gqa, L, D]: views
+        merged.add_part(out[0].unflatten(0, (kv_heads, group)), lse[0].unflatten(0, (kv_heads, group)))
+        return merged.result(q.dtype)
     merged.add(out.reshape(1, kv_heads, group * tokens, d), lse.reshape(1, kv_heads, group * tokens))
     out, lse = merged.result()
     return (out.reshape(q_heads, tokens, d).transpose(0, 1).to(q.dtype),

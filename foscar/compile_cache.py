@@ -114,12 +114,12 @@ class LoadedKernel:
     with the PTX and cubin ``foscar.inspect.artifacts`` reads."""
 
     def __init__(self, function, ptx: str, cubin: bytes):
-        self._function = function
+        self.function = function  # the DSL's compiled function (foscar.jit.launch replays its converted arguments)
         self.__ptx__ = ptx
         self.__cubin__ = cubin
 
     def __call__(self, *args, **kwargs):
-        return self._function(*args, **kwargs)
+        return self.function(*args, **kwargs)
 
 
 def load(key: tuple):

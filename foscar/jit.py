@@ -13,12 +13,14 @@ import functools
 import os
 import threading
 import warnings
+from collections import OrderedDict
 
 import torch
 
 from .targets import TARGETS
 
-__all__ = ["ARCHS", "device_arch", "cached_compile", "compile_count", "kernel_count", "fake_ptr", "gmem_ptr", "current_stream"]
+__all__ = ["ARCHS", "device_arch", "cached_compile", "compile_count", "kernel_count", "fake_ptr", "gmem_ptr",
+           "launch"]
 
 ARCHS = TARGETS  # the compile targets (foscar.targets; foscar.archs registers their kernels)
 
@@ -27,6 +29,8 @@ _lock = threading.Lock()
 _compiles = 0
 _misses = 0  # in-process cache misses: kernels compiled or loaded from disk
 _blackwell_warned = False  # device_arch warns once per process on a Blackwell GPU
+_bound: dict[int, tuple] = {}  # id(compiled) -> (compiled, its bound calls: launch)
+BOUND_CALLS = 64  # argument lists kept per compiled kernel (launch), least recently used dropped
 
 
 def device_arch(device=None) -> str:
@@ -41,6 +45,14 @@ def device_arch(device=None) -> str:
         return forced
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: pass an arch explicitly to compile without a GPU")
+    index = None if device is None else torch.device(device).index
+    return _cuda_arch(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _cuda_arch(device: int) -> str:
+    """:func:`device_arch` of CUDA device ``device`` (an index), kept: a capability query costs ~9 us of a launch's
+    host time (benchmarks/NOTES.md section 27)."""
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}a"
     if arch not in ARCHS:
@@ -132,8 +144,30 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def current_stream(device):
-    """torch's current CUDA stream on ``device`` as the driver handle the compiled kernels take."""
-    import cuda.bindings.driver as cuda
+def launch(compiled, *args) -> None:
+    """Call the compiled kernel ``compiled`` on the current torch stream of its tensors' device. ``args``, in the
+    kernel's order (the stream follows): ``(tensor, cute_type)`` for a CUDA tensor passed as a pointer (16-byte
+    aligned: :func:`gmem_ptr`), ``(number, cute_type)`` for a scalar of that type, or a plain number.
 
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    The DSL converts a call's arguments (``generate_execution_args``: ~20 us for ten arguments, more for more)
+    before it launches; ``launch`` keeps the converted list of each distinct call (its pointers' addresses, numbers
+    and stream; the last ``BOUND_CALLS``) and replays it (``run_compiled_program``), so a repeated call (the
+    caching allocator hands out the same addresses) pays only the launch (benchmarks/NOTES.md section 45)."""
+    device = next(a[0].device for a in args if isinstance(a, tuple) and isinstance(a[0], torch.Tensor))
+    stream = torch.cuda.current_stream(device).cuda_stream
+    key = (stream, *(a[0].data_ptr() if isinstance(a, tuple) and isinstance(a[0], torch.Tensor)
+                     else a[0] if isinstance(a, tuple) else a for a in args))
+    function = getattr(compiled, "function", compiled)  # a compile_cache.LoadedKernel's DSL function
+    calls = _bound.setdefault(id(compiled), (compiled, OrderedDict()))[1]
+    bound = calls.get(key)
+    if bound is None:
+        import cuda.bindings.driver as cuda
+
+        converted = (*(gmem_ptr(*a) if isinstance(a, tuple) and isinstance(a[0], torch.Tensor)
+                       else a[1](a[0]) if isinstance(a, tuple) else a for a in args), cuda.CUstream(stream))
+        bound = calls[key] = (function.execution_args.generate_execution_args(converted, {}), converted)
+        if len(calls) > BOUND_CALLS:
+            calls.popitem(last=False)
+    else:
+        calls.move_to_end(key)
+    function.run_compiled_program(bound[0][0])

@@ -31,7 +31,7 @@ import torch
 from cutlass import Float16, Float32, Int32, Int64
 
 from .inspect import compile_for
-from .jit import cached_compile, current_stream, fake_ptr, gmem_ptr, half_type, sm_count
+from .jit import cached_compile, fake_ptr, half_type, launch, sm_count
 from .kernels.combine import combine_splits
 from .kernels.quantize import granule_of
 from .kernels.sink_window import check_sink_window, sink_window_attend, window_ctas
@@ -77,10 +77,10 @@ def _stand_ins(names, q_type) -> tuple:
             cuda.CUstream(0))
 
 
-def _launch_args(names, q_type, values: dict, device) -> tuple:
-    """``values`` (tensors and numbers by name) as the arguments of a kernel taking ``names``."""
-    return (*(gmem_ptr(values[n], POINTERS[n] or q_type) if n in POINTERS else SCALARS[n](values[n])
-              for n in names), current_stream(device))
+def _launch_args(names, q_type, values: dict) -> tuple:
+    """``values`` (tensors and numbers by name) as the arguments :func:`foscar.jit.launch` takes for a kernel taking
+    ``names``."""
+    return tuple((values[n], POINTERS[n] or q_type) if n in POINTERS else (values[n], SCALARS[n]) for n in names)
 
 
 class KernelSet:
@@ -208,7 +208,7 @@ class KernelSet:
                       page_table=page_table, lengths=lengths, out=out, lse=lse, o_part=o_part, lse_part=lse_part,
                       batch=batch, kv_heads=k_codes.shape[1], max_pages=page_table.shape[1], num_splits=num_splits,
                       sm_scale=float(sm_scale))
-        compiled(*_launch_args(decode_args(partial), half_type(q.dtype), values, q.device))
+        launch(compiled, *_launch_args(decode_args(partial), half_type(q.dtype), values))
         if partial:
             combine_splits(o_part, lse_part, out.view(batch, rows, d), lse.view(batch, rows))
         return out, lse
@@ -290,7 +290,7 @@ class KernelSet:
                       kv_heads=kv_heads, max_pages=page_table.shape[1], budget=budget, num_splits=num_splits,
                       parts=0 if one_launch else shape[2], sink=sink, ring=slots - sink, window=window,
                       sm_scale=float(sm_scale))
-        compiled(*_launch_args(CACHE_ARGS, half_type(q.dtype), values, q.device))
+        launch(compiled, *_launch_args(CACHE_ARGS, half_type(q.dtype), values))
         if not one_launch:
             sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters,
                                num_splits, sink, window, granule_of(scheme), sm_scale, self.arch)

@@ -1,9 +1,12 @@
 """The arch registry: layouts and constructions per arch, and can_implement refusing what a kernel
 cannot build -- naming the field, before anything compiles."""
 
+import functools
+
 import pytest
 import torch
 
+import foscar.jit as jit
 from foscar.archs import ARCHS, BLACKWELL, HOPPER, arch_of_device, get_arch
 from foscar.jit import kernel_count
 from foscar.layouts import PACKERS
@@ -123,6 +126,8 @@ def _fake_gpu(monkeypatch, capability, name):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(jit, "_cuda_arch", functools.cache(jit._cuda_arch.__wrapped__))  # device_arch's, fresh
 
 
 @pytest.mark.parametrize("capability, name", [((8, 0), "NVIDIA A100-SXM4-80GB"), ((8, 9), "NVIDIA L40S"),
@@ -145,8 +150,6 @@ def test_a_gpu_the_kernels_do_not_run_on_is_named(capability, name, monkeypatch)
 
 def test_blackwell_runs_its_compile_verified_kernels_with_one_warning(monkeypatch):
     import warnings
-
-    import foscar.jit as jit
 
     _fake_gpu(monkeypatch, (10, 0), "NVIDIA B200")
     monkeypatch.setattr(jit, "_blackwell_warned", False)

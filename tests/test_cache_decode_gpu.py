@@ -373,11 +373,11 @@ def test_device_plan_is_the_host_plan(lengths, budget, monkeypatch, rng):
     partials = {}
     launch_args = foscar.launch._launch_args
 
-    def poisoned(names, q_type, values, device):  # the launch's partials, NaN before it runs
+    def poisoned(names, q_type, values):  # the launch's partials, NaN before it runs
         for name in ("o_part", "lse_part"):
             values[name].fill_(math.nan)
             partials[name] = values[name]
-        return launch_args(names, q_type, values, device)
+        return launch_args(names, q_type, values)
 
     monkeypatch.setattr(foscar.launch, "_launch_args", poisoned)
     order = ids[::-1]

@@ -84,9 +84,9 @@ GPU_CASES = [  # scheme, lengths, tokens, num_splits
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme, lengths, tokens, num_splits", GPU_CASES, ids=str)
-def test_decode_of_several_tokens_matches_float64(scheme, lengths, tokens, num_splits):
-    q, cache = random_problem(scheme, lengths, kv_heads=2, page_size=128)
-    q = torch.randn(len(lengths), tokens, *q.shape[1:], device="cuda").to(q.dtype)
+def test_decode_of_several_tokens_matches_float64(scheme, lengths, tokens, num_splits, rng):
+    q, cache = random_problem(scheme, lengths, kv_heads=2, page_size=128, generator=rng)  # replayable: rng's seed
+    q = torch.randn(len(lengths), tokens, *q.shape[1:], generator=rng).to("cuda", q.dtype)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:-1], float("nan"), device="cuda")
     decode(q, cache, return_lse=True, num_splits=num_splits, out=out, lse=lse)

@@ -304,6 +304,36 @@ def test_dequantize_pages_matches_reference(layout, case, dtype):
 
 
 @pytest.mark.gpu
+def test_replayed_launches_take_each_call_s_tables_lengths_and_stream():
+    """``foscar.jit.launch`` replays a call's converted arguments when its pointers, numbers and stream recur: the
+    same table tensor refilled, a shorter table (a new ``max_pages``), a side stream and the first call again each
+    give their own reference exactly, and no kernel keeps more than ``BOUND_CALLS`` bound calls."""
+    from foscar import jit
+    from foscar.kernels.dequantize import PagesDequantizer
+
+    cfg = DequantizeConfig(2, 128, "k", Axis.CHANNEL, 128, dtype="bfloat16")
+    _, words, params, first = random_cache(cfg, num_pages=7, batch=2, max_pages=4)
+    dequantizer = PagesDequantizer(words.cuda(), params.cuda(), cfg, "k")
+    table = first.cuda()
+    refilled = torch.randint(0, 7, first.shape, dtype=torch.int32)
+    calls = [(first, table, None), (refilled, table, None), (refilled[:, :2], table[:, :2].clone(), None),
+             (refilled, table, torch.cuda.Stream()), (first, table, None)]
+    for step, (host, device_table, stream) in enumerate(calls):
+        if not torch.equal(device_table.cpu(), host):
+            device_table.copy_(host)  # the same address, new pages
+        ref = dequantize_reference(words, params, host, cfg)
+        out = torch.full(ref.shape, torch.nan, dtype=ref.dtype, device="cuda")
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the table's copy and the poison first
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            dequantizer(device_table, out)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), ref), step
+    bound = jit._bound[id(dequantizer._compiled)][1]
+    assert 2 <= len(bound) <= jit.BOUND_CALLS
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k_axis,v_axis,k_bits,v_bits", [("channel", "token", 2, 2), ("token", "token", 2, 2),
                                                          ("channel", "token", 4, 2), ("token", "channel", 2, 4),

@@ -1,8 +1,9 @@
-"""Standalone CuTe DSL kernels shared by both arches: cache dequantization and the split-KV combine
-(the quantize-on-append kernel is ``foscar.kernels.quantize``)."""
+"""Standalone CuTe DSL kernels shared by both arches: cache dequantization, the split-KV combine and the merge of a
+chunk's partial attentions (the quantize-on-append kernel is ``foscar.kernels.quantize``)."""
 
 from .combine import Combine, combine_splits, compile_combine
 from .dequantize import Dequantize, DequantizeConfig, PagesDequantizer, compile_dequantize, dequantize_pages
+from .merge_parts import MergeParts, compile_merge_parts, merge_parts
 
 __all__ = [
     "Combine",
@@ -13,4 +14,7 @@ __all__ = [
     "compile_dequantize",
     "dequantize_pages",
     "PagesDequantizer",
+    "MergeParts",
+    "compile_merge_parts",
+    "merge_parts",
 ]

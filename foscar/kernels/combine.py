@@ -22,7 +22,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr, half_type
+from ..jit import cached_compile, device_arch, fake_ptr, half_type, launch
 from ..device import fsel
 from ..softmax import merged_lse
 from ..split_merge import BATCH, VEC, PartialSum, row_lse
@@ -169,7 +169,6 @@ def combine_splits(o_partial, lse_partial, out, lse):
         return out, lse
     out_type = half_type(out.dtype)
     compiled = cached_combine(D, out_type, device_arch(o_partial.device), splits)
-    stream = current_stream(o_partial.device)
-    compiled(gmem_ptr(o_partial, cutlass.Float32), gmem_ptr(lse_partial, cutlass.Float32), gmem_ptr(out, out_type),
-             gmem_ptr(lse, cutlass.Float32), batch, q_heads, splits, stream)
+    launch(compiled, (o_partial, cutlass.Float32), (lse_partial, cutlass.Float32), (out, out_type),
+           (lse, cutlass.Float32), batch, q_heads, splits)
     return out, lse

@@ -44,7 +44,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
+from ..jit import cached_compile, device_arch, fake_ptr, launch
 from ..layouts.blackwell import bw_tile_position
 from ..layouts.fragment import TILE_TOKENS, TileGeometry, tile_position
 from ..formats import affine_mismatch
@@ -624,8 +624,7 @@ class PagesDequantizer:
                                                       *params_shape(cfg.axis, G, self.page_size, cfg.head_dim),
                                                       cfg.param_fields), codes.device)
         self.device = codes.device
-        self._codes, self._params = codes, params  # kept alive: the pointers below are theirs
-        self._pointers = gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16)
+        self._codes, self._params = codes, params
         self._compiled = None  # compiled at the first call, after its checks
 
     @staticmethod
@@ -653,6 +652,7 @@ class PagesDequantizer:
         if self._compiled is None:
             cfg, arch = self.cfg, device_arch(self.device)
             self._compiled = cached_compile(("dequantize", cfg, arch), lambda: compile_dequantize(cfg, arch=arch))
-        self._compiled(*self._pointers, gmem_ptr(page_table, cutlass.Int32), gmem_ptr(out, self.cfg.out_type),
-                       self.num_pages, self.kv_heads, self.page_size, batch, max_pages, current_stream(self.device))
+        launch(self._compiled, (self._codes, cutlass.Int32), (self._params, cutlass.Float16),
+               (page_table, cutlass.Int32), (out, self.cfg.out_type), self.num_pages, self.kv_heads, self.page_size,
+               batch, max_pages)
         return out

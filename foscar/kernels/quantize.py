@@ -50,7 +50,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from ..jit import cached_compile, current_stream, device_arch, fake_ptr, gmem_ptr
+from ..jit import cached_compile, device_arch, fake_ptr, launch
 from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
 from ..formats import AppendRule, affine_mismatch, append_mismatch
@@ -378,8 +378,6 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
     compiled = cached_compile(("quantize", cfg, arch), lambda: compile_quantize(cfg, arch=arch))
 
 
-    stream = current_stream(src.device)
-    codes_ptr, params_ptr = gmem_ptr(codes, cutlass.Int32), gmem_ptr(params, cutlass.Float16)
     # the kernel indexes src in 32-bit ints: a bulk append of many long sequences (36 x 100K tokens of 8 KV heads:
     # 3.7e9 elements) launches per run of whole tiles below 2^31 elements
     step = SRC_INDEX_LIMIT // (kv_heads * granule * dim) // 4 * 4  # (4 int32 pages: 16-byte aligned slices)
@@ -387,6 +385,6 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
         raise ValueError(f"src: a tile of {kv_heads} KV heads x {granule} x {dim} is past the kernel's 32-bit index")
     for first in range(0, tiles, step):
         last = min(tiles, first + step)
-        compiled(gmem_ptr(src[first:last], cfg.cute_src), gmem_ptr(dest_page[first:last], cutlass.Int32),
-                 gmem_ptr(dest_slot[first:last], cutlass.Int32), codes_ptr, params_ptr, last - first, kv_heads,
-                 num_pages, page_size, stream)
+        launch(compiled, (src[first:last], cfg.cute_src), (dest_page[first:last], cutlass.Int32),
+               (dest_slot[first:last], cutlass.Int32), (codes, cutlass.Int32), (params, cutlass.Float16), last - first,
+               kv_heads, num_pages, page_size)

@@ -299,7 +299,7 @@ def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part,
     ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs], ``o_part`` / ``lse_part`` (fp32: q's rows,
     ``total`` partials each, then ``D``), ``counters`` int32 (>= B * kv_heads, zero; left zero). Writes
     ``out`` (q's dtype and shape) and ``lse`` (fp32, q's shape less head_dim)."""
-    from ..jit import cached_compile, current_stream, gmem_ptr, half_type
+    from ..jit import cached_compile, half_type, launch
 
     batch, tokens, hq, d = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
     kv_heads, slots = k_win.shape[1], k_win.shape[2]
@@ -307,8 +307,7 @@ def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part,
     gqa = hq // kv_heads
     key = ("sink_window", d, gqa, dtype, arch) + ((tokens,) if tokens > 1 else ())
     compiled = cached_compile(key, lambda: compile_sink_window(d, gqa, arch, dtype, tokens))
-    compiled(gmem_ptr(q, dtype), gmem_ptr(k_win, dtype), gmem_ptr(v_win, dtype), gmem_ptr(seq_rows, Int64),
-             gmem_ptr(seq_lengths, Int64), gmem_ptr(o_part, Float32), gmem_ptr(lse_part, Float32), gmem_ptr(out, dtype),
-             gmem_ptr(lse, Float32), gmem_ptr(counters, Int32), Int32(batch), Int32(kv_heads), Int32(num_splits),
-             Int32(sink), Int32(slots - sink), Int32(window), Int32(granule), Float32(float(sm_scale)),
-             current_stream(q.device))
+    launch(compiled, (q, dtype), (k_win, dtype), (v_win, dtype), (seq_rows, Int64), (seq_lengths, Int64),
+           (o_part, Float32), (lse_part, Float32), (out, dtype), (lse, Float32), (counters, Int32), (batch, Int32),
+           (kv_heads, Int32), (num_splits, Int32), (sink, Int32), (slots - sink, Int32), (window, Int32),
+           (granule, Int32), (float(sm_scale), Float32))
