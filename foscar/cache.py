@@ -891,7 +891,7 @@ class PagedKVCache:
         q, k = self._rotate(q), self._rotate(k)
         if self._dequantized is None:
             prefixes = [self._packed_prefix(layer, seq, n, tokens, sm_scale) for seq, n in zip(ids, held)]
-            merge = merge_parts if self.device.type == "cuda" else None
+            merge = merge_parts if self.device.type == "cuda" else None  # (tests run this path on the CPU)
             parts = [chunk_attention(q[b], k[b], v[b], self._cached_blocks(layer, seq, n, q.dtype, prefix is None),
                                      sm_scale, prefix, merge)
                      for b, (seq, n, prefix) in enumerate(zip(ids, held, prefixes))]

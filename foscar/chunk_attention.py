@@ -14,10 +14,11 @@ query rows padded to one of four sizes per octave; the rest (a sequence's last b
 chunk's own tokens; every block of a model whose ``BLOCK_BYTES`` hold fewer than ``CUDNN_TOKENS`` tokens, e.g. 32
 KV heads of head_dim 256) takes FlashAttention-2, which plans nothing.
 
-The partial outputs merge by their LSE in FP32: on a GPU in one launch of ``foscar.kernels.merge_parts``, which
-reads each partial once and writes the chunk's output layout (:class:`MergedParts`), else by torch ops
-(:class:`Merged`). Extra memory: one block, the partials held for a merge (``HELD_BYTES``), the chunk's query,
-outputs and its K/V repeated per query head, never the whole prefix.
+The partial outputs merge by their LSE in FP32: given a ``merge`` (a kernel cache passes
+``foscar.kernels.merge_parts``), in one launch that reads each partial once and writes the chunk's output layout
+(:class:`MergedParts`), else by torch ops (:class:`Merged`, the CPU's). Extra memory: one block, the partials held
+for a merge (``HELD_PART_BYTES``; ``HELD_BYTES`` on the CPU), the chunk's query, outputs and its K/V repeated per
+query head, never the whole prefix.
 
 Shapes: a query head ``h`` of KV head ``h // gqa``; for the cached blocks, which every token sees, the ``gqa``
 heads of a KV head fold into the rows of one attention (``[kv_heads, gqa * L, D]``, row ``g * L + t``), so the
@@ -51,8 +52,8 @@ ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward ker
 PIECE_CTAS_PER_SM = 2  # pieces are added while the grid stays within this many CTAs per SM
 DECODE_COLUMNS = 512  # query columns per KV head (tiles of 16, one pass over the pages each) up to which the decode
 # kernel attends the packed pages (PackedPrefix) rather than dequantized blocks, which read them once in all
-HELD_BYTES = 256 << 20  # bytes of partial outputs held before a merge (Merged: their FP32 weighted copies;
-# MergedParts: the partials themselves)
+HELD_BYTES = 64 << 20  # FP32 bytes of partial outputs Merged holds before it merges them (its working memory)
+HELD_PART_BYTES = 256 << 20  # bytes of partials (their own dtype) MergedParts holds before it merges them
 
 
 def fused_attention(q, k, v, sm_scale: float, causal: bool, cudnn: bool = False):
@@ -121,7 +122,7 @@ class Merged:
 class MergedParts:
     """:class:`Merged` on a GPU: the partials (views of the fused attentions' outputs, each read once) merged by
     ``merge`` (``foscar.kernels.merge_parts.merge_parts``, one launch), straight into the chunk's output layout. The
-    partials held past ``HELD_BYTES`` merge into an FP32 running part first. ``add`` takes :class:`Merged`'s
+    partials held past ``HELD_PART_BYTES`` merge into an FP32 running part first. ``add`` takes :class:`Merged`'s
     batches (rows ``g * L + t`` of a KV head), :meth:`add_part` a part ``o [kv_heads, gqa, L, D]``, ``lse
     [kv_heads, gqa, L]`` (any strides, channels contiguous)."""
 
@@ -138,7 +139,7 @@ class MergedParts:
     def add_part(self, o: torch.Tensor, lse: torch.Tensor) -> None:
         self._held.append((o, lse))
         self._held_bytes += o.numel() * o.element_size()
-        if self._held_bytes >= HELD_BYTES:
+        if self._held_bytes >= HELD_PART_BYTES:
             parts = self._parts()
             if self._running is None:
                 self._running = (torch.empty(o.shape, dtype=torch.float32, device=o.device),
@@ -193,7 +194,7 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def _attend_block(queries, rows: int, k, v, sm_scale: float, merged: Merged) -> None:
+def _attend_block(queries, rows: int, k, v, sm_scale: float, merged: Merged | MergedParts) -> None:
     """Merge the attention of the chunk's ``rows`` query rows per KV head (``queries(rows, pieces)``: them as a batch
     ``[pieces, kv_heads, rows, D]``) over one fully visible block ``k, v [kv_heads, T, D]``: cut into ``_pieces``
     (views: the fused attention takes the pieces' strides), any rest its own attention."""

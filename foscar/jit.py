@@ -29,7 +29,8 @@ _lock = threading.Lock()
 _compiles = 0
 _misses = 0  # in-process cache misses: kernels compiled or loaded from disk
 _blackwell_warned = False  # device_arch warns once per process on a Blackwell GPU
-_bound: dict[int, tuple] = {}  # id(compiled) -> (compiled, its bound calls: launch)
+_bound: dict[int, tuple] = {}  # id(compiled) -> (compiled, its bound calls: launch); kept for the process
+_bound_lock = threading.Lock()  # launch's bookkeeping (the conversion and the launch run outside it)
 BOUND_CALLS = 64  # argument lists kept per compiled kernel (launch), least recently used dropped
 
 
@@ -158,16 +159,19 @@ def launch(compiled, *args) -> None:
     key = (stream, *(a[0].data_ptr() if isinstance(a, tuple) and isinstance(a[0], torch.Tensor)
                      else a[0] if isinstance(a, tuple) else a for a in args))
     function = getattr(compiled, "function", compiled)  # a compile_cache.LoadedKernel's DSL function
-    calls = _bound.setdefault(id(compiled), (compiled, OrderedDict()))[1]
-    bound = calls.get(key)
+    with _bound_lock:
+        calls = _bound.setdefault(id(compiled), (compiled, OrderedDict()))[1]
+        bound = calls.get(key)
+        if bound is not None:
+            calls.move_to_end(key)
     if bound is None:
         import cuda.bindings.driver as cuda
 
         converted = (*(gmem_ptr(*a) if isinstance(a, tuple) and isinstance(a[0], torch.Tensor)
                        else a[1](a[0]) if isinstance(a, tuple) else a for a in args), cuda.CUstream(stream))
-        bound = calls[key] = (function.execution_args.generate_execution_args(converted, {}), converted)
-        if len(calls) > BOUND_CALLS:
-            calls.popitem(last=False)
-    else:
-        calls.move_to_end(key)
+        bound = (function.execution_args.generate_execution_args(converted, {}), converted)
+        with _bound_lock:
+            calls[key] = bound
+            if len(calls) > BOUND_CALLS:
+                calls.popitem(last=False)
     function.run_compiled_program(bound[0][0])

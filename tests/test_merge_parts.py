@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import foscar.chunk_attention as chunk_attention
-from foscar.kernels.merge_parts import part_table
+from foscar.kernels.merge_parts import merge_parts, part_table
 
 
 def merge_reference(parts, out, lse):
@@ -54,10 +54,10 @@ def test_the_reference_is_one_softmax_over_the_parts_keys(rng):
 def test_chunk_attention_through_merged_parts(held_bytes, tokens, rng, monkeypatch):
     """``chunk_attention`` with a merge (the GPU's ``MergedParts``; the reference standing in for the kernel): the
     same attention as the torch merge, whether every partial merges into the FP32 running part as it comes
-    (``HELD_BYTES`` = 1) or all at the end."""
+    (``HELD_PART_BYTES`` = 1) or all at the end."""
     from test_cache_chunk import assert_within_the_rule
 
-    monkeypatch.setattr(chunk_attention, "HELD_BYTES", held_bytes)
+    monkeypatch.setattr(chunk_attention, "HELD_PART_BYTES", held_bytes)
     monkeypatch.setattr(chunk_attention, "_pieces", lambda rows, heads, length, device: min(3, length // 8 or 1))
     kv_heads, group, d, blocks = 2, 4, 64, [1501, 7, 0, 300]
     k = torch.randn(kv_heads, sum(blocks) + tokens, d, generator=rng) + 2 * torch.randn(d, generator=rng)
@@ -90,6 +90,16 @@ def test_a_view_the_kernel_cannot_load_is_named():
         part_table([(o, lse), (o.transpose(-1, -2).contiguous().transpose(-1, -2), lse)], "cpu")
 
 
+def test_an_output_or_part_the_kernel_cannot_take_is_named():
+    o, lse = torch.zeros(2, 3, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match=r"out: channels contiguous and strides .* multiples of 2, and an fp32 lse"):
+        merge_parts([(o, lse)], torch.zeros(2, 3, 64, 4, dtype=torch.bfloat16).transpose(-1, -2), lse)
+    with pytest.raises(ValueError, match=r"out: .* an fp32 lse"):
+        merge_parts([(o, lse)], o.clone(), lse.half())
+    with pytest.raises(ValueError, match=r"parts\[1\]: need o of out's shape \(2, 3, 4, 64\) and an fp32 lse"):
+        merge_parts([(o, lse), (o[:, :2], lse[:, :2])], o.clone(), lse.clone())
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_the_kernel_compiles_for_both_arches_without_spills(arch):
     import cutlass
@@ -112,8 +122,6 @@ def test_the_kernel_compiles_for_both_arches_without_spills(arch):
 def test_the_kernel_matches_float64(dtype, d, rng):
     """Every element of NaN-poisoned outputs, written to the chunk's ``[L, Hq, D]`` layout: the 16-bit parts of each
     view, then those with an FP32 running part merged in place (the running part is also the output)."""
-    from foscar.kernels.merge_parts import merge_parts
-
     kvh, gqa, tokens = 3, 4, 37
     parts = random_parts((kvh, gqa, tokens, d), dtype, rng, "cuda")
     final = torch.full((tokens, kvh * gqa, d), torch.nan, dtype=dtype, device="cuda")

@@ -3,7 +3,7 @@ chunk's partial attentions (the quantize-on-append kernel is ``foscar.kernels.qu
 
 from .combine import Combine, combine_splits, compile_combine
 from .dequantize import Dequantize, DequantizeConfig, PagesDequantizer, compile_dequantize, dequantize_pages
-from .merge_parts import MergeParts, compile_merge_parts, merge_parts
+from .merge_parts import MergeParts, compile_merge_parts
 
 __all__ = [
     "Combine",
@@ -16,5 +16,4 @@ __all__ = [
     "PagesDequantizer",
     "MergeParts",
     "compile_merge_parts",
-    "merge_parts",
 ]

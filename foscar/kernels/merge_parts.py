@@ -12,7 +12,7 @@ Rows: a KV head's rows ``r = g * L + t`` (query head ``g`` of its group, token `
 R, D]`` (the query's dtype, or fp32) with ``lse_p [kv_heads, R]`` (fp32, natural log, finite), each at any head
 and row stride (channels and lse rows contiguous): the fused attentions' outputs, their pieces and slices are
 views, not copies. The parts come as a table (int64 ``[P, FIELDS]`` on the device, :func:`part_table`): o's
-address, its head and row strides (elements), lse's address and head stride, and whether o is fp32. The output
+address and its (KV head, group head, token) strides in elements, lse's, and whether o is fp32. The output
 ``out`` (its dtype a compile-time choice) and ``lse`` go to any strides of (KV head, query head of the group,
 token): the final ``[L, Hq, D]`` / ``[L, Hq]``, or an fp32 ``[kv_heads, R, D]`` part of a later merge.
 
@@ -30,6 +30,7 @@ from cutlass.cute.typing import AddressSpace
 
 from ..device import NEG_INF, at, fsel, store
 from ..jit import cached_compile, device_arch, fake_ptr, half_type, launch
+from ..scheme import HEAD_DIMS
 from ..softmax import lse_weight, merged_lse
 
 __all__ = ["FIELDS", "MergeParts", "compile_merge_parts", "merge_parts", "part_table"]
@@ -42,8 +43,8 @@ class MergeParts:
     """The merge of ``parts`` parts into ``out`` (``out_dtype``) and ``lse`` (fp32); see the module docstring."""
 
     def __init__(self, head_dim: int, part_dtype, out_dtype):
-        if head_dim % 64 or not 64 <= head_dim <= 256:
-            raise ValueError(f"head_dim must be 64, 128, 192 or 256, got {head_dim}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
         self.head_dim, self.vec = head_dim, head_dim // 32
         self.part_dtype, self.out_dtype = part_dtype, out_dtype
 
@@ -98,6 +99,7 @@ class MergeParts:
                     self._load(Float32, mTable, p, element, acc, weight)
                 else:
                     self._load(self.part_dtype, mTable, p, element, acc, weight)
+            cute.arch.sync_warp()  # every lane's reads of the row (out may be a part) before any lane writes it
             inv = fsel(total > Float32(0.0), cute.arch.rcp_approx(total), Float32(0.0))
             result = cute.make_rmem_tensor((self.vec,), self.out_dtype)
             result.store((acc.load() * inv).to(self.out_dtype))
@@ -144,6 +146,15 @@ def merge_parts(parts, out, lse) -> None:
     import torch
 
     kv_heads, gqa, tokens, d = out.shape
+    vec = d // 32
+    if out.stride(-1) != 1 or any(x % vec for x in out.stride()[:3]) or lse.dtype != torch.float32:
+        raise ValueError(f"out: channels contiguous and strides {out.stride()} multiples of {vec}, and an fp32 lse: "
+                         f"the merge kernel stores {vec} channels at a time")
+    for index, (o, part_lse) in enumerate(parts):
+        if o.shape != out.shape or part_lse.dtype != torch.float32 or o.dtype not in (torch.float32, out.dtype,
+                                                                                       torch.bfloat16, torch.float16):
+            raise ValueError(f"parts[{index}]: need o of out's shape {tuple(out.shape)} and an fp32 lse, got "
+                             f"{o.dtype} {tuple(o.shape)} and {part_lse.dtype}")
     part_dtype = next((o.dtype for o, _ in parts if o.dtype != torch.float32), torch.bfloat16)
     out_type, part_type = (Float32 if out.dtype == torch.float32 else half_type(out.dtype)), half_type(part_dtype)
     arch = device_arch(out.device)
