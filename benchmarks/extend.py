@@ -26,7 +26,9 @@ Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, on
 (2026-12-02); the batch wrappers are what engines call for chunked prefill anyway.
 
 Timing: eager calls between CUDA events, median of ``--reps`` after a warm-up (``attend_chunk`` plans on the host and
-cannot be captured in a CUDA graph; the FlashInfer rows are timed the same way for a like comparison). ``extra MiB``:
+cannot be captured in a CUDA graph; the FlashInfer rows are timed the same way for a like comparison); beside it the
+host time until a call returns and the GPU work of one call (torch's profiler), which say whether a row is bound by
+the host issuing it (benchmarks/NOTES.md section 45). ``extra MiB``:
 the peak allocation of a call above what was allocated before it (issue 25: memory proportional to the chunk, not the
 prefix). Correctness of each path is the tests' business (``tests/test_cache_chunk.py``, ``tests/test_dequantize.py``).
 """
@@ -39,6 +41,7 @@ import functools
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -53,7 +56,9 @@ GROWTH = 1024  # tokens the growing-prefix rows may append in one run
 def timed(fn, reps: int):
     """(median microseconds of ``fn()``, its peak extra allocation in MiB, microseconds of its first call: what
     shapes seen for the first time cost, e.g. a fused attention's plan, as a changing prefix length meets them; the
-    first chunk size's also holds the kernels' compiles or compile-cache loads)."""
+    first chunk size's also holds the kernels' compiles or compile-cache loads; the median host microseconds until
+    a call returns, from an idle GPU; the microseconds of GPU work one call launches). A call whose time is well
+    above its GPU work, with its host time near its time, is bound by the host issuing it."""
     torch.cuda.synchronize()
     first = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     first[0].record()
@@ -64,7 +69,29 @@ def timed(fn, reps: int):
     torch.cuda.reset_peak_memory_stats()
     times = event_times(fn, reps)
     extra = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return statistics.median(times), extra, first[0].elapsed_time(first[1]) * 1e3
+    return statistics.median(times), extra, first[0].elapsed_time(first[1]) * 1e3, host_us(fn, reps), gpu_us(fn)
+
+
+def host_us(fn, reps: int) -> float:
+    """Median microseconds until ``fn()`` returns, the GPU idle at each call."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def gpu_us(fn) -> float:
+    """Microseconds of GPU work (kernels, copies, fills) of one ``fn()``, from torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def growing_us(cache, seq, fn, reps: int, generator) -> float:
@@ -189,11 +216,11 @@ def measure(method: str, prefix: int, chunks, reps: int, decode_up_to: int):
         paths = ("blocks", "decode") if chunk <= decode_up_to else ("blocks",)
         for name, fn in (("flashinfer-bf16", bf16), ("dequant+flashinfer", oscar),
                          *((f"foscar-attend-chunk, {p}", packed_by(p)) for p in paths)):
-            us, extra, first = timed(fn, reps)
+            us, extra, first, host, gpu = timed(fn, reps)
             rows.append({"prefix": prefix, "chunk": chunk, "method": name, "us": us, "extra_mib": extra,
-                         "first_us": first})
-            print(f"prefix {prefix} chunk {chunk} {name}: {us:.0f} us (first call {first:.0f}), +{extra:.0f} MiB",
-                  flush=True)
+                         "first_us": first, "host_us": host, "gpu_us": gpu})
+            print(f"prefix {prefix} chunk {chunk} {name}: {us:.0f} us (first call {first:.0f}; host {host:.0f}, GPU "
+                  f"work {gpu:.0f}), +{extra:.0f} MiB", flush=True)
         us = growing_us(cache, seq, foscar, reps, gen)
         rows.append({"prefix": prefix, "chunk": chunk, "method": "foscar-attend-chunk, growing prefix", "us": us,
                      "extra_mib": None, "first_us": None})
@@ -202,8 +229,8 @@ def measure(method: str, prefix: int, chunks, reps: int, decode_up_to: int):
 
 
 def table(rows) -> str:
-    lines = ["| prefix | chunk | method | us | vs flashinfer-bf16 | extra MiB | first call us |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| prefix | chunk | method | us | vs flashinfer-bf16 | extra MiB | first call us | host us "
+             "| GPU work us |", "|---|---|---|---|---|---|---|---|---|"]
     base = {(r["prefix"], r["chunk"]): r["us"] for r in rows if r["method"] == "flashinfer-bf16"}
     def number(x):
         return "-" if x is None else f"{x:.0f}"
@@ -211,7 +238,7 @@ def table(rows) -> str:
     for r in rows:
         lines.append(f"| {r['prefix']} | {r['chunk']} | {r['method']} | {r['us']:.0f} | "
                      f"{r['us'] / base[r['prefix'], r['chunk']]:.2f}x | {number(r['extra_mib'])} | "
-                     f"{number(r.get('first_us'))} |")
+                     f"{number(r.get('first_us'))} | {number(r.get('host_us'))} | {number(r.get('gpu_us'))} |")
     return "\n".join(lines)
 
 
