@@ -96,8 +96,17 @@ def test_an_output_or_part_the_kernel_cannot_take_is_named():
         merge_parts([(o, lse)], torch.zeros(2, 3, 64, 4, dtype=torch.bfloat16).transpose(-1, -2), lse)
     with pytest.raises(ValueError, match=r"out: .* an fp32 lse"):
         merge_parts([(o, lse)], o.clone(), lse.half())
-    with pytest.raises(ValueError, match=r"parts\[1\]: need o of out's shape \(2, 3, 4, 64\) and an fp32 lse"):
+    with pytest.raises(ValueError, match=r"out: .* an fp32 lse of shape \(2, 3, 4\)"):
+        merge_parts([(o, lse)], o.clone(), lse[:, :2].clone())
+    part = r"parts\[1\]: need o of out's shape \(2, 3, 4, 64\) in fp32 or torch.bfloat16 and an fp32 lse of shape"
+    with pytest.raises(ValueError, match=part):
         merge_parts([(o, lse), (o[:, :2], lse[:, :2])], o.clone(), lse.clone())
+    with pytest.raises(ValueError, match=part):  # one 16-bit dtype: out's
+        merge_parts([(o, lse), (o.half(), lse)], o.clone(), lse.clone())
+    with pytest.raises(ValueError, match=part):  # one 16-bit dtype: the first's, into an fp32 out
+        merge_parts([(o, lse), (o.half(), lse)], o.float(), lse.clone())
+    with pytest.raises(ValueError, match=part):
+        merge_parts([(o, lse), (o, lse[..., :2])], o.clone(), lse.clone())
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

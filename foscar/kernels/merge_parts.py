@@ -8,13 +8,12 @@ FP32 running sum per part (a multiply, an ``addcmul``, the final transpose and c
 chunk of Qwen3-8B, benchmarks/NOTES.md section 45); this kernel reads each part once and writes the result where
 the caller wants it.
 
-Rows: a KV head's rows ``r = g * L + t`` (query head ``g`` of its group, token ``t``). A part is ``o_p [kv_heads,
-R, D]`` (the query's dtype, or fp32) with ``lse_p [kv_heads, R]`` (fp32, natural log, finite), each at any head
-and row stride (channels and lse rows contiguous): the fused attentions' outputs, their pieces and slices are
-views, not copies. The parts come as a table (int64 ``[P, FIELDS]`` on the device, :func:`part_table`): o's
+Rows: a row is (KV head, query head ``g`` of its group, token ``t``). A part is ``o_p [kv_heads, gqa, L, D]``
+(the query's dtype, or fp32) with ``lse_p [kv_heads, gqa, L]`` (fp32, natural log, finite), each at any strides
+(o's channels contiguous): the fused attentions' outputs, their pieces and slices are views, not copies. The parts come as a table (int64 ``[P, FIELDS]`` on the device, :func:`part_table`): o's
 address and its (KV head, group head, token) strides in elements, lse's, and whether o is fp32. The output
 ``out`` (its dtype a compile-time choice) and ``lse`` go to any strides of (KV head, query head of the group,
-token): the final ``[L, Hq, D]`` / ``[L, Hq]``, or an fp32 ``[kv_heads, R, D]`` part of a later merge.
+token): the final ``[L, Hq, D]`` / ``[L, Hq]``, or an fp32 ``[kv_heads, gqa, L, D]`` part of a later merge.
 
 One warp per row; lane ``l`` owns channels ``[l * D/32, (l + 1) * D/32)``. Pass 1 takes the row's max lse; pass
 2 the weighted sum (the lses are a few L1 lines).
@@ -139,23 +138,27 @@ def part_table(parts, device):
 
 
 def merge_parts(parts, out, lse) -> None:
-    """Merge ``parts`` (:func:`part_table`'s list, each part's o in ``out``'s dtype where 16-bit or else the
-    query's, or fp32; every lse finite) into ``out [kv_heads, gqa, L, D]`` (16-bit, or fp32) and ``lse [kv_heads,
+    """Merge ``parts`` (:func:`part_table`'s list, each part's o in fp32 or one 16-bit dtype, ``out``'s where that is
+    16-bit; every lse finite) into ``out [kv_heads, gqa, L, D]`` (16-bit, or fp32) and ``lse [kv_heads,
     gqa, L]`` (fp32): views of any strides, channels contiguous. Runs on the current stream; ``out`` may be a
     part (each row is read before it is written)."""
     import torch
 
     kv_heads, gqa, tokens, d = out.shape
     vec = d // 32
-    if out.stride(-1) != 1 or any(x % vec for x in out.stride()[:3]) or lse.dtype != torch.float32:
-        raise ValueError(f"out: channels contiguous and strides {out.stride()} multiples of {vec}, and an fp32 lse: "
-                         f"the merge kernel stores {vec} channels at a time")
+    if (out.stride(-1) != 1 or any(x % vec for x in out.stride()[:3]) or lse.dtype != torch.float32
+            or lse.shape != out.shape[:-1]):
+        raise ValueError(f"out: channels contiguous and strides {out.stride()} multiples of {vec}, and an fp32 lse of "
+                         f"shape {tuple(out.shape[:-1])}: the merge kernel stores {vec} channels at a time")
+    halves = {o.dtype for o, _ in parts} - {torch.float32}
+    # one 16-bit part dtype per compiled kernel: out's where out is 16-bit
+    part_dtype = out.dtype if out.dtype != torch.float32 else next(iter(halves), torch.bfloat16)
     for index, (o, part_lse) in enumerate(parts):
-        if o.shape != out.shape or part_lse.dtype != torch.float32 or o.dtype not in (torch.float32, out.dtype,
-                                                                                       torch.bfloat16, torch.float16):
-            raise ValueError(f"parts[{index}]: need o of out's shape {tuple(out.shape)} and an fp32 lse, got "
-                             f"{o.dtype} {tuple(o.shape)} and {part_lse.dtype}")
-    part_dtype = next((o.dtype for o, _ in parts if o.dtype != torch.float32), torch.bfloat16)
+        if (o.shape != out.shape or o.dtype not in (torch.float32, part_dtype) or part_lse.dtype != torch.float32
+                or part_lse.shape != lse.shape):
+            raise ValueError(f"parts[{index}]: need o of out's shape {tuple(out.shape)} in fp32 or {part_dtype} and an "
+                             f"fp32 lse of shape {tuple(lse.shape)}, got {o.dtype} {tuple(o.shape)} and "
+                             f"{part_lse.dtype} {tuple(part_lse.shape)}")
     out_type, part_type = (Float32 if out.dtype == torch.float32 else half_type(out.dtype)), half_type(part_dtype)
     arch = device_arch(out.device)
     compiled = cached_compile(("merge_parts", d, part_type, out_type, arch),
