@@ -65,11 +65,14 @@ def group_scale(ptr, fold):
 
 
 def group_offset(fields, scale, fold):
-    """The group's offset in fp32 (``fields, scale``: :func:`group_scale`'s): the stored one, or
-    ``fold.offset_per_scale * scale`` of a scale-only format (a trace-time constant, no branch)."""
+    """The group's offset as the kernel folds it, in fp32 (``fields, scale``: :func:`group_scale`'s): the stored one,
+    or ``fold.offset_per_scale * scale`` of a scale-only format, plus ``fold.offset_shift * scale`` (the
+    construction's offset: centred codes); trace-time constants, no branch."""
+    shift = fold.offset_shift
     if fold.param_fields == 2:
-        return fields[1].to(Float32)
-    return scale * Float32(float(fold.offset_per_scale))
+        offset = fields[1].to(Float32)
+        return offset + scale * Float32(shift) if shift else offset
+    return scale * Float32(float(fold.offset_per_scale) + shift)
 
 
 def group_params(ptr, fold):

@@ -76,6 +76,12 @@ class Construction:
     operand_dtype: str
     a: Fraction
     b: Fraction
+    centre: Fraction | None = None  # a code the kernel can subtract from every operand for free (None: it cannot)
+
+    def centred(self) -> "Construction":
+        """This construction with the codes centred on :attr:`centre`: ``operand = a*(c - centre) + b``. The fold
+        cases whose scale goes on the other operand take it (``foscar.folds.fold_case``)."""
+        return Construction(f"{self.name}-centred", self.operand_dtype, self.a, self.b - self.a * self.centre)
 
     def fold_scale(self, scale):
         return scale / float(self.a)
@@ -92,8 +98,15 @@ class Construction:
 def hopper_fp16(bits: int) -> Construction:
     """Hopper: codes ORed into FP16 mantissas -> bias + c/2^bits, with a per-slot power-of-two bias that
     the kernel removes inside the accumulator (one MMA against a constant fragment, ``foscar.operands``):
-    the folding sees ``c/2^bits``. Exact for codes of up to 8 bits (the 10-bit mantissa holds them)."""
-    return Construction(f"fp16-c/{2**bits}", "float16", Fraction(1, 2**bits), Fraction(0))
+    the folding sees ``c/2^bits``. Exact for codes of up to 8 bits (the 10-bit mantissa holds them).
+
+    The same MMA subtracts any constant at no cost, so the codes can be centred (:meth:`Construction.centred`) on
+    their midpoint: the constant ``-(bias + centre/2^bits)`` stays an exact FP16 for every slot bias (at most 16,
+    where the FP16 ulp is 2^-6; an 8-bit midpoint 127.5 is not, so 8-bit codes centre on 128)."""
+    centre = Fraction(2**bits - 1, 2)
+    if (centre / 2**bits * 64).denominator != 1:
+        centre = Fraction(2 ** (bits - 1))
+    return Construction(f"fp16-c/{2**bits}", "float16", Fraction(1, 2**bits), Fraction(0), centre)
 
 
 # Blackwell: an INT2 code zero-extended into an FP4 E2M1 nibble is c/2; an INT4 code zero-extended into a

@@ -21,7 +21,9 @@ i.e. on the reduction index and the accumulator row parity (``bias_slot``), so t
 removes it inside the accumulator with one more MMA against a constant A fragment of ``-bias``
 (exact powers of two) and the *same* rounded B operand the data MMA multiplies. What is left is
 ``c/2^bits`` (``HOPPER_FP16``: ``a = 1/2^bits, b = 0``), and the offset corrections take the
-unrounded Q or P. The cancellation of a bias up to 16 (64x the INT2 code weight) costs FP32
+unrounded Q or P. The same MMA centres the codes where the fold wants them centred
+(``foscar.folds.fold_case``): a constant ``-(bias + centre/2^bits)`` (:func:`cancel_word`, still an exact FP16)
+leaves ``(c - centre)/2^bits``, the construction's ``b = -centre/2^bits``. The cancellation of a bias up to 16 (64x the INT2 code weight) costs FP32
 accumulator bits, in proportion to the largest bias: the MMA's accumulation truncates, and with the
 biases of the unlifted slots (up to 256) the H200's score error was 21x (INT2) and 5x (INT4) larger
 (benchmarks/NOTES.md section 44; the shift left runs as an IMAD.SHL, off the LOP3s' ALU pipe). FP16 rather than BF16
@@ -95,6 +97,17 @@ class HopperRecipe:
         slot = self.slots[k]
         w = words.to(torch.int64) & 0xFFFFFFFF
         return ((w >> slot.shift if slot.shift >= 0 else w << -slot.shift) & slot.mask) | slot.magic
+
+
+def cancel_word(bias: float, offset) -> int:
+    """f16x2 bits, both halves, of the constant ``-(bias - offset)``: an MMA of it with the B operand a slot's operands
+    ``bias + c/2^bits`` multiply leaves ``c/2^bits + offset`` (``offset``: the construction's ``b``, non-zero for
+    centred codes). It must be an exact FP16, as the powers of two of ``-bias`` are."""
+    value = float(offset) - bias
+    half = torch.tensor(value, dtype=torch.float16)
+    if float(half) != value:
+        raise ValueError(f"the cancelling constant {value} of a slot of bias {bias} is not an exact FP16")
+    return (int(half.view(torch.int16)) & 0xFFFF) * 0x00010001
 
 
 def bias_slot(regs_per_word: int, k_block: int, reg: int) -> int:

@@ -1,9 +1,12 @@
+from fractions import Fraction
+
 import pytest
 import torch
 
 from foscar.layouts import TileGeometry, pack_tiles
 from foscar.operands import (
     HopperRecipe,
+    cancel_word,
     blackwell_int2_nibbles,
     blackwell_int4_e4m3,
     e2m1_value,
@@ -21,6 +24,22 @@ def test_hopper_recipe_builds_every_operand_exactly(geom, rng):
     codes = torch.randint(0, 2**geom.bits, (64, geom.head_dim), generator=rng, dtype=torch.uint8)
     ops = hopper_tile_operands(pack_tiles(codes, geom), geom)
     assert torch.equal(ops - hopper_tile_biases(geom), HOPPER_FP16[geom.bits].operand(codes))
+
+
+@pytest.mark.parametrize("geom", [TileGeometry(r, b, 128) for r in "kv" for b in (2, 4, 8)], ids=str)
+def test_centred_codes_cancel_exactly(geom, rng):
+    """The constant -(bias + centre/2^bits) of every slot is an exact FP16 (cancel_word raises otherwise), and an
+    operand minus it is the centred construction's (c - centre)/2^bits, exactly."""
+    construction = HOPPER_FP16[geom.bits]
+    assert construction.centre == (Fraction(2**geom.bits - 1, 2) if geom.bits < 8 else 128)
+    centred = construction.centred()
+    words = {cancel_word(slot.bias, centred.b) for slot in HopperRecipe(geom.bits).slots}
+    assert len(words) == len({slot.bias for slot in HopperRecipe(geom.bits).slots})  # one constant per bias
+    codes = torch.randint(0, 2**geom.bits, (64, geom.head_dim), generator=rng, dtype=torch.uint8)
+    ops = hopper_tile_operands(pack_tiles(codes, geom), geom)
+    assert torch.equal(ops - (hopper_tile_biases(geom) - float(centred.b)), centred.operand(codes))
+    with pytest.raises(ValueError, match="not an exact FP16"):
+        cancel_word(4.0, Fraction(-255, 512))  # the 8-bit midpoint at a slot of bias 4
 
 
 @pytest.mark.parametrize("bits, shifts, biases", [

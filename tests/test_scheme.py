@@ -28,7 +28,10 @@ def test_plan_places_scales_and_offsets_as_in_design_table(k_axis, v_axis, k_sit
     plan = Scheme.make(2, k=k_axis, k_group=64, v=v_axis, v_group=32).plan()
     assert (plan.k.scale_site, plan.k.correction, plan.k.block) == (k_site, k_corr, 64)
     assert (plan.v.scale_site, plan.v.correction, plan.v.block) == (v_site, v_corr, 32)
-    assert plan.construction is HOPPER_FP16[2]
+    for fold in (plan.k, plan.v):  # Hopper centres K channel-wise codes (foscar.folds.KChannelWise.centres_codes)
+        centred = (fold.tensor, fold.axis) == ("k", "channel")
+        assert fold.construction == (HOPPER_FP16[2].centred() if centred else HOPPER_FP16[2])
+        assert fold.offset_shift == (1.5 if centred else 0.0)
     assert Scheme.make(2).plan("sm_100a").construction is BLACKWELL_FP4
     assert Scheme.make(4).plan("sm_90a", construction=BLACKWELL_FP4).construction is BLACKWELL_FP4
 

@@ -173,19 +173,19 @@ class KChannelHooks(_Hooks):
             part = [Float32(0.0) for _ in range(mma.NB)]
             for kb in range(cfg.KB_D):
                 for hh in range(2):
-                    ksp, kzp = [], []
+                    ksp, kz = [], []
                     for e in range(2):
                         s, z = self.load_param(kpar, gi * cfg.D + 16 * kb + 8 * hh + 2 * mma.tq + e)
                         ksp.append(s * (self.scale * scale_log2))
-                        kzp.append(z * scale_log2)
+                        kz.append(z)  # z + centre * s: one FFMA, the multiply by scale_log2 moved to the sum
                     for nb in range(mma.NB):
                         q = self.q_pair(st, mma, nb, kb, hh)
                         packed = pack_f16x2(q[0] * ksp[0], q[1] * ksp[1])
                         cute.recast_tensor(st.qB[gi][nb][kb], Int32)[hh] = packed
                         for e in range(2):
-                            part[nb] = part[nb] + q[e] * kzp[e]
+                            part[nb] = part[nb] + q[e] * kz[e]
             for nb in range(mma.NB):
-                total = mma.reduce_over_tq(part[nb])
+                total = mma.reduce_over_tq(part[nb]) * scale_log2
                 for e in range(2):
                     st.qz[gi * mma.NS + 2 * nb + e] = mma.to_columns(total, e)
                 st.k_bias[gi][nb].fill(0.0)

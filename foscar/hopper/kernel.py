@@ -25,7 +25,8 @@ The bias depends only on the slot k, i.e. on the MMA's k16 block parity and the 
 (``bias_slot``): one MMA of a constant A fragment of -bias with the same B operand removes it
 inside the accumulator (for K once per Q^T, as the accumulator's initial value; for V once per
 tile and n8 block). So a code c with (scale s, offset z) is x = s'*op' + z with s' = 2^bits*s and
-op' = op - bias = c/2^bits.
+op' = op - bias = c/2^bits. Where the scale goes on Q or P, the constant is -(bias + centre/2^bits) and the
+codes are centred, op' = (c - centre)/2^bits, x = s'*op' + (z + centre*s) (``foscar.folds.fold_case``).
 B lives in registers too: Q^T (or the scaled Q^T of channel-wise K) is built once per warp (per K
 group); P^T comes from the S^T accumulator by ``movmatrix`` (an 8x8 transpose of the f16x2
 registers), scaled per token for token-wise V.
@@ -283,8 +284,8 @@ class DecodeConfig(StageLayout):
         self.N = 8 if self.R <= 8 else 16  # query columns padded to whole n8 blocks
         self.NB = self.N // 8  # n8 blocks
         self.NS = 2 * self.NB  # distinct query columns per thread in an m16n8 accumulator set
-        self.k_operand = FragmentOperand("k", plan.k.bits, self.D)
-        self.v_operand = FragmentOperand("v", plan.v.bits, self.D)
+        self.k_operand = FragmentOperand("k", plan.k.bits, self.D, plan.k.construction.b)
+        self.v_operand = FragmentOperand("v", plan.v.bits, self.D, plan.v.construction.b)
         self.SUB = page_size // TILE_TOKENS  # tiles per page
         self.KB_D = self.D // 16  # k16 blocks over head_dim (QK reduction)
         self.MB_V = self.D // 16  # m16 channel blocks of V^T

@@ -4,12 +4,14 @@ tensor: K and V may differ in bits), on the per-warp MMA geometry of ``foscar.wa
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
 from ..layouts.fragment import THREADS, TileGeometry
-from ..operands import HopperRecipe, bias_slot
+from ..operands import HopperRecipe, bias_slot, cancel_word
 from ..warp_mma import WarpMma
 
 TOKEN_BLOCKS = 4  # m16 token blocks of a 64-token tile (QK) = k16 token blocks (PV)
@@ -18,16 +20,18 @@ TOKEN_BLOCKS = 4  # m16 token blocks of a 64-token tile (QK) = k16 token blocks 
 class FragmentOperand:
     """Hopper operand construction of one tensor: packed codes of a tile (the mma A-fragment order of
     ``foscar.layouts.fragment``) -> f16x2 A fragments ``bias + c/2^bits`` (one LOP3 per register),
-    and the constant ``-bias`` fragments whose MMA cancels the bias inside the accumulator
-    (``foscar.operands``). What the plan folds is ``c/2^bits``: the construction ``a = 1/2^bits``."""
+    and the constant ``-(bias - b)`` fragments whose MMA cancels the bias inside the accumulator
+    (``foscar.operands``). What the plan folds is ``c/2^bits + b``: the fold's construction ``a = 1/2^bits``,
+    ``b`` 0 or, for centred codes, ``-centre/2^bits``."""
 
-    def __init__(self, role: str, bits: int, head_dim: int):
+    def __init__(self, role: str, bits: int, head_dim: int, offset: Fraction = Fraction(0)):
         self.geom = TileGeometry(role, bits, head_dim)
         self.words = self.geom.words  # int32 words per packed 64-token tile
         self.words_per_thread = self.geom.words_per_thread  # per virtual thread (128 per tile)
         self.vector_words = self.geom.vector_words
         self.regs_per_word = 16 // bits
         self.slots = HopperRecipe(bits).slots  # per register slot: shift, mask, magic, bias
+        self.cancel = [cancel_word(slot.bias, offset) for slot in self.slots]  # per slot: f16x2 -(bias - b)
 
     def load_words(self, c_ptr, vthread):
         """The packed words of virtual thread ``vthread`` (0..127) of a tile in shared memory: vector
@@ -50,12 +54,13 @@ class FragmentOperand:
         return frag
 
     def bias_fragment(self, mma: WarpMma, k_block: int):
-        """Constant A fragment of -bias for k16 block ``k_block``: its MMA with a B operand is minus
-        what the operand biases of that block add to the accumulator (exact: powers of two)."""
+        """Constant A fragment of -(bias - b) for k16 block ``k_block``: its MMA with a B operand is minus what the
+        operand biases of that block add to the accumulator, plus b times the B operand (exact FP16 constants)."""
         frag = mma.tiled_mma.make_fragment_A(mma.shape_A)
         regs = cute.recast_tensor(frag, Int32)
         for r in range(4):
-            regs[r] = Int32((self.slots[bias_slot(self.regs_per_word, k_block, r)].magic | 0x80008000) - (1 << 32))
+            word = self.cancel[bias_slot(self.regs_per_word, k_block, r)]
+            regs[r] = Int32(word - (1 << 32) if word >= 1 << 31 else word)
         return frag
 
     def cancel_bias(self, mma: WarpMma, acc, b_frags, k_blocks):
