@@ -150,9 +150,10 @@ def merge_parts(parts, out, lse) -> None:
             or lse.shape != out.shape[:-1]):
         raise ValueError(f"out: channels contiguous and strides {out.stride()} multiples of {vec}, and an fp32 lse of "
                          f"shape {tuple(out.shape[:-1])}: the merge kernel stores {vec} channels at a time")
-    halves = {o.dtype for o, _ in parts} - {torch.float32}
-    # one 16-bit part dtype per compiled kernel: out's where out is 16-bit
-    part_dtype = out.dtype if out.dtype != torch.float32 else next(iter(halves), torch.bfloat16)
+    halves = [o.dtype for o, _ in parts if o.dtype != torch.float32]
+    # one 16-bit part dtype per compiled kernel: out's where out is 16-bit, else the first 16-bit part's (in the
+    # parts' order: a set's order of dtypes varies between processes)
+    part_dtype = out.dtype if out.dtype != torch.float32 else (halves[0] if halves else torch.bfloat16)
     for index, (o, part_lse) in enumerate(parts):
         if (o.shape != out.shape or o.dtype not in (torch.float32, part_dtype) or part_lse.dtype != torch.float32
                 or part_lse.shape != lse.shape):
