@@ -41,7 +41,7 @@ import abc
 import functools
 import hashlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import ClassVar
 
@@ -76,11 +76,15 @@ class Construction:
     operand_dtype: str
     a: Fraction
     b: Fraction
-    centre: Fraction | None = None  # a code the kernel can subtract from every operand for free (None: it cannot)
+    # a code the kernel can subtract from every operand for free (None: it cannot); what the kernel can do, not what
+    # the construction is, so not compared: a format that names the operands equals the kernel's construction
+    centre: Fraction | None = field(default=None, compare=False)
 
     def centred(self) -> "Construction":
-        """This construction with the codes centred on :attr:`centre`: ``operand = a*(c - centre) + b``. The fold
-        cases whose scale goes on the other operand take it (``foscar.folds.fold_case``)."""
+        """This construction with the codes centred on :attr:`centre`: ``operand = a*(c - centre) + b``. A fold
+        case with ``centres_codes`` takes it (``foscar.folds.fold_case``)."""
+        if self.centre is None:
+            raise ValueError(f"the construction {self.name} cannot centre its codes (centre None)")
         return Construction(f"{self.name}-centred", self.operand_dtype, self.a, self.b - self.a * self.centre)
 
     def fold_scale(self, scale):

@@ -19,7 +19,8 @@ INT2: 10 instructions per 16 codes (biases 4, 1, 16, 4, 1, 16, 4, 1); INT4: 6 pe
 (biases 1, 4, 16, 1). The bias never reaches the folding algebra: it depends only on the slot,
 i.e. on the reduction index and the accumulator row parity (``bias_slot``), so the kernel
 removes it inside the accumulator with one more MMA against a constant A fragment of ``-bias``
-(exact powers of two) and the *same* rounded B operand the data MMA multiplies. What is left is
+(exact powers of two; ``-(bias - b)`` for centred codes, below) and the *same* rounded B operand the data MMA
+multiplies. What is left is
 ``c/2^bits`` (``HOPPER_FP16``: ``a = 1/2^bits, b = 0``), and the offset corrections take the
 unrounded Q or P. The same MMA centres the codes where the fold wants them centred
 (``foscar.folds.fold_case``): a constant ``-(bias + centre/2^bits)`` (:func:`cancel_word`, still an exact FP16)

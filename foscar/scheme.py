@@ -129,7 +129,8 @@ class FoldingPlan:
 
     @property
     def construction(self) -> Construction:
-        """The construction K and V share (an INT4/INT2 mix has one per tensor: ``k.construction``)."""
+        """The construction K and V share. An INT4/INT2 mix has one per tensor, and so has Hopper's K channel-wise
+        fold (its codes centred: ``KChannelWise.centres_codes``): read ``k.construction`` / ``v.construction``."""
         if self.k.construction != self.v.construction:
             raise ValueError(f"K and V use different constructions in {self.scheme.name}: read plan.k / plan.v")
         return self.k.construction

@@ -33,8 +33,11 @@ def test_centred_codes_cancel_exactly(geom, rng):
     construction = HOPPER_FP16[geom.bits]
     assert construction.centre == (Fraction(2**geom.bits - 1, 2) if geom.bits < 8 else 128)
     centred = construction.centred()
-    words = {cancel_word(slot.bias, centred.b) for slot in HopperRecipe(geom.bits).slots}
-    assert len(words) == len({slot.bias for slot in HopperRecipe(geom.bits).slots})  # one constant per bias
+    for slot in HopperRecipe(geom.bits).slots:
+        word = cancel_word(slot.bias, centred.b)
+        halves = torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16)
+        assert halves.tolist() == [float(centred.b) - slot.bias] * 2  # -(bias + centre/2^bits) in both halves
+        assert cancel_word(slot.bias, 0) == slot.magic | 0x80008000  # uncentred: -bias, the power of two negated
     codes = torch.randint(0, 2**geom.bits, (64, geom.head_dim), generator=rng, dtype=torch.uint8)
     ops = hopper_tile_operands(pack_tiles(codes, geom), geom)
     assert torch.equal(ops - (hopper_tile_biases(geom) - float(centred.b)), centred.operand(codes))

@@ -131,7 +131,8 @@ class KTokenHooks(_Hooks):
 @register(KChannelWise)
 class KChannelHooks(_Hooks):
     """Q^T scaled by s' per token group (one scaled copy per group of the tile), rebuilt at the first
-    tile of each group; S = acc + sum_d z[d] q[d] (one constant per group)."""
+    tile of each group; S = acc + sum_d z'[d] q[d] (one constant per group; z' = z + centre*s, the codes centred:
+    ``KChannelWise.centres_codes``)."""
 
     def setup(self, mma: WarpMma, qv):
         cfg, ng = self.cfg, self.fold.tile_groups
@@ -165,9 +166,9 @@ class KChannelHooks(_Hooks):
 
     def scale_q(self, mma: WarpMma, st, kpar, scale_log2):
         """Q^T scaled by s'[d] of each token group of the tile into ``qB[gi]``, the per-group constant
-        sum_d z[d] q[r,d] into ``qz``, and -(bias x scaled Q^T) into ``k_bias[gi]`` (the S^T
-        accumulators' initial value: it cancels the operand bias against the same rounded Qs the
-        data MMAs multiply)."""
+        sum_d z'[d] q[r,d] into ``qz``, and -((bias - b) x scaled Q^T) into ``k_bias[gi]`` (the S^T
+        accumulators' initial value: it cancels the operand bias, and centres the codes, against the same rounded
+        Qs the data MMAs multiply)."""
         cfg = self.cfg
         for gi in range(self.fold.tile_groups):
             part = [Float32(0.0) for _ in range(mma.NB)]

@@ -25,8 +25,8 @@ The bias depends only on the slot k, i.e. on the MMA's k16 block parity and the 
 (``bias_slot``): one MMA of a constant A fragment of -bias with the same B operand removes it
 inside the accumulator (for K once per Q^T, as the accumulator's initial value; for V once per
 tile and n8 block). So a code c with (scale s, offset z) is x = s'*op' + z with s' = 2^bits*s and
-op' = op - bias = c/2^bits. Where the scale goes on Q or P, the constant is -(bias + centre/2^bits) and the
-codes are centred, op' = (c - centre)/2^bits, x = s'*op' + (z + centre*s) (``foscar.folds.fold_case``).
+op' = op - bias = c/2^bits. For K channel-wise (``KChannelWise.centres_codes``) the constant is
+-(bias + centre/2^bits) and the codes are centred, op' = (c - centre)/2^bits, x = s'*op' + (z + centre*s).
 B lives in registers too: Q^T (or the scaled Q^T of channel-wise K) is built once per warp (per K
 group); P^T comes from the S^T accumulator by ``movmatrix`` (an 8x8 transpose of the f16x2
 registers), scaled per token for token-wise V.

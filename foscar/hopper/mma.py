@@ -64,8 +64,8 @@ class FragmentOperand:
         return frag
 
     def cancel_bias(self, mma: WarpMma, acc, b_frags, k_blocks):
-        """acc -= sum over ``k_blocks`` of bias x B (in place): cancels what the operand biases of
-        those k16 blocks add to an accumulator of the same B operand."""
+        """acc -= sum over ``k_blocks`` of (bias - b) x B (in place): cancels what the operand biases of
+        those k16 blocks add to an accumulator of the same B operand, leaving ``c/2^bits + b``."""
         for kb in k_blocks:
             mma.gemm(acc, self.bias_fragment(mma, kb), b_frags[kb])
 
