@@ -20,13 +20,13 @@ INT2: 10 instructions per 16 codes (biases 4, 1, 16, 4, 1, 16, 4, 1); INT4: 6 pe
 i.e. on the reduction index and the accumulator row parity (``bias_slot``), so the kernel
 removes it inside the accumulator with one more MMA against a constant A fragment of ``-bias``
 (exact powers of two; ``-(bias - b)`` for centred codes, below) and the *same* rounded B operand the data MMA
-multiplies. What is left is
-``c/2^bits`` (``HOPPER_FP16``: ``a = 1/2^bits, b = 0``), and the offset corrections take the
-unrounded Q or P. The same MMA centres the codes where the fold wants them centred
+multiplies. What is left is ``c/2^bits`` (``HOPPER_FP16``: ``a = 1/2^bits, b = 0``), and the offset corrections
+take the unrounded Q or P. The same MMA centres the codes where the fold wants them centred
 (``foscar.folds.fold_case``): a constant ``-(bias + centre/2^bits)`` (:func:`cancel_word`, still an exact FP16)
-leaves ``(c - centre)/2^bits``, the construction's ``b = -centre/2^bits``. The cancellation of a bias up to 16 (64x the INT2 code weight) costs FP32
-accumulator bits, in proportion to the largest bias: the MMA's accumulation truncates, and with the
-biases of the unlifted slots (up to 256) the H200's score error was 21x (INT2) and 5x (INT4) larger
+leaves ``(c - centre)/2^bits``, the construction's ``b = -centre/2^bits``. The cancellation of a bias up to 16
+(64x the INT2 code weight) costs FP32 accumulator bits, in proportion to the largest bias: the MMA's
+accumulation truncates, and with the biases of the unlifted slots (up to 256) the H200's score error was 21x (INT2)
+and 5x (INT4) larger
 (benchmarks/NOTES.md section 44; the shift left runs as an IMAD.SHL, off the LOP3s' ALU pipe). FP16 rather than BF16
 because the other MMA operand (Q or P times a group scale) is rounded to the MMA type: FP16's
 10-bit mantissa makes that rounding 4x smaller than BF16's, which is what keeps the kernels within
