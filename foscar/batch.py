@@ -158,6 +158,7 @@ class BatchAttention:
             if list(t.shape) != [plan.total_q, heads, d]:
                 raise ValueError(f"{name} must have shape [total_q={plan.total_q} (qo_indptr[-1]), {label}={heads}, "
                                  f"head_dim={d}], got {list(t.shape)}")
+        cache._check_finite(k, v)  # every group's rows, before the first group appends
 
 
 def _offsets(qo_indptr, ids) -> list[int]:

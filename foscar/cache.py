@@ -206,15 +206,21 @@ class PagedKVCache:
                              f"most {MAX_INDEX - 1}")
         if window % granule:
             raise ValueError(f"window must be a multiple of the granule {granule} (scheme {scheme.name}), got {window}")
+        for name, value in (("rotate", rotate), ("use_kernels", use_kernels)):
+            if not isinstance(value, bool) and not (name == "use_kernels" and value is None):
+                raise TypeError(f"{name} must be a bool{' or None' if name == 'use_kernels' else ''}, got {value!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device must name a torch device ('cuda', 'cuda:1', 'cpu'), got {device!r}") from err
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: torch sees no CUDA GPU here; use device='cpu' (the torch path "
                              "of this cache, no kernels) or run on a GPU machine")
         if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.use_kernels = self.device.type == "cuda" if use_kernels is None else bool(use_kernels)
+        self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
         if self.use_kernels and self.device.type != "cuda":
             raise ValueError("use_kernels=True needs a CUDA device")
         if arch is not None:
@@ -529,7 +535,7 @@ class PagedKVCache:
         """Validated ids and their device index (cached, so that graph replays find it)."""
         if isinstance(seq_ids, torch.Tensor) or not isinstance(seq_ids, (list, tuple, range)):
             raise TypeError(f"seq_ids must be a list, tuple or range of ints, got {type(seq_ids).__name__}")
-        ids = tuple(int(s) if isinstance(s, numbers.Integral) else s for s in seq_ids)
+        ids = tuple(int(s) if isinstance(s, numbers.Integral) and not isinstance(s, bool) else s for s in seq_ids)
         if not ids:
             raise ValueError("seq_ids must not be empty")
         for s in ids:
@@ -605,6 +611,8 @@ class PagedKVCache:
             raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
         tokens = k.shape[2]
         capturing = _capturing(self.device)
+        if not capturing:
+            self._check_finite(k, v)
         flush = True  # whether a one-token append runs the quantize step
         if capturing:
             if tokens != 1:
@@ -626,6 +634,16 @@ class PagedKVCache:
             self._append_bulk(layer, ids, index, k, v)
         if not capturing:
             self._host_len[layer, list(ids)] += tokens
+
+    def _check_finite(self, k, v) -> None:
+        """The torch path's quantizer refuses inf and nan (``foscar.quantize.quantize_groups``) once a granule is
+        due, which may be appends later: here before anything changes. The kernels do not check (it would take a
+        host sync per append): a non-finite value makes its group's attention non-finite."""
+        if self.use_kernels:
+            return
+        for name, t in (("k", k), ("v", v)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} holds inf or nan")
 
     def _ring_slot(self, pos):
         """BF16 slot of absolute token position ``pos`` (int or tensor) in the sink + ring buffer."""

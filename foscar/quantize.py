@@ -214,8 +214,10 @@ def quantize_kv(k, v, scheme: Scheme, page_size: int | None = None, lengths=None
         raise ValueError("k and v must hold at least one token")
     if lengths is None:
         lengths = torch.full((batch,), tokens, dtype=torch.int32, device=k.device)
-    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,) or lengths.dtype.is_floating_point:
-        raise ValueError(f"lengths must be an integer tensor of shape [{batch}]")
+    if (not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,) or lengths.dtype.is_floating_point
+            or lengths.dtype.is_complex or lengths.dtype == torch.bool):
+        raise ValueError(f"lengths must be an integer tensor of shape [{batch}], got "
+                         f"{lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__}")
     if lengths.min() < 1 or lengths.max() > tokens:
         raise ValueError(f"lengths must lie in [1, {tokens}], got [{int(lengths.min())}, {int(lengths.max())}]")
     lengths = lengths.to(device=k.device, dtype=torch.int32)

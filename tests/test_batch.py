@@ -262,6 +262,8 @@ def test_run_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
         (ValueError, "k must be on the cache's device cpu", lambda: wrapper.run(0, q, k.to("meta"), v)),
         (ValueError, "sm_scale must be None or a positive finite float", lambda: wrapper.run(0, q, k, v,
                                                                                             sm_scale=math.inf)),
+        # a non-finite value in the last group's rows: refused before the first group appends
+        (ValueError, "v holds inf or nan", lambda: wrapper.run(0, q, k, torch.cat([v[:3], v[3:] * math.nan]))),
         (TypeError, "cache must be a foscar.cache.PagedKVCache", lambda: BatchAttention(None)),
     ]
     for error, message, call in bad:

@@ -312,6 +312,12 @@ def test_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
         (ValueError, "seq_id: unknown sequence id 7", lambda: cache.free(7)),
         (TypeError, "seq_ids must be a list", lambda: cache.append(0, torch.tensor([a]), k[:1], v[:1])),
         (ValueError, "must not repeat", lambda: cache.append(0, [a, a], k, v)),
+        (TypeError, "seq_ids must be an int sequence id, got bool", lambda: cache.append(0, [True], k[:1], v[:1])),
+        # a non-finite value, refused by the torch path before anything changes (its quantizer would refuse it only
+        # once its granule is due, appends later)
+        (ValueError, "k holds inf or nan", lambda: cache.append(0, [a, b], k[:, :, :1].clone().fill_(math.nan),
+                                                                v[:, :, :1])),
+        (ValueError, "v holds inf or nan", lambda: cache.append(0, [a, b], k[:, :, :90], v[:, :, :90] * math.inf)),
         (TypeError, "k must have dtype torch.bfloat16", lambda: cache.append(0, [a, b], k.half(), v)),
         (TypeError, "v must have dtype", lambda: cache.append(0, [a, b], k, v.float())),
         (ValueError, "k has 4 heads; the cache holds kv_heads = 2", lambda: cache.append(0, [a, b], k.repeat(1, 2, 1, 1), v)),
@@ -331,6 +337,12 @@ def test_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
                          ("arch", dict(arch="sm_80"))]:
         with pytest.raises(ValueError, match=name):
             make_cache(scheme, **kwargs)
+    for error, message, kwargs in [(TypeError, "rotate must be a bool, got 'yes'", dict(rotate="yes")),
+                                   (TypeError, "use_kernels must be a bool or None, got 'no'", dict(use_kernels="no"))]:
+        with pytest.raises(error, match=message):
+            make_cache(scheme, **kwargs)
+    with pytest.raises(ValueError, match="device must name a torch device"):
+        PagedKVCache(scheme, 1, 2, 4, 2, 1500, device="tpu")
 
 
 def test_allocate_prefilled_equals_appending(rng):

@@ -106,8 +106,9 @@ def test_quantize_kv_rejects_bad_input():
         quantize_kv(good, good, Scheme.make(2, k="channel", k_group=128), page_size=64)
     with pytest.raises(ValueError, match="lengths must lie"):
         quantize_kv(good, good, s, lengths=torch.tensor([65]))
-    with pytest.raises(ValueError, match="lengths must be an integer tensor"):
-        quantize_kv(good, good, s, lengths=torch.tensor([1.0]))
+    for lengths in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([5 + 0j])):  # (a bool was taken as 1)
+        with pytest.raises(ValueError, match="lengths must be an integer tensor"):
+            quantize_kv(good, good, s, lengths=lengths)
     with pytest.raises(TypeError, match="scheme"):
         quantize_kv(good, good, "int2")
     with pytest.raises(ValueError, match="layout must be one of"):

@@ -128,6 +128,57 @@ def test_padded_batch_is_refused_before_any_token_and_leaves_the_cache_unchanged
     assert out.shape == (2, 44)
 
 
+def test_a_4d_mask_hiding_the_causal_past_is_refused_before_any_layer_runs():
+    """transformers hands a 4-D mask to the layers as it is (no mask builder runs), and FOSCAR's decode would attend
+    what it hides: on a FoscarCache it is refused before the first layer, the cache unchanged; the plain causal mask
+    as a 4-D tensor (bool or additive) runs, and so does a hiding mask on DynamicCache (SDPA takes it)."""
+    model = tiny_model()
+    ids = torch.randint(1, 512, (2, 12), generator=torch.Generator().manual_seed(6))
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None].expand(2, 1, 12, 12)
+    hiding = causal.clone()
+    hiding[0, :, :, :3] = False  # row 0's first 3 tokens are padding
+    hiding[0, :, torch.arange(3), torch.arange(3)] = True  # (each pad token sees itself: no empty softmax row)
+    cache = FoscarCache(model, bits=4, max_batch_size=2, max_seq_len=64, device="cpu")
+    for mask in (hiding, torch.zeros(hiding.shape).masked_fill(~hiding, torch.finfo(torch.float32).min)):
+        with pytest.raises(ValueError, match="attention_mask: this 4-D mask hides tokens of a query's causal past"), \
+                torch.no_grad():
+            model(input_ids=ids, attention_mask=mask.to(torch.bfloat16) if mask.is_floating_point() else mask,
+                  **cache_kwargs(cache))
+        assert cache.seq_ids is None and cache.get_seq_length() == 0 and not cache.kv._host_len.any()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=hiding, **cache_kwargs(transformers.DynamicCache(config=model.config)))
+        fresh = FoscarCache(model, bits=4, max_batch_size=2, max_seq_len=64, device="cpu")
+        want = model(input_ids=ids, **cache_kwargs(fresh)).logits
+        assert torch.equal(model(input_ids=ids, attention_mask=causal, **cache_kwargs(cache)).logits, want)
+
+
+def test_a_sliding_window_shorter_than_max_seq_len_is_refused():
+    """FOSCAR attends every cached token: a model whose layers slide over a shorter window would see less."""
+    config = transformers.MistralConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=32)
+    with pytest.raises(ValueError, match=r"model: its attention slides over a window of 32 tokens.* max_seq_len <= "
+                                         r"32 \(got 64\)"):
+        FoscarCache(config, max_batch_size=1, max_seq_len=64, device="cpu")
+    FoscarCache(config, max_batch_size=1, max_seq_len=32, device="cpu")  # the window never slides
+    config.sliding_window = None
+    FoscarCache(config, max_batch_size=1, max_seq_len=64, device="cpu")
+    qwen = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, sliding_window=32,
+                                    use_sliding_window=False)
+    FoscarCache(qwen, max_batch_size=1, max_seq_len=64, device="cpu")
+
+
+def test_a_decode_step_past_max_seq_len_names_input_ids():
+    model = tiny_model()
+    ids = torch.randint(1, 512, (1, 12), generator=torch.Generator().manual_seed(7))
+    cache = FoscarCache(model, bits=4, max_batch_size=1, max_seq_len=16, device="cpu")
+    with pytest.raises(ValueError, match=r"input_ids: 17 tokens per sequence .* max_seq_len=16; build the FoscarCache "
+                                         r"with max_seq_len >= 17 \(the prompt and max_new_tokens\)"), torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                       **cache_kwargs(cache))
+    assert cache.get_seq_length() == 16
+
+
 def test_a_model_without_foscar_attention_is_refused_at_the_first_update():
     """Without use_foscar the model's own attention would see only the new token at each decode step."""
     config = tiny_model().config

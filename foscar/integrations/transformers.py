@@ -44,8 +44,10 @@ run eagerly):
     out = greedy_generate(model, input_ids, cache, max_new_tokens=256)   # like generate(do_sample=False)
 
 Not supported (clear errors): beam search / cache reordering, padded batches (FOSCAR's attention takes
-no attention mask: a padded ``attention_mask`` is refused before the first layer runs, :func:`foscar_mask`),
-a model whose attention is not FOSCAR's (refused at the first update: call :func:`use_foscar`).
+no attention mask: a padded 2-D ``attention_mask``, or a 4-D one that hides part of the causal past, is refused
+before the first layer runs, :func:`foscar_mask`, :func:`_refuse_hiding_mask`), a sliding window shorter than
+``max_seq_len`` (refused by :func:`FoscarCache`), a model whose attention is not FOSCAR's (refused at the first
+update: call :func:`use_foscar`).
 transformers is imported lazily; it is not a dependency of foscar.
 """
 
@@ -119,9 +121,36 @@ def _check_attention(config) -> None:
 
 
 def use_foscar(model, name: str = ATTENTION_NAME):
-    """Register and select the FOSCAR attention function on ``model``; returns the model."""
+    """Register and select the FOSCAR attention function on ``model``, and refuse a 4-D ``attention_mask`` that hides
+    part of the causal past when the model runs on a :class:`FoscarCache` (:func:`_refuse_hiding_mask`); returns the
+    model."""
     model.set_attn_implementation(register(name))
+    if not any(hook is _refuse_hiding_mask for hook in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(_refuse_hiding_mask, with_kwargs=True)
     return model
+
+
+def _refuse_hiding_mask(model, args, kwargs):
+    """A forward pre-hook: on a :class:`FoscarCache`, refuse a 4-D ``attention_mask`` that hides a token of a query's
+    causal past (padding, a pattern of the caller's own) before the first layer runs. transformers hands such a mask
+    to the layers as it is, without the mask builder (:func:`foscar_mask`, which refuses padded 2-D masks), and
+    FOSCAR's attention attends every cached token: the decode steps would silently attend what the mask hides. (One
+    host read of the mask, only where one is given.)"""
+    mask = kwargs.get("attention_mask")
+    if mask is None and len(args) > 1:  # forward(input_ids, attention_mask, ...)
+        mask = args[1]
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if not isinstance(getattr(cache, "kv", None), PagedKVCache):
+        return
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    queries, keys = mask.shape[-2:]
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril(keys - queries)
+    if not bool((visible | ~causal).all()):
+        raise ValueError("attention_mask: this 4-D mask hides tokens of a query's causal past (padding, or a pattern "
+                         "of its own), which FoscarCache's attention would attend: it takes no mask. Generate each "
+                         "sequence on its own, or batch prompts of equal length")
 
 
 @functools.cache
@@ -191,6 +220,8 @@ def _make_layer_class():
             past = self.cumulative_length
             decode = tokens == 1 and past > 0
             # a chunk's pages are reserved now: a refusal comes before anything changes, and no append fails later
+            if decode:
+                self.owner.check_length(past + tokens)
             seq_ids = self.owner.sequences_for(key_states.shape[0], None if decode else past + tokens)
             self.commit()
             if decode:
@@ -373,10 +404,7 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
                 elif batch != len(self.seq_ids):
                     raise ValueError(f"batch size changed from {len(self.seq_ids)} to {batch}; use a new FoscarCache")
                 if total is not None:
-                    if total > kv.max_seq_len:
-                        raise ValueError(f"input_ids: {total} tokens per sequence with the cached ones exceed the "
-                                         f"cache's max_seq_len={kv.max_seq_len}; build the FoscarCache with "
-                                         f"max_seq_len >= {total}")
+                    self.check_length(total)
                     pages = [len(kv.pages_of(s)) for s in self.seq_ids] if self.seq_ids else [0] * batch
                     need = sum(max(0, kv.pages_for(total) - p) for p in pages)
                     if need > kv.free_pages:
@@ -387,6 +415,14 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
                 for seq_id in self.seq_ids if total is not None else ():
                     kv.reserve(seq_id, total)
                 return self.seq_ids
+
+            def check_length(self, total: int) -> None:
+                """Refuse ``total`` tokens per sequence past the cache's ``max_seq_len`` (a prompt, a chunk, or a
+                decode step of a ``generate`` whose ``max_new_tokens`` runs past it), naming what to change."""
+                if total > self.kv.max_seq_len:
+                    raise ValueError(f"input_ids: {total} tokens per sequence with the cached ones exceed the "
+                                     f"cache's max_seq_len={self.kv.max_seq_len}; build the FoscarCache with "
+                                     f"max_seq_len >= {total} (the prompt and max_new_tokens)")
 
             def crop(self, tokens_to_remove: int) -> None:
                 """Remove the last ``-tokens_to_remove`` tokens of every layer (``FoscarLayer.crop``); checked on
@@ -427,6 +463,7 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
     if device is None and is_model:
         device = model_or_config.device
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    _check_sliding_window(text, max_seq_len)
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     k_group = _default_group(k, head_dim) if k_group is None else k_group
@@ -444,6 +481,19 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
 
 
 _FoscarCacheClass = None
+
+
+def _check_sliding_window(text_config, max_seq_len: int) -> None:
+    """Refuse a model whose layers attend through a sliding window shorter than ``max_seq_len``: FOSCAR's attention
+    attends every cached token, so past the window its decode steps would see what the model's do not. A config
+    with ``layer_types`` slides where it names ``"sliding_attention"``; one without, wherever it sets
+    ``sliding_window`` (Mistral) unless ``use_sliding_window`` is off (Qwen2)."""
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    slides = "sliding_attention" in layer_types if layer_types else getattr(text_config, "use_sliding_window", True)
+    if isinstance(window, int) and slides and max_seq_len > window:
+        raise ValueError(f"model: its attention slides over a window of {window} tokens, and FoscarCache attends "
+                         f"every cached token; build it with max_seq_len <= {window} (got {max_seq_len})")
 
 
 def _refuse_beam_search() -> None:
