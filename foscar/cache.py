@@ -505,6 +505,8 @@ class PagedKVCache:
         self._sync_mirror()
         held = self._host_len[layer, list(ids)]
         for seq_id, n in zip(ids, held.tolist()):
+            if num_tokens > n:
+                raise ValueError(f"num_tokens={num_tokens}: sequence {seq_id} holds only {n} tokens in layer {layer}")
             limit = max(0, n - self._shortest_restorable(layer, seq_id))
             if num_tokens > limit:
                 raise ValueError(f"num_tokens={num_tokens}: sequence {seq_id} holds {n} tokens in layer {layer} and "

@@ -340,7 +340,8 @@ def test_truncate_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
         (ValueError, "num_tokens must be an int >= 0, got -1", lambda: cache.truncate(0, [a], -1)),
         (ValueError, "num_tokens must be an int >= 0, got True", lambda: cache.truncate(0, [a], True)),
         (ValueError, "num_tokens must be an int >= 0, got 1.0", lambda: cache.truncate(0, [a], 1.0)),
-        (ValueError, r"num_tokens=1: sequence 2 holds 0 tokens .* at most 0", lambda: cache.truncate(0, [c], 1)),
+        (ValueError, rf"num_tokens=1: sequence {c} holds only 0 tokens in layer 0$", lambda: cache.truncate(0, [c], 1)),
+        (ValueError, rf"num_tokens=401: sequence {a} holds only 400 tokens", lambda: cache.truncate(0, [a], 401)),
         (ValueError, "seq_ids: unknown sequence id 3", lambda: cache.truncate(0, [3], 1)),
         (ValueError, "layer must be", lambda: cache.truncate(2, [a], 1)),
     ]
