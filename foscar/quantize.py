@@ -216,8 +216,9 @@ def quantize_kv(k, v, scheme: Scheme, page_size: int | None = None, lengths=None
         lengths = torch.full((batch,), tokens, dtype=torch.int32, device=k.device)
     if (not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,) or lengths.dtype.is_floating_point
             or lengths.dtype.is_complex or lengths.dtype == torch.bool):
-        raise ValueError(f"lengths must be an integer tensor of shape [{batch}], got "
-                         f"{lengths.dtype if isinstance(lengths, torch.Tensor) else type(lengths).__name__}")
+        raise ValueError(f"lengths must be an integer tensor of shape [{batch}], got " + (
+            f"{lengths.dtype} of shape {list(lengths.shape)}" if isinstance(lengths, torch.Tensor)
+            else type(lengths).__name__))
     if lengths.min() < 1 or lengths.max() > tokens:
         raise ValueError(f"lengths must lie in [1, {tokens}], got [{int(lengths.min())}, {int(lengths.max())}]")
     lengths = lengths.to(device=k.device, dtype=torch.int32)

@@ -129,43 +129,95 @@ def test_padded_batch_is_refused_before_any_token_and_leaves_the_cache_unchanged
 
 
 def test_a_4d_mask_hiding_the_causal_past_is_refused_before_any_layer_runs():
-    """transformers hands a 4-D mask to the layers as it is (no mask builder runs), and FOSCAR's decode would attend
-    what it hides: on a FoscarCache it is refused before the first layer, the cache unchanged; the plain causal mask
-    as a 4-D tensor (bool or additive) runs, and so does a hiding mask on DynamicCache (SDPA takes it)."""
+    """transformers hands a 4-D mask (or a dict of them) to the layers as it is (no mask builder runs), and FOSCAR's
+    decode would attend what it hides: on a FoscarCache it is refused before the first layer, the cache unchanged,
+    at a prefill and at a decode step, given by keyword or position, to the model or its decoder, also where the
+    FOSCAR attention was chosen without use_foscar; the plain causal mask as a 4-D tensor runs, and so does a hiding
+    mask on DynamicCache (SDPA takes it)."""
+    from foscar.integrations.transformers import register
+
     model = tiny_model()
     ids = torch.randint(1, 512, (2, 12), generator=torch.Generator().manual_seed(6))
     causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None].expand(2, 1, 12, 12)
     hiding = causal.clone()
     hiding[0, :, :, :3] = False  # row 0's first 3 tokens are padding
     hiding[0, :, torch.arange(3), torch.arange(3)] = True  # (each pad token sees itself: no empty softmax row)
+    additive = torch.zeros(hiding.shape, dtype=torch.bfloat16).masked_fill(~hiding, -torch.inf)
     cache = FoscarCache(model, bits=4, max_batch_size=2, max_seq_len=64, device="cpu")
-    for mask in (hiding, torch.zeros(hiding.shape).masked_fill(~hiding, torch.finfo(torch.float32).min)):
-        with pytest.raises(ValueError, match="attention_mask: this 4-D mask hides tokens of a query's causal past"), \
-                torch.no_grad():
-            model(input_ids=ids, attention_mask=mask.to(torch.bfloat16) if mask.is_floating_point() else mask,
-                  **cache_kwargs(cache))
+    refused = "attention_mask: this 4-D mask .* hides tokens of a query's causal past"
+    calls = [lambda: model(input_ids=ids, attention_mask=hiding, **cache_kwargs(cache)),
+             lambda: model(input_ids=ids, attention_mask=additive, **cache_kwargs(cache)),
+             lambda: model(ids, hiding, **cache_kwargs(cache)),
+             lambda: model.model(input_ids=ids, attention_mask=hiding, **cache_kwargs(cache))]
+    for call in calls:
+        with pytest.raises(ValueError, match=refused), torch.no_grad():
+            call()
         assert cache.seq_ids is None and cache.get_seq_length() == 0 and not cache.kv._host_len.any()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=hiding, **cache_kwargs(transformers.DynamicCache(config=model.config)))
         fresh = FoscarCache(model, bits=4, max_batch_size=2, max_seq_len=64, device="cpu")
         want = model(input_ids=ids, **cache_kwargs(fresh)).logits
         assert torch.equal(model(input_ids=ids, attention_mask=causal, **cache_kwargs(cache)).logits, want)
+        step = torch.ones(2, 1, 1, 13, dtype=torch.bool)
+        step[0, ..., :3] = False  # a decode step's mask hiding the same padding
+        held = cache.kv._host_len.clone()
+        with pytest.raises(ValueError, match=refused):
+            model(input_ids=ids[:, :1], attention_mask=step, **cache_kwargs(cache))
+        assert torch.equal(cache.kv._host_len, held) and cache.get_seq_length() == 12
+    torch.manual_seed(0)
+    chosen = transformers.LlamaForCausalLM(model.config).to(torch.bfloat16).eval()
+    chosen.set_attn_implementation(register())  # FOSCAR's attention without use_foscar: FoscarCache puts the check on
+    other = FoscarCache(chosen, bits=4, max_batch_size=2, max_seq_len=64, device="cpu")
+    with pytest.raises(ValueError, match=refused), torch.no_grad():
+        chosen(input_ids=ids, attention_mask=hiding, **cache_kwargs(other))
+    qwen = use_foscar(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).to(torch.bfloat16).eval())
+    with pytest.raises(ValueError, match=refused), torch.no_grad():  # a dict of masks per layer type
+        qwen(input_ids=ids, attention_mask={"full_attention": hiding},
+             **cache_kwargs(FoscarCache(qwen, bits=4, max_batch_size=2, max_seq_len=64, device="cpu")))
 
 
-def test_a_sliding_window_shorter_than_max_seq_len_is_refused():
-    """FOSCAR attends every cached token: a model whose layers slide over a shorter window would see less."""
-    config = transformers.MistralConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=32)
+def test_a_window_shorter_than_max_seq_len_is_refused():
+    """FOSCAR attends every cached token: a model whose layers slide over (or attend in chunks of) a shorter window
+    would see less."""
+    small = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    config = transformers.MistralConfig(**small, head_dim=64, sliding_window=32)
     with pytest.raises(ValueError, match=r"model: its attention slides over a window of 32 tokens.* max_seq_len <= "
                                          r"32 \(got 64\)"):
         FoscarCache(config, max_batch_size=1, max_seq_len=64, device="cpu")
     FoscarCache(config, max_batch_size=1, max_seq_len=32, device="cpu")  # the window never slides
     config.sliding_window = None
     FoscarCache(config, max_batch_size=1, max_seq_len=64, device="cpu")
-    qwen = transformers.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, sliding_window=32,
-                                    use_sliding_window=False)
-    FoscarCache(qwen, max_batch_size=1, max_seq_len=64, device="cpu")
+    gemma = transformers.Gemma2Config(**small, head_dim=64, sliding_window=32)  # alternating sliding / full layers
+    with pytest.raises(ValueError, match="slides over a window of 32 tokens"):
+        FoscarCache(gemma, max_batch_size=1, max_seq_len=64, device="cpu")
+    for layers_past_window, refused in ((0, True), (2, False)):  # Qwen2: layers from max_window_layers on slide
+        qwen = transformers.Qwen2Config(**small, sliding_window=32, use_sliding_window=True,
+                                        max_window_layers=layers_past_window)
+        if refused:
+            with pytest.raises(ValueError, match="slides over a window of 32 tokens"):
+                FoscarCache(qwen, max_batch_size=1, max_seq_len=64, device="cpu")
+        else:
+            FoscarCache(qwen, max_batch_size=1, max_seq_len=64, device="cpu")
+    with pytest.raises(ValueError, match="max_seq_len must be an int"):  # checked as before, not compared first
+        FoscarCache(transformers.MistralConfig(**small, head_dim=64, sliding_window=32), max_seq_len="64", device="cpu")
+
+
+def test_non_finite_k_is_refused_before_the_layer_changes_anything():
+    """The torch path refuses inf / nan K/V (PagedKVCache.append); a FoscarCache layer refuses it first, naming the
+    layer, before it allocates sequences or counts the tokens (a refusal later left the chunk held for good)."""
+    cache = FoscarCache(tiny_model().config, bits=4, max_batch_size=1, max_seq_len=64, device="cpu")
+    k = torch.zeros(1, 2, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"k holds inf or nan in layer 0 \(the model's activations overflowed\?\)$"):
+        cache.layers[0].update(k.clone().fill_(torch.inf), k)
+    assert cache.seq_ids is None and cache.layers[0].cumulative_length == 0 and cache.layers[0].held is None
+    with pytest.raises(ValueError, match=r"v holds inf or nan in layer 1 .*; layers 0..0 took this forward's tokens: "
+                                         r"reset\(\) the cache"):
+        cache.layers[1].update(k, k.clone().fill_(torch.nan))
+    cache.layers[0].update(k, k)
+    assert cache.get_seq_length() == 3
 
 
 def test_a_decode_step_past_max_seq_len_names_input_ids():
@@ -173,7 +225,7 @@ def test_a_decode_step_past_max_seq_len_names_input_ids():
     ids = torch.randint(1, 512, (1, 12), generator=torch.Generator().manual_seed(7))
     cache = FoscarCache(model, bits=4, max_batch_size=1, max_seq_len=16, device="cpu")
     with pytest.raises(ValueError, match=r"input_ids: 17 tokens per sequence .* max_seq_len=16; build the FoscarCache "
-                                         r"with max_seq_len >= 17 \(the prompt and max_new_tokens\)"), torch.no_grad():
+                                         r"with max_seq_len >= 17 \(a generate's prompt and max_new_tokens\)"), torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                        **cache_kwargs(cache))
     assert cache.get_seq_length() == 16

@@ -121,36 +121,56 @@ def _check_attention(config) -> None:
 
 
 def use_foscar(model, name: str = ATTENTION_NAME):
-    """Register and select the FOSCAR attention function on ``model``, and refuse a 4-D ``attention_mask`` that hides
-    part of the causal past when the model runs on a :class:`FoscarCache` (:func:`_refuse_hiding_mask`); returns the
+    """Register and select the FOSCAR attention function on ``model`` (and :func:`_install_mask_check`); returns the
     model."""
     model.set_attn_implementation(register(name))
-    if not any(hook is _refuse_hiding_mask for hook in model._forward_pre_hooks.values()):
-        model.register_forward_pre_hook(_refuse_hiding_mask, with_kwargs=True)
+    _install_mask_check(model)
     return model
 
 
+def _install_mask_check(model) -> None:
+    """Put :func:`_refuse_hiding_mask` on ``model`` and its decoder (a caller may run either), once each: by
+    :func:`use_foscar`, and by :func:`FoscarCache` for a model whose FOSCAR attention was chosen otherwise
+    (``from_pretrained(..., attn_implementation=register())``)."""
+    modules = [model] + ([model.get_decoder()] if hasattr(model, "get_decoder") else [])
+    for module in dict.fromkeys(m for m in modules if isinstance(m, torch.nn.Module)):
+        if not any(hook is _refuse_hiding_mask for hook in module._forward_pre_hooks.values()):
+            module.register_forward_pre_hook(_refuse_hiding_mask, with_kwargs=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_signature(forward_type) -> inspect.Signature:
+    return inspect.signature(forward_type)
+
+
 def _refuse_hiding_mask(model, args, kwargs):
-    """A forward pre-hook: on a :class:`FoscarCache`, refuse a 4-D ``attention_mask`` that hides a token of a query's
-    causal past (padding, a pattern of the caller's own) before the first layer runs. transformers hands such a mask
-    to the layers as it is, without the mask builder (:func:`foscar_mask`, which refuses padded 2-D masks), and
-    FOSCAR's attention attends every cached token: the decode steps would silently attend what the mask hides. (One
-    host read of the mask, only where one is given.)"""
-    mask = kwargs.get("attention_mask")
-    if mask is None and len(args) > 1:  # forward(input_ids, attention_mask, ...)
-        mask = args[1]
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return
+    """A forward pre-hook: on a :class:`FoscarCache`, refuse a 4-D ``attention_mask`` (or a dict of them, per layer
+    type) that hides a token of a query's causal past (padding, a pattern of the caller's own), before the first
+    layer runs. transformers hands such masks to the layers as they are, without the mask builder
+    (:func:`foscar_mask`, which refuses padded 2-D masks), and FOSCAR's attention attends every cached token: the
+    decode steps would silently attend what the mask hides. (One host read of a mask, only where one is given.)"""
+    if args:  # forward(input_ids, attention_mask, ...) or another order: bind by name
+        signature = _forward_signature(type(model).forward)
+        bound = signature.bind_partial(model, *args, **kwargs).arguments
+        var = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        kwargs = {**bound, **bound.pop(var, {})}
+    masks = kwargs.get("attention_mask")
+    masks = list(masks.values()) if isinstance(masks, dict) else [masks]
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     if not isinstance(getattr(cache, "kv", None), PagedKVCache):
         return
-    visible = mask if mask.dtype == torch.bool else mask == 0
-    queries, keys = mask.shape[-2:]
-    causal = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril(keys - queries)
-    if not bool((visible | ~causal).all()):
-        raise ValueError("attention_mask: this 4-D mask hides tokens of a query's causal past (padding, or a pattern "
-                         "of its own), which FoscarCache's attention would attend: it takes no mask. Generate each "
-                         "sequence on its own, or batch prompts of equal length")
+    for mask in masks:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            continue
+        queries, keys = mask.shape[-2:]
+        total = cache.get_seq_length() + queries  # the keys FOSCAR attends: the cached tokens and these
+        visible = (mask if mask.dtype == torch.bool else mask == 0)[..., :total]
+        causal = torch.ones(queries, visible.shape[-1], dtype=torch.bool, device=mask.device).tril(total - queries)
+        if keys < total or not bool((visible | ~causal).all()):
+            raise ValueError(f"attention_mask: this 4-D mask (shape {list(mask.shape)}) hides tokens of a query's "
+                             f"causal past ({total} keys: the cached tokens and these), which FoscarCache's attention "
+                             "would attend: it takes no mask. Generate each sequence on its own, or batch prompts of "
+                             "equal length")
 
 
 @functools.cache
@@ -219,9 +239,10 @@ def _make_layer_class():
             tokens = key_states.shape[2]
             past = self.cumulative_length
             decode = tokens == 1 and past > 0
-            # a chunk's pages are reserved now: a refusal comes before anything changes, and no append fails later
             if decode:
-                self.owner.check_length(past + tokens)
+                self.owner.check_length(past + tokens, "a generate's prompt and max_new_tokens")
+            self.owner.check_finite(self.layer_idx, key_states, value_states)
+            # a chunk's pages are reserved now: a refusal comes before anything changes, and no append fails later
             seq_ids = self.owner.sequences_for(key_states.shape[0], None if decode else past + tokens)
             self.commit()
             if decode:
@@ -416,13 +437,22 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
                     kv.reserve(seq_id, total)
                 return self.seq_ids
 
-            def check_length(self, total: int) -> None:
+            def check_length(self, total: int, what: str = "") -> None:
                 """Refuse ``total`` tokens per sequence past the cache's ``max_seq_len`` (a prompt, a chunk, or a
-                decode step of a ``generate`` whose ``max_new_tokens`` runs past it), naming what to change."""
+                decode step: ``what`` says what to size it for), naming what to change."""
                 if total > self.kv.max_seq_len:
                     raise ValueError(f"input_ids: {total} tokens per sequence with the cached ones exceed the "
                                      f"cache's max_seq_len={self.kv.max_seq_len}; build the FoscarCache with "
-                                     f"max_seq_len >= {total} (the prompt and max_new_tokens)")
+                                     f"max_seq_len >= {total}" + (f" ({what})" if what else ""))
+
+            def check_finite(self, layer: int, k, v) -> None:
+                """The torch path's refusal of inf / nan K/V (``PagedKVCache.append``), before layer ``layer`` changes
+                anything. Layers before it may have appended this forward's tokens already: the message says so."""
+                try:
+                    self.kv._check_finite(k, v)
+                except ValueError as err:
+                    earlier = f"; layers 0..{layer - 1} took this forward's tokens: reset() the cache" if layer else ""
+                    raise ValueError(f"{err} in layer {layer} (the model's activations overflowed?){earlier}") from err
 
             def crop(self, tokens_to_remove: int) -> None:
                 """Remove the last ``-tokens_to_remove`` tokens of every layer (``FoscarLayer.crop``); checked on
@@ -464,6 +494,8 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
         device = model_or_config.device
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     _check_sliding_window(text, max_seq_len)
+    if is_model:
+        _install_mask_check(model_or_config)
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     k_group = _default_group(k, head_dim) if k_group is None else k_group
@@ -484,16 +516,21 @@ _FoscarCacheClass = None
 
 
 def _check_sliding_window(text_config, max_seq_len: int) -> None:
-    """Refuse a model whose layers attend through a sliding window shorter than ``max_seq_len``: FOSCAR's attention
-    attends every cached token, so past the window its decode steps would see what the model's do not. A config
-    with ``layer_types`` slides where it names ``"sliding_attention"``; one without, wherever it sets
-    ``sliding_window`` (Mistral) unless ``use_sliding_window`` is off (Qwen2)."""
-    window = getattr(text_config, "sliding_window", None)
-    layer_types = getattr(text_config, "layer_types", None)
-    slides = "sliding_attention" in layer_types if layer_types else getattr(text_config, "use_sliding_window", True)
-    if isinstance(window, int) and slides and max_seq_len > window:
-        raise ValueError(f"model: its attention slides over a window of {window} tokens, and FoscarCache attends "
-                         f"every cached token; build it with max_seq_len <= {window} (got {max_seq_len})")
+    """Refuse a model whose layers attend through a window shorter than ``max_seq_len``: FOSCAR's attention attends
+    every cached token, so past the window its decode steps would see what the model's do not. A config with
+    ``layer_types`` slides where it names ``"sliding_attention"`` (over ``sliding_window``) and attends in chunks
+    where it names ``"chunked_attention"`` (of ``attention_chunk_size``, Llama 4); one without, wherever it sets
+    ``sliding_window`` (Mistral v0.1) unless ``use_sliding_window`` is off."""
+    layer_types = getattr(text_config, "layer_types", None) or ()
+    windows = []
+    if "sliding_attention" in layer_types or (not layer_types and getattr(text_config, "use_sliding_window", True)):
+        windows.append(("slides over a window", getattr(text_config, "sliding_window", None)))
+    if "chunked_attention" in layer_types:
+        windows.append(("attends in chunks", getattr(text_config, "attention_chunk_size", None)))
+    for how, window in windows:
+        if type(window) is int and window > 0 and type(max_seq_len) is int and max_seq_len > window:
+            raise ValueError(f"model: its attention {how} of {window} tokens, and FoscarCache attends every cached "
+                             f"token; build it with max_seq_len <= {window} (got {max_seq_len})")
 
 
 def _refuse_beam_search() -> None:
