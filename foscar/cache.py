@@ -613,8 +613,7 @@ class PagedKVCache:
             raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
         tokens = k.shape[2]
         capturing = _capturing(self.device)
-        if not capturing:
-            self._check_finite(k, v)
+        self._check_finite(k, v)
         flush = True  # whether a one-token append runs the quantize step
         if capturing:
             if tokens != 1:
@@ -640,8 +639,9 @@ class PagedKVCache:
     def _check_finite(self, k, v) -> None:
         """The torch path's quantizer refuses inf and nan (``foscar.quantize.quantize_groups``) once a granule is
         due, which may be appends later: here before anything changes. The kernels do not check (it would take a
-        host sync per append): a non-finite value makes its group's attention non-finite."""
-        if self.use_kernels:
+        host sync per append, which a CUDA graph cannot capture either): a non-finite value makes its group's
+        attention non-finite."""
+        if self.use_kernels or _capturing(self.device):
             return
         for name, t in (("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
