@@ -206,9 +206,10 @@ class PagedKVCache:
                              f"most {MAX_INDEX - 1}")
         if window % granule:
             raise ValueError(f"window must be a multiple of the granule {granule} (scheme {scheme.name}), got {window}")
-        for name, value in (("rotate", rotate), ("use_kernels", use_kernels)):
-            if not isinstance(value, bool) and not (name == "use_kernels" and value is None):
-                raise TypeError(f"{name} must be a bool{' or None' if name == 'use_kernels' else ''}, got {value!r}")
+        if not isinstance(rotate, bool):
+            raise TypeError(f"rotate must be a bool, got {rotate!r}")
+        if use_kernels is not None and not isinstance(use_kernels, bool):
+            raise TypeError(f"use_kernels must be a bool or None, got {use_kernels!r}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
