@@ -12,12 +12,12 @@ each other; their K/V are then in the cache (FlashInfer's ``append_paged_kv_cach
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import torch
 
 from .cache import PagedKVCache, PagePoolFull
+from .checks import is_int
 
 __all__ = ["BatchAttention"]
 
@@ -158,7 +158,7 @@ class BatchAttention:
             if list(t.shape) != [plan.total_q, heads, d]:
                 raise ValueError(f"{name} must have shape [total_q={plan.total_q} (qo_indptr[-1]), {label}={heads}, "
                                  f"head_dim={d}], got {list(t.shape)}")
-        cache._check_finite(k, v)  # every group's rows, before the first group appends
+        cache._check_values(k, v)  # every group's rows, before the first group appends
 
 
 def _offsets(qo_indptr, ids) -> list[int]:
@@ -170,7 +170,7 @@ def _offsets(qo_indptr, ids) -> list[int]:
             raise ValueError(f"qo_indptr must be 1-D, got shape {list(qo_indptr.shape)}")
         offsets = qo_indptr.tolist()
     elif isinstance(qo_indptr, (list, tuple, range)):
-        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in qo_indptr):
+        if not all(is_int(x) for x in qo_indptr):
             raise TypeError(f"qo_indptr must hold ints, got {list(qo_indptr)}")
         offsets = [int(x) for x in qo_indptr]
     else:

@@ -64,14 +64,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-
-import numbers
 import os
 from typing import NamedTuple
 
 import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
+from .checks import checked_sm_scale, is_int
 from .chunk_attention import CUDNN_TOKENS, DECODE_COLUMNS, PackedPrefix, chunk_attention
 from .jit import sm_count
 from .kernels.dequantize import PagesDequantizer
@@ -90,6 +89,7 @@ MAX_INDEX = 2**31 - 1  # the kernels hold token positions and page indices in 32
 BLOCK_BYTES = 128 << 20  # K and V of one block of packed pages attend_chunk dequantizes at a time (a kernel cache)
 CHUNK_SCORES = 1 << 24  # fp32 scores one block of attend_chunk's query tokens may hold (64 MiB)
 INDEX_CACHE = 4096  # device indexes of batches of seq_ids kept (those of captured graphs always)
+FP16_MAX = torch.finfo(torch.float16).max  # the largest value a group's fp16 scale and offset hold
 
 
 class _AttendPlan(NamedTuple):
@@ -191,13 +191,17 @@ class PagedKVCache:
         self.scheme = scheme
         self.granule = granule = granule_of(scheme)
         page_size = max(128, granule) if page_size is None else page_size
-        if page_size not in PAGE_SIZES or page_size % granule:
+        if not is_int(page_size) or page_size not in PAGE_SIZES or page_size % granule:
             raise ValueError(f"page_size must be one of {PAGE_SIZES} and a multiple of the granule {granule}, got {page_size!r}")
-        for name, value, low in (("num_layers", num_layers, 1), ("kv_heads", kv_heads, 1), ("num_pages", num_pages, 1),
-                                 ("max_seqs", max_seqs, 1), ("max_seq_len", max_seq_len, 1), ("sink", sink, 0),
-                                 ("window", window, 0), ("rollback", rollback, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        sizes = (("num_layers", num_layers, 1), ("kv_heads", kv_heads, 1), ("num_pages", num_pages, 1),
+                 ("max_seqs", max_seqs, 1), ("max_seq_len", max_seq_len, 1), ("sink", sink, 0), ("window", window, 0),
+                 ("rollback", rollback, 0))
+        for name, value, low in sizes:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        # plain ints from here (numpy ints are taken too): they size tensors and key compiled kernels
+        page_size = int(page_size)
+        num_layers, kv_heads, num_pages, max_seqs, max_seq_len, sink, window, rollback = (int(v) for _, v, _ in sizes)
         if max_seq_len > MAX_INDEX:
             raise ValueError(f"max_seq_len={max_seq_len}: the kernels hold token positions in 32-bit ints, so "
                              f"max_seq_len is at most {MAX_INDEX}")
@@ -382,8 +386,7 @@ class PagedKVCache:
     def allocate(self, num_tokens: int = 0) -> int:
         """Claim a free sequence slot (and pages for ``num_tokens`` tokens); returns its id."""
         self._no_capture("allocate")
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= self.max_seq_len:
-            raise ValueError(f"num_tokens must be an int in [0, max_seq_len={self.max_seq_len}], got {num_tokens!r}")
+        num_tokens = self._checked_num_tokens(num_tokens)
         try:
             seq_id = self._pages.index(None)
         except ValueError:
@@ -444,8 +447,7 @@ class PagedKVCache:
         a graph whose replays append tokens: replays cannot allocate)."""
         self._no_capture("reserve")
         self._check_seq("seq_id", seq_id)
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 <= num_tokens <= self.max_seq_len:
-            raise ValueError(f"num_tokens must be an int in [0, max_seq_len={self.max_seq_len}], got {num_tokens!r}")
+        num_tokens = self._checked_num_tokens(num_tokens)
         need = self.pages_for(num_tokens) - len(self._pages[seq_id])
         if need > self.free_pages:
             raise PagePoolFull(f"sequence {seq_id} needs {need} more pages for num_tokens={num_tokens}, "
@@ -501,8 +503,9 @@ class PagedKVCache:
         self._no_capture("truncate")
         self._check_layer(layer)
         ids, index = self._rows(seq_ids)
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+        if not is_int(num_tokens) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        num_tokens = int(num_tokens)
         self._sync_mirror()
         held = self._host_len[layer, list(ids)]
         for seq_id, n in zip(ids, held.tolist()):
@@ -524,12 +527,18 @@ class PagedKVCache:
         if _capturing(self.device):
             raise RuntimeError(f"{what}() runs on the host and cannot be captured in a CUDA graph")
 
+    def _checked_num_tokens(self, num_tokens) -> int:
+        """A sequence's token count (``allocate``, ``reserve``) as an int, or a ValueError."""
+        if not is_int(num_tokens) or not 0 <= num_tokens <= self.max_seq_len:
+            raise ValueError(f"num_tokens must be an int in [0, max_seq_len={self.max_seq_len}], got {num_tokens!r}")
+        return int(num_tokens)
+
     def _check_layer(self, layer) -> None:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
 
     def _check_seq(self, name: str, seq_id) -> None:
-        if not isinstance(seq_id, numbers.Integral) or isinstance(seq_id, bool):
+        if not is_int(seq_id):
             raise TypeError(f"{name} must be an int sequence id, got {type(seq_id).__name__}")
         if not 0 <= seq_id < self.max_seqs or self._pages[seq_id] is None:
             raise ValueError(f"{name}: unknown sequence id {seq_id} (allocated: {self.sequences})")
@@ -538,7 +547,7 @@ class PagedKVCache:
         """Validated ids and their device index (cached, so that graph replays find it)."""
         if isinstance(seq_ids, torch.Tensor) or not isinstance(seq_ids, (list, tuple, range)):
             raise TypeError(f"seq_ids must be a list, tuple or range of ints, got {type(seq_ids).__name__}")
-        ids = tuple(int(s) if isinstance(s, numbers.Integral) and not isinstance(s, bool) else s for s in seq_ids)
+        ids = tuple(int(s) if is_int(s) else s for s in seq_ids)
         if not ids:
             raise ValueError("seq_ids must not be empty")
         for s in ids:
@@ -614,7 +623,7 @@ class PagedKVCache:
             raise ValueError(f"v must have the shape of k {list(k.shape)}, got {list(v.shape)}")
         tokens = k.shape[2]
         capturing = _capturing(self.device)
-        self._check_finite(k, v)
+        self._check_values(k, v)
         flush = True  # whether a one-token append runs the quantize step
         if capturing:
             if tokens != 1:
@@ -637,16 +646,20 @@ class PagedKVCache:
         if not capturing:
             self._host_len[layer, list(ids)] += tokens
 
-    def _check_finite(self, k, v) -> None:
-        """The torch path's quantizer refuses inf and nan (``foscar.quantize.quantize_groups``) once a granule is
-        due, which may be appends later: here before anything changes. The kernels do not check (it would take a
-        host sync per append, which a CUDA graph cannot capture either): a non-finite value makes its group's
-        attention non-finite."""
+    def _check_values(self, k, v) -> None:
+        """The torch path's quantizer refuses inf, nan and values beyond float16's range (the group's scale and offset
+        are fp16: ``foscar.formats``) once a granule is due, which may be appends later, after the slots and lengths
+        of those appends changed: here before anything changes. The kernels do not check (it would take a host sync
+        per append, which a CUDA graph cannot capture either): such a value makes its group's attention non-finite
+        (``foscar.kernels.quantize``)."""
         if self.use_kernels or _capturing(self.device):
             return
         for name, t in (("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} holds inf or nan")
+            if bool((t.abs() > FP16_MAX).any()):
+                raise ValueError(f"{name} holds values beyond the float16 range (|x| > {FP16_MAX:g}), which its "
+                                 "group's fp16 scale and offset cannot hold")
 
     def _ring_slot(self, pos):
         """BF16 slot of absolute token position ``pos`` (int or tensor) in the sink + ring buffer."""
@@ -659,19 +672,19 @@ class PagedKVCache:
         slot = self._ring_slot(n0)
         self._write_slots(layer, (index[:, None], self._heads[None, :], slot[:, None]), k[:, :, 0], v[:, :, 0])
         n1 = n0 + 1
+        if flush:
+            q0, q1 = self._quantized_tokens_dev(n0), self._quantized_tokens_dev(n1)
+            # the granule that may be due: tokens S + q0 .. S + q0 + T - 1, all in the ring now
+            ring = self.sink + (q0[:, None] + self._granule_steps[None, :]) % self.ring  # [B, T]
+            column = torch.div(q0, self.page_size, rounding_mode="floor").clamp(max=self.max_pages - 1)
+            page = self.page_table[index, column]
+            page = torch.where(q1 > q0, page, -1).to(torch.int32)
+            slot_in_page = (q0 % self.page_size).to(torch.int32)
+            for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
+                src = bf16[layer][index[:, None], :, ring].permute(0, 2, 1, 3).contiguous()  # [B, kvh, T, D]
+                self._quantize(layer, role, src, page, slot_in_page)
+        # last: a quantizer's refusal (torch path) leaves the length, and so everything the cache shows, as it was
         self.lengths[layer].index_copy_(0, index, n1)
-        if not flush:
-            return
-        q0, q1 = self._quantized_tokens_dev(n0), self._quantized_tokens_dev(n1)
-        # the granule that may be due: tokens S + q0 .. S + q0 + T - 1, all in the ring now
-        ring = self.sink + (q0[:, None] + self._granule_steps[None, :]) % self.ring  # [B, T]
-        column = torch.div(q0, self.page_size, rounding_mode="floor").clamp(max=self.max_pages - 1)
-        page = self.page_table[index, column]
-        page = torch.where(q1 > q0, page, -1).to(torch.int32)
-        slot_in_page = (q0 % self.page_size).to(torch.int32)
-        for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
-            src = bf16[layer][index[:, None], :, ring].permute(0, 2, 1, 3).contiguous()  # [B, kvh, T, D]
-            self._quantize(layer, role, src, page, slot_in_page)
 
     def _append_bulk(self, layer, ids, index, k, v):
         srcs, pages, slots = {"k": [], "v": []}, [], []
@@ -866,10 +879,7 @@ class PagedKVCache:
         return tokens
 
     def _sm_scale(self, sm_scale) -> float:
-        if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool)
-                                     or not math.isfinite(sm_scale) or sm_scale <= 0):
-            raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
-        return self.scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
+        return checked_sm_scale(sm_scale, self.scheme.head_dim**-0.5)
 
     def attend_chunk(self, layer: int, seq_ids, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      sm_scale: float | None = None, return_lse: bool = False):

@@ -8,13 +8,13 @@ checked here, with an error naming it, before anything reaches the compiler or t
 
 from __future__ import annotations
 
-import math
 import sys
 import types
 
 import torch
 
 from .archs import arch_of_device, get_arch, packed_layouts
+from .checks import checked_sm_scale, is_int
 from .jit import sm_count
 from .query_rows import launches
 from .quantize import QuantizedKV, check_page_size
@@ -50,10 +50,7 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
     if not isinstance(scheme, Scheme):
         raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
     check_page_size(scheme, page_size)
-    if sm_scale is not None and (
-        not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale) or sm_scale <= 0
-    ):
-        raise ValueError(f"sm_scale must be None or a positive finite float, got {sm_scale!r}")
+    checked_sm_scale(sm_scale, scheme.head_dim**-0.5)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() not in (3, 4):
@@ -111,7 +108,7 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
     the device's (``foscar.archs.Arch.layout``).
     """
     validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme, page_size, sm_scale, check_pages)
-    sm_scale = scheme.head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    page_size, sm_scale = int(page_size), checked_sm_scale(sm_scale, scheme.head_dim**-0.5)
     if layout is not None and layout not in packed_layouts():
         raise ValueError(f"layout must be None or one of {packed_layouts()}, got {layout!r}")
     if out is not None:
@@ -127,8 +124,9 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
     arch.can_implement(scheme, page_size)  # a variant the kernel cannot build fails here, before compiling
     if num_splits is None:
         num_splits = plan_splits(q.shape[0], k_codes.shape[1], page_table.shape[1] * page_size, sm_count(q.device))
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+    if not is_int(num_splits) or num_splits < 1:
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    num_splits = int(num_splits)
     tokens = q.shape[1] if q.dim() == 4 else 1
     step = arch.max_query_tokens(scheme)[0]
     if tokens <= step:
@@ -172,8 +170,7 @@ def compile_decode(scheme: Scheme, arch: str, page_size: int = 128, split: bool 
     target = get_arch(arch)
     if not isinstance(scheme, Scheme):
         raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
-    check_page_size(scheme, page_size)
-    return artifacts(target.compile_decode(scheme, page_size, split, tokens))
+    return artifacts(target.compile_decode(scheme, check_page_size(scheme, page_size), split, tokens))
 
 
 class _CallableModule(types.ModuleType):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .checks import is_int
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .scheme import Axis, Scheme, TensorQuant
 
@@ -29,13 +30,15 @@ __all__ = ["PAGE_SIZES", "QuantizedKV", "quantize_groups", "dequantize_groups", 
 PAGE_SIZES = (64, 128, 256)
 
 
-def check_page_size(scheme: Scheme, page_size) -> None:
-    """A page holds whole 64-token tiles and whole channel-wise groups of ``scheme``."""
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size not in PAGE_SIZES:
+def check_page_size(scheme: Scheme, page_size) -> int:
+    """``page_size`` as an int, or a ValueError: a page holds whole 64-token tiles and whole channel-wise groups of
+    ``scheme``."""
+    if not is_int(page_size) or page_size not in PAGE_SIZES:
         raise ValueError(f"page_size must be one of {PAGE_SIZES}, got {page_size!r}")
     for name, quant in (("k", scheme.k), ("v", scheme.v)):
         if quant.axis is Axis.CHANNEL and page_size % quant.group:
             raise ValueError(f"page_size={page_size} must be a multiple of the channel-wise {name} group {quant.group}")
+    return int(page_size)
 
 
 def smallest_page_size(scheme: Scheme) -> int:
@@ -62,11 +65,13 @@ def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | N
         raise ValueError(f"token-wise group {quant.group} must divide the channel count {dim}")
     if quant.axis is Axis.CHANNEL and length % quant.group:
         raise ValueError(f"channel-wise group {quant.group} must divide the token count {length}")
-    xf = x.to(torch.float32)
+    mask = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if valid is None else valid.to(x.device)
+    mask = mask[..., None].expand(x.shape)
+    # excluded tokens (a padded batch's padding) may hold anything, nan included: zeros, so that neither the check
+    # nor a format's arithmetic meets them
+    xf = x.to(torch.float32).masked_fill(~mask, 0)
     if not torch.isfinite(xf).all():
         raise ValueError(f"{name} holds inf or nan")
-    mask = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if valid is None else valid.to(x.device)
-    mask = mask[..., None].expand(xf.shape)
     codes, scale, offset = quant.format.quantize(quant.grouped(xf), quant.grouped(mask), name)
     codes = codes.to(torch.uint8).reshape(x.shape)
     pshape = (*x.shape[:-2], *quant.params_shape(length, dim))
@@ -207,8 +212,7 @@ def quantize_kv(k, v, scheme: Scheme, page_size: int | None = None, lengths=None
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.device != v.device:
         raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
-    page_size = smallest_page_size(scheme) if page_size is None else page_size
-    check_page_size(scheme, page_size)
+    page_size = check_page_size(scheme, smallest_page_size(scheme) if page_size is None else page_size)
     batch, kv_heads, tokens, dim = k.shape
     if tokens < 1:
         raise ValueError("k and v must hold at least one token")

@@ -16,12 +16,9 @@ Query ``q`` is ``[batch, q_heads, head_dim]`` with ``q_heads = kv_heads * gqa_ra
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-LOG2E = math.log2(math.e)
-
+from .checks import LOG2E, checked_sm_scale
 from .layouts import TILE_TOKENS
 from .quantize import QuantizedKV
 from .scheme import Construction
@@ -29,8 +26,8 @@ from .scheme import Construction
 __all__ = ["attend_dequantized", "attend_folded", "attend_dequantized_torch", "check_query"]
 
 
-def check_query(q: torch.Tensor, cache: QuantizedKV, sm_scale) -> None:
-    """Validate ``q`` against ``cache`` with errors that name the argument."""
+def check_query(q: torch.Tensor, cache: QuantizedKV, sm_scale) -> float:
+    """Validate ``q`` against ``cache`` with errors that name the argument; returns ``sm_scale`` as a float."""
     scheme = cache.scheme
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
@@ -39,8 +36,7 @@ def check_query(q: torch.Tensor, cache: QuantizedKV, sm_scale) -> None:
     expected = (cache.batch, cache.kv_heads * scheme.gqa_ratio, scheme.head_dim)
     if tuple(q.shape) != expected:
         raise ValueError(f"q must have shape [batch, kv_heads*gqa_ratio, head_dim] = {list(expected)}, got {list(q.shape)}")
-    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
+    return checked_sm_scale(sm_scale)
 
 
 def _grouped_query(q, cache):
@@ -50,7 +46,7 @@ def _grouped_query(q, cache):
 
 def attend_dequantized(q, cache: QuantizedKV, sm_scale: float):
     """Ground truth: dequantize the cache in float64, then softmax attention."""
-    check_query(q, cache, sm_scale)
+    sm_scale = check_query(q, cache, sm_scale)
     k, v = cache.dequantize(torch.float64)
     qg = _grouped_query(q, cache).to(k.device)
     scores = torch.einsum("bhrd,bhld->bhrl", qg, k) * sm_scale
@@ -73,7 +69,7 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, arch: str = "sm_90a", 
     that type; the offset corrections take the unrounded q or p, as the kernel does (the operand bias
     cancels inside the MMA accumulator, ``foscar.operands``); everything else stays exact.
     """
-    check_query(q, cache, sm_scale)
+    sm_scale = check_query(q, cache, sm_scale)
     rnd = (lambda x: x) if operand_dtype is None else (lambda x: x.to(operand_dtype).to(torch.float64))
     plan = cache.scheme.plan(arch, construction=construction)
     qg = _grouped_query(q, cache)  # [b, h, r, d]
@@ -110,7 +106,7 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, arch: str = "sm_90a", 
 
 def attend_dequantized_torch(q, cache: QuantizedKV, sm_scale: float, dtype=torch.bfloat16):
     """What a PyTorch user would compute: dequantize to ``dtype``, then SDPA in ``dtype``."""
-    check_query(q, cache, sm_scale)
+    sm_scale = check_query(q, cache, sm_scale)
     k, v = (t.to(dtype) for t in cache.dequantize(torch.float32))
     valid = torch.arange(cache.max_tokens, device=k.device)[None, :] < cache.lengths[:, None].to(k.device)
     qd = q.to(dtype=dtype, device=k.device)[:, :, None, :]  # [b, hq, 1, d]

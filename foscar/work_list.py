@@ -41,6 +41,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from .checks import is_int
 from .device import at
 from .layouts.fragment import TILE_TOKENS
 from .window_tiles import BLOCK, quantized_tokens
@@ -86,9 +87,9 @@ def plan_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, most: 
     """
     for name, value in (("batch", batch), ("kv_heads", kv_heads), ("max_tokens", max_tokens), ("num_sms", num_sms),
                         ("most", most)):
-        if not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return _planned_splits(batch, kv_heads, max_tokens, num_sms, most)
+    return _planned_splits(int(batch), int(kv_heads), int(max_tokens), int(num_sms), int(most))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -296,6 +296,35 @@ def assert_unchanged(cache, snap):
     assert host[0] == snap[1][0] and host[1] == snap[1][1] and torch.equal(host[2], snap[1][2])
 
 
+def test_a_quantizer_refusal_leaves_what_the_cache_shows(rng, monkeypatch):
+    """The torch path quantizes a granule in the append that completes it, after that append's checks: a refusal
+    there (a format may refuse what the up-front checks pass) leaves the lengths, and so every attend, as they were,
+    and the host and device lengths in step."""
+    scheme = SCHEMES[1]  # a 64-token granule: the 128th token completes the first past the window
+    caches = [make_cache(scheme, layers=1, sink=0, window=64) for _ in range(2)]
+    k, v = kv(rng, scheme, 1, 128)
+    q = torch.randn(1, 4, scheme.head_dim, generator=rng).to(scheme.q_dtype)
+    for cache in caches:
+        cache.allocate()
+        cache.append(0, [0], k[:, :, :127], v[:, :, :127])
+    refused = caches[0]
+    before, lengths = refused.attend(0, [0], q), refused.lengths.clone()
+
+    def refuse(*args):
+        raise ValueError("refused by the format")
+
+    monkeypatch.setattr(refused, "_quantize", refuse)
+    with pytest.raises(ValueError, match="refused by the format"):
+        refused.append(0, [0], k[:, :, 127:], v[:, :, 127:])
+    monkeypatch.undo()
+    assert torch.equal(refused.lengths, lengths) and refused.seq_len(0) == 127
+    assert torch.equal(refused.attend(0, [0], q), before)
+    for cache in caches:
+        cache.append(0, [0], k[:, :, 127:], v[:, :, 127:])
+    assert int(refused.lengths[0, 0]) == refused.seq_len(0) == 128
+    assert torch.equal(refused.attend(0, [0], q), caches[1].attend(0, [0], q))
+
+
 def test_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
     scheme = SCHEMES[1]
     cache = make_cache(scheme, num_pages=4, max_seqs=2)
@@ -318,6 +347,12 @@ def test_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
         (ValueError, "k holds inf or nan", lambda: cache.append(0, [a, b], k[:, :, :1].clone().fill_(math.nan),
                                                                 v[:, :, :1])),
         (ValueError, "v holds inf or nan", lambda: cache.append(0, [a, b], k[:, :, :90], v[:, :, :90] * math.inf)),
+        # finite in bf16, beyond the fp16 group params: the quantizer would refuse it appends later, after the slot
+        # and the device length had moved
+        (ValueError, r"k holds values beyond the float16 range \(\|x\| > 65504\)",
+         lambda: cache.append(0, [a, b], k[:, :, :1] - 1e5, v[:, :, :1])),
+        (ValueError, "v holds values beyond the float16 range",
+         lambda: cache.append(0, [a, b], k[:, :, :1], v[:, :, :1].clone().index_fill_(-1, torch.tensor([3]), 7e4))),
         (TypeError, "k must have dtype torch.bfloat16", lambda: cache.append(0, [a, b], k.half(), v)),
         (TypeError, "v must have dtype", lambda: cache.append(0, [a, b], k, v.float())),
         (ValueError, "k has 4 heads; the cache holds kv_heads = 2", lambda: cache.append(0, [a, b], k.repeat(1, 2, 1, 1), v)),

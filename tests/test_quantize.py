@@ -33,6 +33,26 @@ def test_invalid_tokens_do_not_enter_channel_group_statistics(rng):
     assert float(scale.float().max()) < 1.0 and (codes[:, 40:] == 0).all()
 
 
+@pytest.mark.parametrize("scheme", [Scheme.make(4, head_dim=64), Scheme.make(2, k="channel", k_group=64, head_dim=64)],
+                         ids=lambda s: s.name)
+def test_padding_is_ignored_even_when_it_is_nan(scheme, rng):
+    """A padded batch's padding (tokens past a sequence's length) is not the sequence's: nan or inf there is
+    quantized as zeros would be (code 0, outside every group's statistics), never refused; in a valid token it is."""
+    k, v = (torch.randn(2, 2, 100, 64, generator=rng).bfloat16() for _ in range(2))
+    lengths = torch.tensor([100, 30])
+    padded = {}
+    for name, fill in (("zeros", 0.0), ("nan", float("nan")), ("inf", float("inf"))):
+        k[1, :, 30:], v[1, :, 30:] = fill, -fill
+        padded[name] = quantize_kv(k, v, scheme, lengths=lengths)
+    for name in ("nan", "inf"):
+        for field in ("k_codes", "k_params", "v_codes", "v_params"):
+            assert torch.equal(getattr(padded[name], field), getattr(padded["zeros"], field)), (name, field)
+    assert all(torch.isfinite(x).all() for x in padded["nan"].dequantize())
+    k[1, :, 29] = float("nan")
+    with pytest.raises(ValueError, match="^k holds inf or nan"):
+        quantize_kv(k, v, scheme, lengths=lengths)
+
+
 @pytest.mark.parametrize(
     "scheme, page_size",
     [

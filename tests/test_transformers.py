@@ -7,6 +7,7 @@ eager steps token for token and byte for byte in the cache (GPU)."""
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,6 +204,31 @@ def test_a_window_shorter_than_max_seq_len_is_refused():
             FoscarCache(qwen, max_batch_size=1, max_seq_len=64, device="cpu")
     with pytest.raises(ValueError, match="max_seq_len must be an int"):  # checked as before, not compared first
         FoscarCache(transformers.MistralConfig(**small, head_dim=64, sliding_window=32), max_seq_len="64", device="cpu")
+
+
+def test_layer_types_count_only_where_the_config_class_takes_them():
+    """MistralConfig does not declare ``layer_types`` (it takes one with a warning) and Mistral picks its mask by
+    ``sliding_window`` alone: full-attention layer types leave it sliding, so FoscarCache refuses it. Qwen2 and Gemma 2
+    declare them and slide only where they name ``sliding_attention``."""
+    small = dict(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64, layer_types=["full_attention"] * 2)
+    ids = torch.arange(12)[None] % 64
+    outputs = []
+    for window in (4, None):  # the premise: the model slides whatever layer_types says
+        torch.manual_seed(0)
+        model = transformers.MistralModel(transformers.MistralConfig(**small, sliding_window=window,
+                                                                     attn_implementation="eager")).eval()
+        with torch.no_grad():
+            outputs.append(model(ids).last_hidden_state)
+    assert not torch.allclose(*outputs)
+    mistral = transformers.MistralConfig(**small, sliding_window=32)
+    for max_seq_len in (64, np.int64(64)):
+        with pytest.raises(ValueError, match="model: its attention slides over a window of 32 tokens"):
+            FoscarCache(mistral, max_batch_size=1, max_seq_len=max_seq_len, device="cpu")
+    FoscarCache(transformers.Gemma2Config(**small, sliding_window=32), max_batch_size=1, max_seq_len=64, device="cpu")
+    qwen = transformers.Qwen2Config(**small, sliding_window=32, use_sliding_window=True)
+    assert qwen.sliding_window == 32
+    FoscarCache(qwen, max_batch_size=1, max_seq_len=64, device="cpu")
 
 
 def test_non_finite_k_is_refused_before_the_layer_changes_anything():

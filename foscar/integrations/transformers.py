@@ -60,6 +60,7 @@ import math
 import torch
 
 from ..cache import PagedKVCache, PagePoolFull
+from ..checks import is_int
 from ..scheme import Scheme
 
 __all__ = ["ATTENTION_NAME", "FoscarCache", "GraphedDecode", "cache_kwargs", "foscar_attention_forward",
@@ -241,7 +242,7 @@ def _make_layer_class():
             decode = tokens == 1 and past > 0
             if decode:
                 self.owner.check_length(past + tokens, "a generate's prompt and max_new_tokens")
-            self.owner.check_finite(self.layer_idx, key_states, value_states)
+            self.owner.check_values(self.layer_idx, key_states, value_states)
             # a chunk's pages are reserved now: a refusal comes before anything changes, and no append fails later
             seq_ids = self.owner.sequences_for(key_states.shape[0], None if decode else past + tokens)
             self.commit()
@@ -291,10 +292,10 @@ def _make_layer_class():
             if (isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.dim() == 0
                     and tokens_to_remove.dtype in (torch.int32, torch.int64)):
                 tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a tensor
-            if not isinstance(tokens_to_remove, int) or isinstance(tokens_to_remove, bool) or tokens_to_remove > 0:
+            if not is_int(tokens_to_remove) or tokens_to_remove > 0:
                 raise ValueError(f"tokens_to_remove must be an int <= 0 (minus the tokens to remove, as transformers "
                                  f"passes it), got {tokens_to_remove!r}")
-            remove, held = -tokens_to_remove, 0 if self.held is None else self.held[0].shape[2]
+            remove, held = -int(tokens_to_remove), 0 if self.held is None else self.held[0].shape[2]
             if remove > self.cumulative_length:
                 raise ValueError(f"tokens_to_remove={tokens_to_remove}: the cache holds {self.cumulative_length} "
                                  "tokens")
@@ -445,11 +446,12 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
                                      f"cache's max_seq_len={self.kv.max_seq_len}; build the FoscarCache with "
                                      f"max_seq_len >= {total}" + (f" ({what})" if what else ""))
 
-            def check_finite(self, layer: int, k, v) -> None:
-                """The torch path's refusal of inf / nan K/V (``PagedKVCache.append``), before layer ``layer`` changes
-                anything. Layers before it may have appended this forward's tokens already: the message says so."""
+            def check_values(self, layer: int, k, v) -> None:
+                """The torch path's refusal of inf, nan and beyond-float16 K/V (``PagedKVCache.append``), before layer
+                ``layer`` changes anything. Layers before it may have appended this forward's tokens already: the
+                message says so."""
                 try:
-                    self.kv._check_finite(k, v)
+                    self.kv._check_values(k, v)
                 except ValueError as err:
                     earlier = f"; layers 0..{layer - 1} took this forward's tokens: reset() the cache" if layer else ""
                     raise ValueError(f"{err} in layer {layer} (the model's activations overflowed?){earlier}") from err
@@ -520,15 +522,18 @@ def _check_sliding_window(text_config, max_seq_len: int) -> None:
     every cached token, so past the window its decode steps would see what the model's do not. A config with
     ``layer_types`` slides where it names ``"sliding_attention"`` (over ``sliding_window``) and attends in chunks
     where it names ``"chunked_attention"`` (of ``attention_chunk_size``, Llama 4); one without, wherever it sets
-    ``sliding_window`` (Mistral v0.1) unless ``use_sliding_window`` is off."""
-    layer_types = getattr(text_config, "layer_types", None) or ()
+    ``sliding_window`` (Mistral v0.1) unless ``use_sliding_window`` is off. ``layer_types`` counts only where the
+    config's class takes it: elsewhere it is a stray attribute its model ignores (``MistralConfig(layer_types=
+    ["full_attention", ...], sliding_window=4096)``: transformers warns, and Mistral slides by ``sliding_window``)."""
+    takes_layer_types = "layer_types" in inspect.signature(type(text_config).__init__).parameters
+    layer_types = (getattr(text_config, "layer_types", None) if takes_layer_types else None) or ()
     windows = []
     if "sliding_attention" in layer_types or (not layer_types and getattr(text_config, "use_sliding_window", True)):
         windows.append(("slides over a window", getattr(text_config, "sliding_window", None)))
     if "chunked_attention" in layer_types:
         windows.append(("attends in chunks", getattr(text_config, "attention_chunk_size", None)))
     for how, window in windows:
-        if type(window) is int and window > 0 and type(max_seq_len) is int and max_seq_len > window:
+        if is_int(window) and window > 0 and is_int(max_seq_len) and max_seq_len > window:
             raise ValueError(f"model: its attention {how} of {window} tokens, and FoscarCache attends every cached "
                              f"token; build it with max_seq_len <= {window} (got {max_seq_len})")
 
@@ -571,7 +576,7 @@ def _check_model_and_cache(model, cache) -> None:
 
 
 def _check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
@@ -699,7 +704,7 @@ class GraphedDecode:
     def run(self, steps: int) -> torch.Tensor:
         """Run ``steps`` decode steps; returns the tokens they chose, ``[batch, steps]`` int64 (on the
         model's device; nothing waits for the GPU here)."""
-        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= self.steps_left:
+        if not is_int(steps) or not 0 <= steps <= self.steps_left:
             raise ValueError(f"steps must be an int in [0, {self.steps_left}] (the max_new_tokens left), "
                              f"got {steps!r}")
         if self.cache.get_seq_length() != self._seen:
