@@ -10,7 +10,7 @@ import torch
 
 __all__ = ["LOG2E", "MAX_SM_SCALE", "is_int", "checked_sm_scale"]
 
-LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)  # the kernels' softmax runs in the log2 domain: exp(x) = exp2(x * LOG2E)
 # the kernels scale scores by sm_scale * log2(e) in float32 (exp2 softmax): past this the scale itself is inf
 MAX_SM_SCALE = torch.finfo(torch.float32).max / LOG2E
 

@@ -41,8 +41,9 @@ def _tensor(name, t, dtype, dims, device):
 
 
 def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme: Scheme, page_size: int,
-                   sm_scale: float | None, check_pages: bool = True) -> None:
-    """Raise a TypeError/ValueError naming the first bad argument.
+                   sm_scale: float | None, check_pages: bool = True) -> float:
+    """Raise a TypeError/ValueError naming the first bad argument; returns ``sm_scale`` as a float (None: the scheme's
+    ``head_dim ** -0.5``).
 
     ``check_pages`` reads ``page_table`` and ``lengths`` back to the host to check every used page
     index is in range; it is skipped while a CUDA graph is being captured.
@@ -50,7 +51,7 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
     if not isinstance(scheme, Scheme):
         raise TypeError(f"scheme must be a foscar.Scheme, got {type(scheme).__name__}")
     check_page_size(scheme, page_size)
-    checked_sm_scale(sm_scale, scheme.head_dim**-0.5)
+    sm_scale = checked_sm_scale(sm_scale, scheme.head_dim**-0.5)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() not in (3, 4):
@@ -89,6 +90,7 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
         pages = page_table.cpu()[used]
         if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
             raise ValueError(f"page_table holds page indices outside [0, {num_pages}) for tokens below lengths")
+    return sm_scale
 
 
 def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme: Scheme, page_size: int,
@@ -107,8 +109,9 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
     CUDA-graph capture). ``layout`` (optional) names the bit order the codes were packed in; it must be
     the device's (``foscar.archs.Arch.layout``).
     """
-    validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme, page_size, sm_scale, check_pages)
-    page_size, sm_scale = int(page_size), checked_sm_scale(sm_scale, scheme.head_dim**-0.5)
+    sm_scale = validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme, page_size, sm_scale,
+                              check_pages)
+    page_size = int(page_size)
     if layout is not None and layout not in packed_layouts():
         raise ValueError(f"layout must be None or one of {packed_layouts()}, got {layout!r}")
     if out is not None:

@@ -8,7 +8,7 @@ import cutlass
 from cutlass import Float32, Int32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-LOG2E = math.log2(math.e)  # softmax runs in the log2 domain: exp(x) = exp2(x * LOG2E)
+from .checks import LOG2E  # noqa: F401  (softmax runs in the log2 domain: exp(x) = exp2(x * LOG2E))
 LN2 = math.log(2.0)  # and reports natural-log lse: ln(x) = log2(x) * LN2
 NEG_INF = float("-inf")
 SM_REGISTERS = 64 * 1024  # 32-bit registers per SM (sm_90, sm_100)
