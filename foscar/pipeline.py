@@ -29,7 +29,12 @@ both kernels, then.
 Local tile ``i`` of a CTA uses stage ``i % stages`` in phase ``(i // stages) % 2``. A consumer must
 never wait on a stage two phases ahead of its fill (the parity would read as complete): the Hopper
 kernel makes every stage belong to one consumer warp, which waits on it right after its own
-previous use.
+previous use. The producers, likewise: ring item ``i`` comes from producer warp ``i % 4``, whatever
+fills it (a window tile or a packed one, :func:`first_item`), and ``stages`` is a multiple of 4, so
+one warp fills a stage, in order, and waits on its ``empty`` right after its own previous fill. (The
+cache decode's packed tiles once started that count afresh after the window's: with more window tiles
+than stages, a warp could wait one lap early and overwrite a stage a consumer still read; racecheck on
+the H200, benchmarks/NOTES.md section 49.)
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ def bulk_copy_g2s(dst: cute.Pointer, src: cute.Pointer, nbytes: int, mbar: cute.
     inline_ptx(None, [dst.toint(loc=loc, ip=ip), src.toint(loc=loc, ip=ip), Int32(nbytes), mbar.toint(loc=loc, ip=ip)],
                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
                "r,l,r,r,~{memory}", True, loc, ip)
+
+
+def first_item(lo, item_of_lo, producer, producers: int):
+    """The first index ``>= lo`` that producer ``producer`` of ``producers`` issues, where index ``lo`` is ring item
+    ``item_of_lo`` (>= 0) and ring item ``i`` is producer ``i % producers``'s (the module docstring says why)."""
+    return lo + (producer + producers - item_of_lo % producers) % producers
 
 
 def stage(i, stages: int):

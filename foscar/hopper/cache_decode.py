@@ -140,7 +140,8 @@ class CacheWindow:
 
     @cute.jit
     def produce(self, ring: Ring, pw: Int32, lane: Int32):
-        """Producer warp ``pw`` (all lanes): the window tiles ``pw``, ``pw + 4``, ..."""
+        """Producer warp ``pw`` (all lanes): the window tiles ``pw``, ``pw + 4``, ... (ring item ``i`` is warp ``i % 4``'s:
+        ``foscar.pipeline.first_item``)"""
         cfg = self.cfg
         for i in cutlass.range(pw, self.tiles, PRODUCER_WARPS, unroll=1):
             s, phase = ring.position(i)

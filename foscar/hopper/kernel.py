@@ -87,7 +87,7 @@ from ..device import (MAX_THREAD_REGS, NEG_INF, at, check_register_budget, fsel,
                       reduce_over_rows, set_warpgroup_registers, store)
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
-from ..pipeline import Channel, PackedPages, Ring, TileSpan
+from ..pipeline import Channel, PackedPages, Ring, TileSpan, first_item
 from ..query_rows import KvHead, Output, QueryRows
 from ..scheme import Scheme
 from ..softmax import finite_reference, normalize, online_update
@@ -420,6 +420,7 @@ class HopperDecodeKernel(DecodeKernelBase):
         cfg = self.cfg
         P = PRODUCER_WARPS
         SUB = cfg.SUB
+        ring0 = 0 if ring_first is None else ring_first  # the ring item of tile tiles.begin
         page_first = tiles.begin // SUB
         page_end = (tiles.end + SUB - 1) // SUB
         for chunk in cutlass.range(page_first, page_end, 32, unroll=1):
@@ -428,16 +429,13 @@ class HopperDecodeKernel(DecodeKernelBase):
             my_page = at(pages.page_table, table_row + cutlass.min(chunk + lane, page_end - 1))
             tile_lo = cutlass.max(tiles.begin, chunk * SUB)
             tile_hi = cutlass.min(tiles.end, (chunk + 32) * SUB)
-            # producer warp pw issues local tiles pw, pw + P, ...: one thread's issue rate is the
+            # producer warp pw issues ring items pw, pw + P, ...: one thread's issue rate is the
             # pipeline's bound otherwise (benchmarks/NOTES.md section 6)
-            first = tile_lo + (pw + P - (tile_lo - tiles.begin) % P) % P
+            first = first_item(tile_lo, tile_lo - tiles.begin + ring0, pw, P)
             for tile in cutlass.range(first, tile_hi, P, unroll=1):
                 page = cute.arch.shuffle_sync(my_page, offset=tile // SUB - chunk)
                 if lane == 0:
-                    local = tile - tiles.begin
-                    if cutlass.const_expr(ring_first is not None):
-                        local = local + ring_first
-                    s, phase = ring.position(local)
+                    s, phase = ring.position(tile - tiles.begin + ring0)
                     ring.wait_empty(s, phase)
                     cute.arch.mbarrier_arrive_and_expect_tx(ring.barriers.full(s), cfg.TILE_BYTES)
                     if cutlass.const_expr(cfg.FULL_ARRIVALS > 1):  # the arrivals a window tile's lanes make
