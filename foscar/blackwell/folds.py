@@ -202,13 +202,16 @@ class BlackwellKChannelWise(KHooks):
         cfg = self.cfg
         N, D = cfg.N, cfg.D
         x = t // 2
+        tk, r = x // N, x % N
+        half = t % 2
+        acc = Float32(0.0)
         if x < self.q_copies * N:
-            tk, r = x // N, x % N
-            half = t % 2
-            acc = Float32(0.0)
             for d in cutlass.range(half * (D // 2), (half + 1) * (D // 2), 1, unroll=8):
                 acc = acc + sm.sZ[tk * D + d] * sm.sQf[r * D + d]
-            acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+        # every lane shuffles: shfl.sync names the whole warp, and a warp may hold threads past the terms (q_copies * N
+        # of 8: lanes 16-31 of warp 0)
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+        if x < self.q_copies * N:
             if half == 0:
                 sm.sKinfo[sm_.k_offset_term(kinfo, tk, r)] = acc * scale_log2
 
