@@ -282,6 +282,11 @@ class HopperCacheDecodeKernel(CacheDecodeBase, HopperDecodeKernel):
                 window_of().produce(ring, pw, lane)  # the window tiles first
                 ring_first = window_of().tiles
             self.produce(ring, args.pages, head, tiles, pw, lane, ring_first=ring_first)
+            if cutlass.const_expr(cfg.window is not None):
+                # the lane's window copies land before it exits: their arrivals wait for them, and PTX does not say
+                # that a thread's pending cp.async outlives it (cp.async.wait_all)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
         else:
             set_warpgroup_registers(cfg.consumer_regs, cfg.launch_regs)
             warp, lane = cute.arch.make_warp_uniform(tidx // 32 - 4), tidx % 32
