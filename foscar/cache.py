@@ -284,7 +284,9 @@ class PagedKVCache:
         self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64, device="cpu")  # host mirror
         # the longest each sequence was since its last truncate (its ring slots hold the last `ring` tokens of that)
         self._written = torch.zeros((num_layers, max_seqs), dtype=torch.int64)
-        self._mirror_stale = False  # set when appends were captured into a graph (replays bypass the host)
+        # set once an append is captured into a graph: a replay may move ``lengths`` at any time after, bypassing the
+        # host, so from then on the mirror is re-read before each use (one small copy)
+        self._appends_captured = False
         self._index_cache: dict[tuple, torch.Tensor] = {}  # device index of each batch of seq_ids (insertion order)
         self._captured_ids: set[tuple] = set()  # batches a captured graph reads: their indexes stay
         self._plan: tuple[tuple, _AttendPlan] | None = None  # the last torch-path attend's (key, plan)
@@ -347,7 +349,8 @@ class PagedKVCache:
         return [i for i, pages in enumerate(self._pages) if pages is not None]
 
     def seq_len(self, seq_id: int, layer: int = 0) -> int:
-        """Tokens held by sequence ``seq_id`` in ``layer`` (host mirror; re-read after graph replays)."""
+        """Tokens held by sequence ``seq_id`` in ``layer`` (the host mirror; once an append has been captured into a
+        graph, re-read from the device at every call, since a replay may have moved it)."""
         self._check_seq("seq_id", seq_id)
         self._check_layer(layer)
         self._sync_mirror()
@@ -397,6 +400,10 @@ class PagedKVCache:
                                f"{self.num_pages} are free")
         self._pages[seq_id] = []
         self._grow(seq_id, need)
+        # (free zeroed them; a graph replayed after that, a misuse, may have moved them since)
+        self.lengths[:, seq_id] = 0
+        self._host_len[:, seq_id] = 0
+        self._written[:, seq_id] = 0
         return seq_id
 
     def allocate_prefilled(self, num_tokens: int) -> int:
@@ -598,9 +605,8 @@ class PagedKVCache:
             raise ValueError(f"{name} has {t.shape[1]} heads; the cache holds kv_heads = {heads}")
 
     def _sync_mirror(self) -> None:
-        if self._mirror_stale and not _capturing(self.device):
+        if self._appends_captured and not _capturing(self.device):
             self._host_len[:] = self.lengths.cpu()
-            self._mirror_stale = False
 
     # ------------------------------------------------------------------ append
 
@@ -628,7 +634,7 @@ class PagedKVCache:
         if capturing:
             if tokens != 1:
                 raise RuntimeError("append of several tokens per sequence plans on the host: not capturable")
-            self._mirror_stale = True
+            self._appends_captured = True
         else:
             self._sync_mirror()
             held = self._host_len[layer, list(ids)].tolist()

@@ -498,3 +498,38 @@ def test_batch_indexes_stay_bounded_but_captured_ones_stay(rng, monkeypatch):
         assert len(cache._index_cache) <= 8
     assert (ids[0],) in cache._index_cache and batches[-1] in cache._index_cache
     assert batches[0] not in cache._index_cache
+
+
+def test_the_host_lengths_follow_graph_replays_after_every_read(rng, monkeypatch):
+    """Replays of a captured one-token append move the device ``lengths`` behind the host's back, at any time: every
+    host read after a capture re-reads them, not only the first (which once cleared the flag, so that a second round
+    of replays left ``seq_len`` short, ``truncate(1)`` removed 6 tokens and a chunk overwrote the replayed ones). The
+    capture and its replays are simulated on the CPU: the append inside the capture, then the device work a replay
+    re-executes (``_append_step``)."""
+    import foscar.cache
+
+    scheme = SCHEMES[1]
+    cache = make_cache(scheme, layers=1)
+    seq = cache.allocate()
+    cache.append(0, [seq], *kv(rng, scheme, 1, 300))
+    cache.reserve(seq, 1000)
+    k, v = kv(rng, scheme, 1, 1)
+    monkeypatch.setattr(foscar.cache, "_capturing", lambda device: True)
+    cache.append(0, [seq], k, v)  # captured (on the CPU it also runs: the first replay)
+    monkeypatch.setattr(foscar.cache, "_capturing", lambda device: False)
+    _, index = cache._rows([seq])
+
+    def replay(times):
+        for _ in range(times):
+            cache._append_step(0, index, cache._rotate(k), v, True)
+
+    replay(3)
+    assert cache.seq_len(seq) == int(cache.lengths[0, seq]) == 304
+    replay(5)
+    assert cache.seq_len(seq) == int(cache.lengths[0, seq]) == 309
+    assert cache.seq_lens([seq]).tolist() == [[309]]
+    cache.truncate(0, [seq], 1)
+    assert int(cache.lengths[0, seq]) == 308
+    replay(2)
+    cache.append(0, [seq], *kv(rng, scheme, 1, 4))  # a chunk after more replays: appended after them
+    assert cache.seq_len(seq) == int(cache.lengths[0, seq]) == 314

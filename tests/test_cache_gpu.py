@@ -62,7 +62,7 @@ def test_cuda_graph_capture_and_replay(scheme, rng):
         for layer in range(2):
             cache.append(layer, ids[id(cache)], k0.cuda(), v0.cuda())
         for s in ids[id(cache)]:
-            cache.reserve(s, 500 + steps + 1)
+            cache.reserve(s, 500 + steps + 3)  # (+ 2: the replays after the first host read)
     seq = ids[id(graphed)]
     k_in, v_in, q_in = ks[:, :, :1].cuda().clone(), vs[:, :, :1].cuda().clone(), qs[0].clone()
 
@@ -99,3 +99,8 @@ def test_cuda_graph_capture_and_replay(scheme, rng):
     for name in ("k_codes", "k_params", "v_codes", "v_params", "k_bf16", "v_bf16", "lengths"):
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
     assert graphed.seq_len(seq[0]) == 500 + steps + 1  # the host mirror re-syncs after replays
+    graph.replay()  # and after every read, not only the first
+    graph.replay()
+    assert graphed.seq_len(seq[0]) == 500 + steps + 3
+    graphed.truncate(0, seq, 1)
+    assert graphed.lengths[0, seq].tolist() == [500 + steps + 2] * batch
