@@ -34,7 +34,7 @@ from .inspect import compile_for
 from .jit import cached_compile, fake_ptr, half_type, launch, sm_count
 from .kernels.combine import combine_splits
 from .kernels.quantize import granule_of
-from .kernels.sink_window import check_sink_window, sink_window_attend, window_ctas
+from .kernels.sink_window import check_sink_window, sink_window_attend, sink_window_kernel, window_ctas
 from .query_rows import MAX_QUERY_COLUMNS
 from .scheme import Scheme
 from .split_merge import counter_words
@@ -278,6 +278,7 @@ class KernelSet:
         one_launch = self.fuses_window(scheme, page_size, *opts)
         if not one_launch:
             check_sink_window(d, scheme.gqa_ratio * tokens, slots)
+            sink_window_kernel(q, kv_heads, self.arch)  # compiled before the first launch counts the counters
         compiled = self._cache_decode(scheme, page_size, tokens, opts)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)

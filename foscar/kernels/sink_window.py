@@ -291,6 +291,18 @@ def compile_sink_window(head_dim: int, gqa_ratio: int, arch: str = "sm_90a", dty
                        cuda.CUstream(0))
 
 
+def sink_window_kernel(q, kv_heads: int, arch: str):
+    """The compiled window kernel :func:`sink_window_attend` launches for ``q`` (cached): its caller compiles it
+    before the decode launch whose partials it merges, so that nothing can fail between the two launches and leave
+    the counters counted."""
+    from ..jit import cached_compile, half_type
+
+    tokens, hq, d = q.shape[1:] if q.dim() == 4 else (1, *q.shape[1:])
+    dtype, gqa = half_type(q.dtype), hq // kv_heads
+    key = ("sink_window", d, gqa, dtype, arch) + ((tokens,) if tokens > 1 else ())
+    return cached_compile(key, lambda: compile_sink_window(d, gqa, arch, dtype, tokens))
+
+
 def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part, out, lse, counters, num_splits: int,
                        sink: int, window: int, granule: int, sm_scale: float, arch: str):
     """Launch on a cache layer's tensors (``PagedKVCache.attend`` validates them) after the decode
@@ -299,15 +311,11 @@ def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part,
     ``seq_rows`` int64 [B], ``seq_lengths`` int64 [max_seqs], ``o_part`` / ``lse_part`` (fp32: q's rows,
     ``total`` partials each, then ``D``), ``counters`` int32 (>= B * kv_heads, zero; left zero). Writes
     ``out`` (q's dtype and shape) and ``lse`` (fp32, q's shape less head_dim)."""
-    from ..jit import cached_compile, half_type, launch
+    from ..jit import half_type, launch
 
-    batch, tokens, hq, d = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
-    kv_heads, slots = k_win.shape[1], k_win.shape[2]
+    batch, kv_heads, slots = q.shape[0], k_win.shape[1], k_win.shape[2]
     dtype = half_type(q.dtype)
-    gqa = hq // kv_heads
-    key = ("sink_window", d, gqa, dtype, arch) + ((tokens,) if tokens > 1 else ())
-    compiled = cached_compile(key, lambda: compile_sink_window(d, gqa, arch, dtype, tokens))
-    launch(compiled, (q, dtype), (k_win, dtype), (v_win, dtype), (seq_rows, Int64), (seq_lengths, Int64),
-           (o_part, Float32), (lse_part, Float32), (out, dtype), (lse, Float32), (counters, Int32), (batch, Int32),
+    launch(sink_window_kernel(q, kv_heads, arch), (q, dtype), (k_win, dtype), (v_win, dtype), (seq_rows, Int64),
+           (seq_lengths, Int64), (o_part, Float32), (lse_part, Float32), (out, dtype), (lse, Float32), (counters, Int32), (batch, Int32),
            (kv_heads, Int32), (num_splits, Int32), (sink, Int32), (slots - sink, Int32), (window, Int32),
            (granule, Int32), (float(sm_scale), Float32))
