@@ -634,6 +634,9 @@ class PagedKVCache:
         if capturing:
             if tokens != 1:
                 raise RuntimeError("append of several tokens per sequence plans on the host: not capturable")
+            if not self.use_kernels:
+                raise RuntimeError("append: the torch path (use_kernels=False) checks its values on the host as it "
+                                   "quantizes, which a CUDA graph cannot capture; capture with use_kernels=True")
             self._appends_captured = True
         else:
             self._sync_mirror()

@@ -505,7 +505,8 @@ def test_the_host_lengths_follow_graph_replays_after_every_read(rng, monkeypatch
     host read after a capture re-reads them, not only the first (which once cleared the flag, so that a second round
     of replays left ``seq_len`` short, ``truncate(1)`` removed 6 tokens and a chunk overwrote the replayed ones). The
     capture and its replays are simulated on the CPU: the append inside the capture, then the device work a replay
-    re-executes (``_append_step``)."""
+    re-executes (``_append_step``). And the torch path refuses to be captured (its quantizer checks values on the
+    host), leaving the cache as it was."""
     import foscar.cache
 
     scheme = SCHEMES[1]
@@ -515,9 +516,14 @@ def test_the_host_lengths_follow_graph_replays_after_every_read(rng, monkeypatch
     cache.reserve(seq, 1000)
     k, v = kv(rng, scheme, 1, 1)
     monkeypatch.setattr(foscar.cache, "_capturing", lambda device: True)
-    cache.append(0, [seq], k, v)  # captured (on the CPU it also runs: the first replay)
-    monkeypatch.setattr(foscar.cache, "_capturing", lambda device: False)
+    with pytest.raises(RuntimeError, match="torch path"):
+        cache.append(0, [seq], k, v)
     _, index = cache._rows([seq])
+    monkeypatch.setattr(foscar.cache, "_capturing", lambda device: False)
+    assert cache.seq_len(seq) == int(cache.lengths[0, seq]) == 300
+    # the kernel path's captured append: the host marks the mirror, the graph holds the step (run once here)
+    cache._appends_captured = True
+    cache._append_step(0, index, cache._rotate(k), v, True)
 
     def replay(times):
         for _ in range(times):

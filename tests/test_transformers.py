@@ -399,6 +399,31 @@ GRAPH_CONTEXT, GRAPH_STEPS = 600, 70  # sink 64 + window 256, granule 64: a wind
 
 
 @pytest.mark.gpu
+def test_a_torch_path_cache_on_cuda_decodes_eagerly():
+    """A CUDA model with ``FoscarCache(use_kernels=False)``: the torch path checks values on the host as it quantizes,
+    which a capture cannot hold, so GraphedDecode runs eagerly by default (and gives the tokens of the kernel path's
+    eager steps' shape: one per step) and refuses ``graph=True`` naming it; a raw captured append is refused too."""
+    model = tiny_model(device="cuda")
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    cache = FoscarCache(model, max_batch_size=2, max_seq_len=128, use_kernels=False)
+    with torch.no_grad():
+        first = model(input_ids=ids, **cache_kwargs(cache)).logits[:, -1].argmax(-1)
+    with pytest.raises(ValueError, match=r"graph=True: the cache's torch path \(use_kernels=False\)"):
+        GraphedDecode(model, cache, first, 4, graph=True)
+    decode = GraphedDecode(model, cache, first, 4)
+    assert decode.graph is None and not decode.use_graph
+    assert decode.run(3).shape == (2, 3) and cache.get_seq_length() == 43
+    kv, seq = cache.kv, cache.seq_ids
+    k = torch.randn(len(seq), kv.kv_heads, 1, kv.scheme.head_dim, device="cuda", dtype=kv.scheme.q_dtype)
+    held = kv.lengths.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), pytest.raises(RuntimeError, match="torch path"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            kv.append(0, seq, k, k)
+    assert torch.equal(kv.lengths, held)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["int4", "int2_rotate", "int4_fp16_model"])
 def test_graph_replay_equals_eager_on_h200(case):
     """GraphedDecode on CUDA: the warm-up step, then GRAPH_STEPS replays of the captured step choose the

@@ -580,13 +580,17 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def _use_graph(model, graph: bool | None) -> bool:
-    """Whether to capture the decode step: ``graph``, default on a CUDA model; refused where it cannot work."""
+def _use_graph(model, cache, graph: bool | None) -> bool:
+    """Whether to capture the decode step: ``graph``, default on a CUDA model whose cache runs the kernels; refused
+    where it cannot work."""
     device = model.device
-    graph = device.type == "cuda" if graph is None else bool(graph)
+    graph = device.type == "cuda" and cache.kv.use_kernels if graph is None else bool(graph)
     if graph and device.type != "cuda":
         raise ValueError(f"graph=True: CUDA-graph capture needs a CUDA model, this one is on {device}; "
                          "graph=False runs the steps eagerly")
+    if graph and not cache.kv.use_kernels:
+        raise ValueError("graph=True: the cache's torch path (use_kernels=False) checks its values on the host as it "
+                         "quantizes, which a CUDA graph cannot capture; graph=False runs the steps eagerly")
     if graph and (rope_type := _dynamic_rope_type(model)):
         raise ValueError(f"graph=True: the model's RoPE type {rope_type!r} recomputes its frequencies behind a "
                          "host comparison, which a CUDA graph cannot capture; use graph=False")
@@ -654,7 +658,7 @@ class GraphedDecode:
             raise ValueError(f"next_tokens must be an integer tensor of shape [batch={batch}] or [batch, 1], got {got}")
         _check_positive_int("max_new_tokens", max_new_tokens)
         device = model.device
-        graph = _use_graph(model, graph)
+        graph = _use_graph(model, cache, graph)
         kv, total = cache.kv, past + max_new_tokens
         if total > kv.max_seq_len:
             raise ValueError(f"max_new_tokens={max_new_tokens}: the cache holds {past} tokens per sequence and "
@@ -742,7 +746,7 @@ def greedy_generate(model, input_ids: torch.Tensor, cache, max_new_tokens: int, 
         got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be an integer tensor [batch, prompt], got {got}")
     _check_positive_int("max_new_tokens", max_new_tokens)
-    graph = _use_graph(model, graph)
+    graph = _use_graph(model, cache, graph)
     # the checks GraphedDecode makes, before the prefill, which would otherwise run for nothing
     kv, (batch, prompt) = cache.kv, input_ids.shape
     total = prompt + max_new_tokens - 1
