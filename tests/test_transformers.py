@@ -384,6 +384,13 @@ def test_graphed_decode_errors():
         model(input_ids=first[:, None], **cache_kwargs(cache))
     with pytest.raises(RuntimeError, match="positions are stale"):
         decode.run(1)
+    again = prefilled(max_seq_len=128)
+    decode = GraphedDecode(model, again, first, 4)
+    again.reset()  # then a prefill of as many tokens: the length matches, the pages reserved for the steps are gone
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(again))
+    with pytest.raises(RuntimeError, match=r"cache: reset\(\) since this GraphedDecode was built"):
+        decode.run(1)
     with pytest.raises(ValueError, match="greedy_generate prefills"):
         greedy_generate(model, ids, cache, 4)
     with pytest.raises(ValueError, match=r"max_new_tokens=30: a 100-token prompt .* max_seq_len >= 129"):

@@ -410,6 +410,7 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
             def __init__(self, kv: PagedKVCache, model_config=None):
                 self.kv = kv
                 self.seq_ids = None
+                self.resets = 0  # reset() calls: a GraphedDecode built before one refuses to run after it
                 self.model_config = model_config  # checked at the first update (None: built from a config)
                 super().__init__(layers=[layer_class(self, i) for i in range(kv.num_layers)])
 
@@ -473,6 +474,7 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
                     for seq_id in self.seq_ids:
                         self.kv.free(seq_id)
                     self.seq_ids = None
+                self.resets += 1
                 super().reset()
 
             def kv_bytes(self) -> int:
@@ -675,6 +677,7 @@ class GraphedDecode:
         self.graph = None
         self.steps_left = max_new_tokens
         self._seen = past  # the host length this object expects at its next step
+        self._resets = cache.resets  # (a reset gives the reserved pages back: a new prefill of `past` tokens has none)
         self._forward_kwargs = {"attention_mask": None, "position_ids": self.positions, "use_cache": True,
                                 **cache_kwargs(cache)}
         if "cache_position" in inspect.signature(model.forward).parameters:
@@ -711,6 +714,9 @@ class GraphedDecode:
         if not is_int(steps) or not 0 <= steps <= self.steps_left:
             raise ValueError(f"steps must be an int in [0, {self.steps_left}] (the max_new_tokens left), "
                              f"got {steps!r}")
+        if self.cache.resets != self._resets:
+            raise RuntimeError("cache: reset() since this GraphedDecode was built, which gave its sequences' reserved "
+                               "pages back: build a new GraphedDecode")
         if self.cache.get_seq_length() != self._seen:
             raise RuntimeError(f"cache: holds {self.cache.get_seq_length()} tokens, this GraphedDecode left it at "
                                f"{self._seen} (the model ran on it, or it was reset): its positions are stale; "
