@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 import numbers
 
-import torch
 
 __all__ = ["LOG2E", "MAX_SM_SCALE", "is_int", "checked_sm_scale"]
 
 LOG2E = math.log2(math.e)  # the kernels' softmax runs in the log2 domain: exp(x) = exp2(x * LOG2E)
-# the kernels scale scores by sm_scale * log2(e) in float32 (exp2 softmax): past this the scale itself is inf
-MAX_SM_SCALE = torch.finfo(torch.float32).max / LOG2E
+# The kernels scale scores by sm_scale * log2(e) in float32 (exp2 softmax). Far above any model's scale (1/sqrt(head_dim),
+# at most ~1), this bound keeps every score of float16-range q and k finite in float32 (head_dim 256: |q.k| < 1.1e12);
+# the float32 maximum / log2(e), the old bound, let a score overflow to inf and the softmax to NaN
+MAX_SM_SCALE = 2.0**16
 
 
 def is_int(value) -> bool:
@@ -23,12 +24,12 @@ def is_int(value) -> bool:
 
 def checked_sm_scale(sm_scale, default: float | None = None) -> float:
     """``sm_scale`` as a float, or ``default`` where it is None and the caller has one; else a ValueError. It must
-    be positive and at most :data:`MAX_SM_SCALE`, so that the kernels' float32 score scale is finite."""
+    be positive and at most :data:`MAX_SM_SCALE`, so that the kernels' float32 scores are finite."""
     if sm_scale is None and default is not None:
         return default
     # comparisons, not float(): exact for any int or Fraction, False for nan
     if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not 0 < sm_scale <= MAX_SM_SCALE:
         raise ValueError(f"sm_scale must be {'None or ' if default is not None else ''}a positive finite float at "
-                         f"most {MAX_SM_SCALE:.4g} (the kernels scale scores by sm_scale * log2(e) in float32), got "
+                         f"most {MAX_SM_SCALE:.4g} (the kernels' scores sm_scale * log2(e) * q.k are float32), got "
                          f"{sm_scale!r}")
     return float(sm_scale)

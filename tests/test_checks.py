@@ -49,16 +49,17 @@ def sm_scale_callers(rng):
 @pytest.mark.parametrize("caller", ["reference", "decode_paged", "PagedKVCache.attend", "PagedKVCache.attend_chunk",
                                     "BatchAttention.run"])
 def test_every_sm_scale_is_checked_alike(rng, caller):
-    """A scale past MAX_SM_SCALE is inf as the kernels' float32 ``sm_scale * log2(e)`` (every output NaN): refused
-    with the other bad scales, by every caller; a numpy float or a Fraction is a number like any other."""
+    """A scale past MAX_SM_SCALE can take a float32 score of float16-range q and k to inf (the softmax to NaN):
+    refused with the other bad scales, by every caller; a numpy float or a Fraction is a number like any other."""
     call = sm_scale_callers(rng)[caller]
     for bad in (MAX_SM_SCALE * 1.01, 3e38, 10**400, math.inf, math.nan, np.float32("nan"), 0.0, -0.1, True, "0.1",
                 torch.tensor(0.1)):
-        with pytest.raises(ValueError, match=r"sm_scale must be (None or )?a positive finite float at most 2\.35"):
+        with pytest.raises(ValueError, match=r"sm_scale must be (None or )?a positive finite float at most 6\.554e\+04"):
             call(bad)
     for good in (np.float32(0.125), np.float64(0.125), Fraction(1, 8), 1, MAX_SM_SCALE):
         call(good)
-    assert math.isfinite(float(torch.tensor(MAX_SM_SCALE * math.log2(math.e), dtype=torch.float32)))
+    # the largest score: head_dim 256 of float16's largest values
+    assert math.isfinite(float(torch.tensor(MAX_SM_SCALE * math.log2(math.e) * 256 * 65504.0**2, dtype=torch.float32)))
 
 
 def test_numpy_ints_are_ints_and_bools_are_not(rng):

@@ -3,6 +3,8 @@ chunk attention through it on the CPU (``MergedParts`` with the reference standi
 compiled for both arches, and the kernel against float64 on the GPU (parts of every view the chunk path makes, an
 FP32 running part merged in place, NaN-poisoned outputs)."""
 
+import math
+
 import pytest
 import torch
 
@@ -154,3 +156,13 @@ def test_the_kernel_matches_float64(dtype, d, rng):
     torch.cuda.synchronize()
     assert (running.cpu().double() - ref32).abs().le(1e-5 * ref32.abs() + 1e-5).all()
     assert (running_lse.cpu().double() - ref_lse.double()).abs().max() < 1e-5
+
+    # a row no part has a token of (every lse -inf): the empty softmax, o = 0 and lse = -inf, not NaN
+    empty = [(o, part_lse.clone()) for o, part_lse in parts]
+    for _, part_lse in empty:
+        part_lse[0, 0, 0] = -math.inf
+    out.fill_(torch.nan), lse.fill_(torch.nan)
+    merge_parts(empty, out, lse)
+    torch.cuda.synchronize()
+    assert (out[0, 0, 0] == 0).all() and lse[0, 0, 0] == -math.inf
+    assert not out.isnan().any()

@@ -9,7 +9,7 @@ chunk of Qwen3-8B, benchmarks/NOTES.md section 45); this kernel reads each part 
 the caller wants it.
 
 Rows: a row is (KV head, query head ``g`` of its group, token ``t``). A part is ``o_p [kv_heads, gqa, L, D]``
-(the query's dtype, or fp32) with ``lse_p [kv_heads, gqa, L]`` (fp32, natural log, finite), each at any strides
+(the query's dtype, or fp32) with ``lse_p [kv_heads, gqa, L]`` (fp32, natural log; -inf where the part has no token), each at any strides
 (o's channels contiguous): the fused attentions' outputs, their pieces and slices are views, not copies. The parts come as a table (int64 ``[P, FIELDS]`` on the device, :func:`part_table`): o's
 address and its (KV head, group head, token) strides in elements, lse's, and whether o is fp32. The output
 ``out`` (its dtype a compile-time choice) and ``lse`` go to any strides of (KV head, query head of the group,
@@ -30,7 +30,7 @@ from cutlass.cute.typing import AddressSpace
 from ..device import NEG_INF, at, fsel, store
 from ..jit import cached_compile, device_arch, fake_ptr, half_type, launch
 from ..scheme import HEAD_DIMS
-from ..softmax import lse_weight, merged_lse
+from ..softmax import finite_reference, lse_weight, merged_lse
 
 __all__ = ["FIELDS", "MergeParts", "compile_merge_parts", "merge_parts", "part_table"]
 
@@ -89,7 +89,7 @@ class MergeParts:
             acc.fill(0.0)
             total = Float32(0.0)
             for p in cutlass.range(parts, unroll=1):
-                weight = lse_weight(self._part_lse(mTable, p, kv, g, t), m)
+                weight = lse_weight(self._part_lse(mTable, p, kv, g, t), finite_reference(m))  # (no part: weight 0)
                 total += weight
                 # (this lane's channels of the row)
                 element = (Int64(kv) * mTable[p, 1] + Int64(g) * mTable[p, 2] + Int64(t) * mTable[p, 3]
