@@ -669,6 +669,10 @@ class PagedKVCache:
             if bool((t.abs() > FP16_MAX).any()):
                 raise ValueError(f"{name} holds values beyond the float16 range (|x| > {FP16_MAX:g}), which its "
                                  "group's fp16 scale and offset cannot hold")
+        # what is quantized is the rotated k, whose values may be up to sqrt(head_dim) times larger
+        if self.rotation is not None and bool((self._rotate(k).abs() > FP16_MAX).any()):
+            raise ValueError(f"k holds values that the cache's rotation (rotate=True: a Hadamard transform, up to "
+                             f"sqrt(head_dim) times larger) takes beyond the float16 range (|x| > {FP16_MAX:g})")
 
     def _ring_slot(self, pos):
         """BF16 slot of absolute token position ``pos`` (int or tensor) in the sink + ring buffer."""

@@ -539,3 +539,20 @@ def test_the_host_lengths_follow_graph_replays_after_every_read(rng, monkeypatch
     replay(2)
     cache.append(0, [seq], *kv(rng, scheme, 1, 4))  # a chunk after more replays: appended after them
     assert cache.seq_len(seq) == int(cache.lengths[0, seq]) == 314
+
+
+def test_a_rotated_cache_refuses_what_its_rotation_takes_beyond_float16(rng):
+    """``rotate=True`` quantizes the Hadamard-rotated k, up to sqrt(head_dim) times larger than k: a k inside
+    float16's range may leave it once rotated (-10000 in every channel: 80000 in the first at head_dim 64). The torch
+    path refuses it at the append, before anything changes; it once took it into the 16-bit slots, and its quantizer
+    refused the granule appends later, every append after, with the sequence stuck."""
+    scheme = SCHEMES[1]
+    cache = make_cache(scheme, rotate=True)
+    seq = cache.allocate()
+    cache.append(0, [seq], *kv(rng, scheme, 1, 10))
+    snap = snapshot(cache)
+    k = torch.full((1, 2, 1, scheme.head_dim), -10000.0).to(scheme.q_dtype)
+    with pytest.raises(ValueError, match=r"k holds values that the cache's rotation .* takes beyond the float16"):
+        cache.append(0, [seq], k, torch.zeros_like(k))
+    assert_unchanged(cache, snap)
+    cache.append(0, [seq], k / 10, torch.zeros_like(k))  # 8000 once rotated: taken
