@@ -6,13 +6,11 @@ from __future__ import annotations
 import math
 import numbers
 
-
 __all__ = ["LOG2E", "MAX_SM_SCALE", "is_int", "checked_sm_scale"]
 
 LOG2E = math.log2(math.e)  # the kernels' softmax runs in the log2 domain: exp(x) = exp2(x * LOG2E)
-# The kernels scale scores by sm_scale * log2(e) in float32 (exp2 softmax). Far above any model's scale (1/sqrt(head_dim),
-# at most ~1), this bound keeps every score of float16-range q and k finite in float32 (head_dim 256: |q.k| < 1.1e12);
-# the float32 maximum / log2(e), the old bound, let a score overflow to inf and the softmax to NaN
+# The kernels' scores sm_scale * log2(e) * q.k are float32 (exp2 softmax). Far above any model's scale (1/sqrt(head_dim),
+# at most ~1), this bound keeps every score of float16-range q and k finite (head_dim 256: |q.k| < 1.1e12)
 MAX_SM_SCALE = 2.0**16
 
 

@@ -9,8 +9,8 @@ chunk of Qwen3-8B, benchmarks/NOTES.md section 45); this kernel reads each part 
 the caller wants it.
 
 Rows: a row is (KV head, query head ``g`` of its group, token ``t``). A part is ``o_p [kv_heads, gqa, L, D]``
-(the query's dtype, or fp32) with ``lse_p [kv_heads, gqa, L]`` (fp32, natural log; -inf where the part has no token), each at any strides
-(o's channels contiguous): the fused attentions' outputs, their pieces and slices are views, not copies. The parts come as a table (int64 ``[P, FIELDS]`` on the device, :func:`part_table`): o's
+(the query's dtype, or fp32) with ``lse_p [kv_heads, gqa, L]`` (fp32, natural log; -inf where the part has no
+token), each at any strides (o's channels contiguous): the fused attentions' outputs, their pieces and slices are views, not copies. The parts come as a table (int64 ``[P, FIELDS]`` on the device, :func:`part_table`): o's
 address and its (KV head, group head, token) strides in elements, lse's, and whether o is fp32. The output
 ``out`` (its dtype a compile-time choice) and ``lse`` go to any strides of (KV head, query head of the group,
 token): the final ``[L, Hq, D]`` / ``[L, Hq]``, or an fp32 ``[kv_heads, gqa, L, D]`` part of a later merge.

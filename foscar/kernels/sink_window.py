@@ -316,6 +316,6 @@ def sink_window_attend(q, k_win, v_win, seq_rows, seq_lengths, o_part, lse_part,
     batch, kv_heads, slots = q.shape[0], k_win.shape[1], k_win.shape[2]
     dtype = half_type(q.dtype)
     launch(sink_window_kernel(q, kv_heads, arch), (q, dtype), (k_win, dtype), (v_win, dtype), (seq_rows, Int64),
-           (seq_lengths, Int64), (o_part, Float32), (lse_part, Float32), (out, dtype), (lse, Float32), (counters, Int32), (batch, Int32),
-           (kv_heads, Int32), (num_splits, Int32), (sink, Int32), (slots - sink, Int32), (window, Int32),
+           (seq_lengths, Int64), (o_part, Float32), (lse_part, Float32), (out, dtype), (lse, Float32),
+           (counters, Int32), (batch, Int32), (kv_heads, Int32), (num_splits, Int32), (sink, Int32), (slots - sink, Int32), (window, Int32),
            (granule, Int32), (float(sm_scale), Float32))
