@@ -440,7 +440,7 @@ class PagedKVCache:
         """Return the pages of ``seq_id`` to the pool and release its slot."""
         self._no_capture("free")
         self._check_seq("seq_id", seq_id)
-        self._sync_mirror()
+        self._sync_mirror(check=False)
         self._free_pages.extend(reversed(self._pages[seq_id]))
         self._pages[seq_id] = None
         self.page_table[seq_id].fill_(self.trash_page)
@@ -470,16 +470,28 @@ class PagedKVCache:
         self.page_table[seq_id, len(pages):len(pages) + count] = torch.tensor(new, dtype=torch.int32).to(self.device)
         pages.extend(new)
 
-    def _reserve_for_append(self, ids: tuple, held: list[int], tokens: int) -> None:
+    def _shrink(self, seq_id: int, count: int) -> None:
+        """Undo :meth:`_grow` of ``count`` pages: the free list as it was before."""
+        pages = self._pages[seq_id]
+        given = pages[len(pages) - count:]
+        del pages[len(pages) - count:]
+        self._plan = None
+        self.page_table[seq_id, len(pages):len(pages) + count] = self.trash_page
+        self._free_pages.extend(reversed(given))
+
+    def _reserve_for_append(self, ids: tuple, held: list[int], tokens: int) -> list[tuple[int, int]]:
         """All-or-nothing page reservation for appending ``tokens`` to ``ids``, which hold ``held`` tokens in
-        the layer appended to (pages are shared by the layers: the first layer to grow reserves them for all)."""
+        the layer appended to (pages are shared by the layers: the first layer to grow reserves them for all).
+        Returns the ``(seq_id, pages)`` grown."""
         need = [self.pages_for(n + tokens) - len(self._pages[s]) for s, n in zip(ids, held)]
         if sum(max(0, x) for x in need) > self.free_pages:
             raise PagePoolFull(f"page pool full: appending {tokens} token(s) to seq_ids {list(ids)} needs "
                                f"{sum(max(0, x) for x in need)} more pages, {self.free_pages} of num_pages="
                                f"{self.num_pages} are free")
-        for seq_id, count in zip(ids, need):
+        grown = [(seq_id, count) for seq_id, count in zip(ids, need) if count > 0]
+        for seq_id, count in grown:
             self._grow(seq_id, count)
+        return grown
 
     # ------------------------------------------------------------------ rollback
 
@@ -604,9 +616,25 @@ class PagedKVCache:
         if t.shape[1] != heads:
             raise ValueError(f"{name} has {t.shape[1]} heads; the cache holds kv_heads = {heads}")
 
-    def _sync_mirror(self) -> None:
-        if self._appends_captured and not _capturing(self.device):
-            self._host_len[:] = self.lengths.cpu()
+    def _sync_mirror(self, check: bool = True) -> None:
+        """Re-read the device's lengths once an append was captured (a replay may have moved them), and refuse to go
+        on with a sequence whose replays appended past its pages (``check=False``: :meth:`free`, which gives it up)."""
+        if not self._appends_captured or _capturing(self.device):
+            return
+        self._host_len[:] = self.lengths.cpu()
+        if not check:
+            return
+        most = self._host_len.max(dim=0).values  # [max_seqs]: pages are shared by the layers
+        need = torch.div(self._quantized_tokens_dev(most) + self.page_size - 1, self.page_size, rounding_mode="floor")
+        have = torch.tensor([-1 if pages is None else len(pages) for pages in self._pages])  # (freed: not checked)
+        over = ((need > have) & (have >= 0)).nonzero().flatten().tolist()
+        if over:
+            seq_id, most = over[0], int(most[over[0]])
+            raise RuntimeError(
+                    f"sequence {seq_id}: graph replays appended up to {most} tokens, more than its "
+                    f"{len(self._pages[seq_id])} pages hold; the quantized tokens past them went to the trash page "
+                    "and are lost. free() the sequence, and reserve() pages for every token the replays append "
+                    "before capturing")
 
     # ------------------------------------------------------------------ append
 
@@ -643,15 +671,21 @@ class PagedKVCache:
             held = self._host_len[layer, list(ids)].tolist()
             if max(held) + tokens > self.max_seq_len:
                 raise ValueError(f"k: appending {tokens} token(s) would exceed max_seq_len={self.max_seq_len}")
-            self._reserve_for_append(ids, held, tokens)
+            grown = self._reserve_for_append(ids, held, tokens)
             # the torch path skips the quantize step of the (usual) append that completes no granule; the
             # kernel path keeps it, so that its eager steps are the graph's
             flush = self.use_kernels or any(self.quantized_tokens(n + 1) > self.quantized_tokens(n) for n in held)
         k = self._rotate(k)
-        if tokens == 1:
-            self._append_step(layer, index, k, v, flush)
-        else:
-            self._append_bulk(layer, ids, index, k, v)
+        try:
+            if tokens == 1:
+                self._append_step(layer, index, k, v, flush)
+            else:
+                self._append_bulk(layer, ids, index, k, v)
+        except BaseException:
+            # the quantize step failed (the lengths have not moved): the pages go back as well
+            for seq_id, count in () if capturing else grown:
+                self._shrink(seq_id, count)
+            raise
         if not capturing:
             self._host_len[layer, list(ids)] += tokens
 
@@ -682,26 +716,38 @@ class PagedKVCache:
 
     def _append_step(self, layer, index, k, v, flush):
         n0 = self.lengths[layer, index]  # [B]
-        slot = self._ring_slot(n0)
-        self._write_slots(layer, (index[:, None], self._heads[None, :], slot[:, None]), k[:, :, 0], v[:, :, 0])
+        where = (index[:, None], self._heads[None, :], self._ring_slot(n0)[:, None])
+        # what the slot held (a quantized token a truncate may bring back), put back if the quantize step fails (a
+        # format's quantizer refusing, an interrupted compile); the granule it quantizes may hold the new token
+        held = None if _capturing(self.device) else [bf16[layer][where] for bf16 in (self.k_bf16, self.v_bf16)]
+        self._write_slots(layer, where, k[:, :, 0], v[:, :, 0])
         n1 = n0 + 1
-        if flush:
-            q0, q1 = self._quantized_tokens_dev(n0), self._quantized_tokens_dev(n1)
-            # the granule that may be due: tokens S + q0 .. S + q0 + T - 1, all in the ring now
-            ring = self.sink + (q0[:, None] + self._granule_steps[None, :]) % self.ring  # [B, T]
-            column = torch.div(q0, self.page_size, rounding_mode="floor").clamp(max=self.max_pages - 1)
-            page = self.page_table[index, column]
-            page = torch.where(q1 > q0, page, -1).to(torch.int32)
-            slot_in_page = (q0 % self.page_size).to(torch.int32)
-            for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
-                src = bf16[layer][index[:, None], :, ring].permute(0, 2, 1, 3).contiguous()  # [B, kvh, T, D]
-                self._quantize(layer, role, src, page, slot_in_page)
-        # last: a quantizer's refusal (torch path) leaves the length, and so everything the cache shows, as it was
+        try:
+            if flush:
+                self._flush_step(layer, index, n0, n1)
+        except BaseException:
+            if held is not None:
+                self._write_slots(layer, where, *held)
+            raise
+        # last: a refusal leaves the length, and so everything the cache shows, as it was
         self.lengths[layer].index_copy_(0, index, n1)
+
+    def _flush_step(self, layer, index, n0, n1):
+        """Quantize the granule a one-token append completes, if any."""
+        q0, q1 = self._quantized_tokens_dev(n0), self._quantized_tokens_dev(n1)
+        # the granule that may be due: tokens S + q0 .. S + q0 + T - 1, all in the ring now
+        ring = self.sink + (q0[:, None] + self._granule_steps[None, :]) % self.ring  # [B, T]
+        column = torch.div(q0, self.page_size, rounding_mode="floor").clamp(max=self.max_pages - 1)
+        page = self.page_table[index, column]
+        page = torch.where(q1 > q0, page, -1).to(torch.int32)
+        slot_in_page = (q0 % self.page_size).to(torch.int32)
+        for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
+            src = bf16[layer][index[:, None], :, ring].permute(0, 2, 1, 3).contiguous()  # [B, kvh, T, D]
+            self._quantize(layer, role, src, page, slot_in_page)
 
     def _append_bulk(self, layer, ids, index, k, v):
         srcs, pages, slots = {"k": [], "v": []}, [], []
-        ring_pos, ring_vals = [], {"k": [], "v": []}
+        ring_pos, ring_vals, sink_writes = [], {"k": [], "v": []}, []
         T = self.granule
         for b, seq_id in enumerate(ids):
             n0 = int(self._host_len[layer, seq_id])
@@ -724,7 +770,7 @@ class PagedKVCache:
                 ring_vals[role].append(new[b, :, first_recent - n0:])
             if n0 < self.sink:
                 end = min(n1, self.sink)
-                self._write_slots(layer, (seq_id, slice(None), slice(n0, end)), k[b, :, :end - n0], v[b, :, :end - n0])
+                sink_writes.append(((seq_id, slice(None), slice(n0, end)), k[b, :, :end - n0], v[b, :, :end - n0]))
             ring_pos.append((seq_id, range(first_recent, n1)))
             for q in range(q0, q1, T):
                 pages.append(self._pages[seq_id][q // self.page_size])
@@ -734,7 +780,10 @@ class PagedKVCache:
             slot = torch.tensor(slots, dtype=torch.int32).to(self.device)
             for role in ("k", "v"):
                 self._quantize(layer, role, torch.cat(srcs[role]).contiguous(), page, slot)
-        # ring writes after the quantize sources were copied out of the ring
+        # the slots after the quantize step: its sources were copied out of the ring, and a quantizer's refusal
+        # (torch path) leaves the cache as it was
+        for where, k_sink, v_sink in sink_writes:
+            self._write_slots(layer, where, k_sink, v_sink)
         rows = torch.tensor([s for s, r in ring_pos for _ in r], dtype=torch.int64)
         cols = torch.tensor([self._ring_slot(p) for _, r in ring_pos for p in r], dtype=torch.int64)
         if rows.numel():

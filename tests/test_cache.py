@@ -296,32 +296,34 @@ def assert_unchanged(cache, snap):
     assert host[0] == snap[1][0] and host[1] == snap[1][1] and torch.equal(host[2], snap[1][2])
 
 
-def test_a_quantizer_refusal_leaves_what_the_cache_shows(rng, monkeypatch):
+@pytest.mark.parametrize("held", [127, 100], ids=["one-token", "multi-token"])
+def test_a_quantizer_refusal_leaves_the_cache_unchanged(held, rng, monkeypatch):
     """The torch path quantizes a granule in the append that completes it, after that append's checks: a refusal
-    there (a format may refuse what the up-front checks pass) leaves the lengths, and so every attend, as they were,
-    and the host and device lengths in step."""
+    there (a format may refuse what the up-front checks pass) leaves the cache as it was: the lengths, and so every
+    attend, the host and device lengths in step, and the page the append reserved for the granule (given back)."""
     scheme = SCHEMES[1]  # a 64-token granule: the 128th token completes the first past the window
     caches = [make_cache(scheme, layers=1, sink=0, window=64) for _ in range(2)]
     k, v = kv(rng, scheme, 1, 128)
     q = torch.randn(1, 4, scheme.head_dim, generator=rng).to(scheme.q_dtype)
     for cache in caches:
         cache.allocate()
-        cache.append(0, [0], k[:, :, :127], v[:, :, :127])
+        cache.append(0, [0], k[:, :, :held], v[:, :, :held])
     refused = caches[0]
-    before, lengths = refused.attend(0, [0], q), refused.lengths.clone()
+    before, snap = refused.attend(0, [0], q), snapshot(refused)
+    assert refused.pages_of(0) == []  # the refused append is the one that needs a page
 
     def refuse(*args):
         raise ValueError("refused by the format")
 
     monkeypatch.setattr(refused, "_quantize", refuse)
     with pytest.raises(ValueError, match="refused by the format"):
-        refused.append(0, [0], k[:, :, 127:], v[:, :, 127:])
+        refused.append(0, [0], k[:, :, held:], v[:, :, held:])
     monkeypatch.undo()
-    assert torch.equal(refused.lengths, lengths) and refused.seq_len(0) == 127
-    assert torch.equal(refused.attend(0, [0], q), before)
+    assert_unchanged(refused, snap)
+    assert refused.seq_len(0) == held and torch.equal(refused.attend(0, [0], q), before)
     for cache in caches:
-        cache.append(0, [0], k[:, :, 127:], v[:, :, 127:])
-    assert int(refused.lengths[0, 0]) == refused.seq_len(0) == 128
+        cache.append(0, [0], k[:, :, held:], v[:, :, held:])
+    assert int(refused.lengths[0, 0]) == refused.seq_len(0) == 128 and len(refused.pages_of(0)) == 1
     assert torch.equal(refused.attend(0, [0], q), caches[1].attend(0, [0], q))
 
 
@@ -539,6 +541,33 @@ def test_the_host_lengths_follow_graph_replays_after_every_read(rng, monkeypatch
     replay(2)
     cache.append(0, [seq], *kv(rng, scheme, 1, 4))  # a chunk after more replays: appended after them
     assert cache.seq_len(seq) == int(cache.lengths[0, seq]) == 314
+
+
+def test_replays_past_the_reserved_pages_are_refused_at_the_next_host_read(rng):
+    """A captured append replayed past the pages ``reserve`` made quantizes its granules into the trash page: the
+    tokens are lost. The next host read says so, naming the sequence, rather than attend without them; ``free`` still
+    gives the sequence up, and the pool gets every page back. (Capture and replays simulated as above.)"""
+    scheme = SCHEMES[1]
+    cache = make_cache(scheme, layers=1)
+    seq, other = cache.allocate(), cache.allocate()
+    cache.append(0, [seq], *kv(rng, scheme, 1, 300))
+    cache.reserve(seq, 320)
+    pages, free = cache.pages_of(seq), cache.free_pages
+    _, index = cache._rows([seq])
+    k, v = kv(rng, scheme, 1, 1)
+    cache._appends_captured = True
+    while cache.pages_for(int(cache.lengths[0, seq]) + 1) <= len(pages):  # replays within the reserved pages
+        cache._append_step(0, index, cache._rotate(k), v, True)
+    assert cache.seq_len(seq) == int(cache.lengths[0, seq]) > 320
+    assert cache.seq_len(other) == 0
+    cache._append_step(0, index, cache._rotate(k), v, True)  # its granule has no page
+    with pytest.raises(RuntimeError, match=f"sequence {seq}: graph replays appended up to .* trash page"):
+        cache.seq_len(other)
+    with pytest.raises(RuntimeError, match=f"sequence {seq}"):
+        cache.append(0, [other], *kv(rng, scheme, 1, 3))
+    assert cache.free_pages == free  # the refused append reserved nothing
+    cache.free(seq)
+    assert cache.free_pages == free + len(pages) and cache.seq_len(other) == 0
 
 
 def test_a_rotated_cache_refuses_what_its_rotation_takes_beyond_float16(rng):
