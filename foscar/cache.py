@@ -618,16 +618,24 @@ class PagedKVCache:
 
     def _sync_mirror(self, check: bool = True) -> None:
         """Re-read the device's lengths once an append was captured (a replay may have moved them), and refuse to go
-        on with a sequence whose replays appended past its pages (``check=False``: :meth:`free`, which gives it up)."""
+        on with a sequence whose replays appended past its pages (``check=False``: :meth:`free`, which gives it up)
+        or appended to it after it was freed."""
         if not self._appends_captured or _capturing(self.device):
             return
         self._host_len[:] = self.lengths.cpu()
         if not check:
             return
         most = self._host_len.max(dim=0).values  # [max_seqs]: pages are shared by the layers
+        freed = torch.tensor([pages is None for pages in self._pages])
+        moved = (freed & (most > 0)).nonzero().flatten().tolist()
+        if moved:  # (reported once: the slot's lengths back to 0, as free left them)
+            self.lengths[:, moved] = 0
+            self._host_len[:, moved] = 0
+            raise RuntimeError(f"graph replays appended to sequence {moved[0]} after free(): a captured graph still "
+                               "appends to its seq id (its tokens went to the trash page); capture again after free")
         need = torch.div(self._quantized_tokens_dev(most) + self.page_size - 1, self.page_size, rounding_mode="floor")
-        have = torch.tensor([-1 if pages is None else len(pages) for pages in self._pages])  # (freed: not checked)
-        over = ((need > have) & (have >= 0)).nonzero().flatten().tolist()
+        have = torch.tensor([0 if pages is None else len(pages) for pages in self._pages])
+        over = (need > have).nonzero().flatten().tolist()
         if over:
             seq_id, most = over[0], int(most[over[0]])
             raise RuntimeError(

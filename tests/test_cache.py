@@ -546,7 +546,8 @@ def test_the_host_lengths_follow_graph_replays_after_every_read(rng, monkeypatch
 def test_replays_past_the_reserved_pages_are_refused_at_the_next_host_read(rng):
     """A captured append replayed past the pages ``reserve`` made quantizes its granules into the trash page: the
     tokens are lost. The next host read says so, naming the sequence, rather than attend without them; ``free`` still
-    gives the sequence up, and the pool gets every page back. (Capture and replays simulated as above.)"""
+    gives the sequence up, and the pool gets every page back. A replay after ``free`` is reported once. (Capture and
+    replays simulated as above.)"""
     scheme = SCHEMES[1]
     cache = make_cache(scheme, layers=1)
     seq, other = cache.allocate(), cache.allocate()
@@ -568,6 +569,10 @@ def test_replays_past_the_reserved_pages_are_refused_at_the_next_host_read(rng):
     assert cache.free_pages == free  # the refused append reserved nothing
     cache.free(seq)
     assert cache.free_pages == free + len(pages) and cache.seq_len(other) == 0
+    cache._append_step(0, index, cache._rotate(k), v, True)  # a replay after free
+    with pytest.raises(RuntimeError, match=f"appended to sequence {seq} after free"):
+        cache.seq_len(other)
+    assert cache.seq_len(other) == 0 and cache.allocate() == seq and cache.seq_len(seq) == 0  # reported once
 
 
 def test_a_rotated_cache_refuses_what_its_rotation_takes_beyond_float16(rng):
