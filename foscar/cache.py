@@ -725,17 +725,17 @@ class PagedKVCache:
     def _append_step(self, layer, index, k, v, flush):
         n0 = self.lengths[layer, index]  # [B]
         where = (index[:, None], self._heads[None, :], self._ring_slot(n0)[:, None])
-        # what the slot held (a quantized token a truncate may bring back), put back if the quantize step fails (a
-        # format's quantizer refusing, an interrupted compile); the granule it quantizes may hold the new token
-        held = None if _capturing(self.device) else [bf16[layer][where] for bf16 in (self.k_bf16, self.v_bf16)]
+        # what the slot held (a quantized token a truncate may bring back), put back if the torch path's quantizer
+        # refuses the granule, which may hold the new token (the kernel path's quantize step checks nothing here)
+        previous = None if self.use_kernels else [bf16[layer][where] for bf16 in (self.k_bf16, self.v_bf16)]
         self._write_slots(layer, where, k[:, :, 0], v[:, :, 0])
         n1 = n0 + 1
         try:
             if flush:
                 self._flush_step(layer, index, n0, n1)
         except BaseException:
-            if held is not None:
-                self._write_slots(layer, where, *held)
+            if previous is not None:
+                self._write_slots(layer, where, *previous)
             raise
         # last: a refusal leaves the length, and so everything the cache shows, as it was
         self.lengths[layer].index_copy_(0, index, n1)
