@@ -23,16 +23,16 @@ A format is registered under its name (:func:`register_format`); ``Scheme.make(f
 ``k_format=`` / ``v_format=`` take a registered name or any instance, and every consumer (quantize,
 append, dequantize, cache pools, decode validation, the references and both arch kernels) reads the
 format through the scheme's plan, never a bit-width literal. A new format is a subclass written
-anywhere (``notebooks/04_*``, ``tests/test_user_formats.py`` write INT8 outside the package)::
+anywhere (``notebooks/04_*``, ``tests/user_formats.py`` write INT8 outside the package)::
 
     class Int8(MinMaxFormat):
         name, bits = "int8", 8
 
     register_format(Int8())
 
-Formats are frozen and hashable: the compile key of a kernel holds its scheme, and with it the formats
-(:meth:`Format.compile_key` adds the source of a format class written outside the package, so editing
-it never reuses a stale kernel).
+Formats are frozen and hashable, equal where their class and instance attributes are: the compile key of a kernel
+holds its scheme, and with it the formats (:meth:`Format.compile_key` adds every declaration a kernel reads and the
+source of a format class written outside the package, so editing it never reuses a stale kernel).
 """
 
 from __future__ import annotations
@@ -296,8 +296,17 @@ class Format(abc.ABC):
         with a one-line reason where it cannot."""
 
     def compile_key(self) -> tuple:
-        """What a compiled kernel depends on: the format's repr, plus a hash of its class's source
-        where it is written outside the package (the package's own sources are in every key)."""
+        """What a compiled kernel depends on: the format's repr (its instance attributes too), every declaration a
+        kernel reads (bits, params, offset multiple, append rule, each arch's construction), so that two formats of
+        one source (a factory's classes, a class whose source cannot be read: ``python -c``, a notebook cell) never
+        share a kernel, plus a hash of its class's source where it is written outside the package (the package's
+        own sources are in every key)."""
+        constructions = []
+        for arch in (HOPPER_ARCH, BLACKWELL_ARCH):
+            try:
+                constructions.append(repr(self.construction(arch)))
+            except Unsupported as err:
+                constructions.append(f"unsupported: {err}")
         extra = ()
         for cls in type(self).__mro__:
             module = getattr(cls, "__module__", "")
@@ -307,16 +316,21 @@ class Format(abc.ABC):
                 extra += (hashlib.sha256(inspect.getsource(cls).encode()).hexdigest()[:16],)
             except (OSError, TypeError):
                 extra += (cls.__qualname__,)
-        return (repr(self),) + extra
+        declared = (self.name, self.bits, self.param_fields, repr(self.offset_per_scale), repr(self.append_rule))
+        return (repr(self), declared, tuple(constructions)) + extra
+
+    def _state(self) -> tuple:
+        """The instance's own attributes (a format's parameters, ``MyFormat(clip=0.5)``), sorted by name."""
+        return tuple(sorted(vars(self).items()))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self._state())})"
 
     def __eq__(self, other) -> bool:
-        return type(self) is type(other)
+        return type(self) is type(other) and self._state() == other._state()
 
     def __hash__(self) -> int:
-        return hash((type(self).__module__, type(self).__qualname__))
+        return hash((type(self).__module__, type(self).__qualname__, repr(self._state())))  # (any attribute types)
 
 
 class MinMaxFormat(Format):
@@ -383,12 +397,15 @@ FORMATS: dict[str, Format] = {}
 
 def register_format(fmt: Format) -> Format:
     """Make ``fmt`` known by its name (``Scheme.make(format="int8")``, the CLI, the test matrix);
-    re-registering the same format is a no-op, another format under a taken name a ValueError."""
+    re-registering an equal format (its class and attributes) is a no-op that returns the registered one, another
+    format under a taken name a ValueError."""
     if not isinstance(fmt, Format):
         raise TypeError(f"format must be a foscar.formats.Format instance, got {type(fmt).__name__}")
     held = FORMATS.get(fmt.name)
-    if held is not None and held != fmt:
-        raise ValueError(f"format name {fmt.name!r} is taken by {held!r}")
+    if held is not None:
+        if held != fmt:
+            raise ValueError(f"format name {fmt.name!r} is taken by {held!r}")
+        return held
     FORMATS[fmt.name] = fmt
     return fmt
 

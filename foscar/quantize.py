@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .checks import is_int
+from .formats import PARAM_DTYPE
 from .layouts import PACKERS, TILE_TOKENS, TileGeometry
 from .scheme import Axis, Scheme, TensorQuant
 
@@ -72,10 +73,43 @@ def quantize_groups(x: torch.Tensor, quant: TensorQuant, valid: torch.Tensor | N
     xf = x.to(torch.float32).masked_fill(~mask, 0)
     if not torch.isfinite(xf).all():
         raise ValueError(f"{name} holds inf or nan")
-    codes, scale, offset = quant.format.quantize(quant.grouped(xf), quant.grouped(mask), name)
+    grouped = quant.grouped(xf)
+    codes, scale, offset = quant.format.quantize(grouped, quant.grouped(mask), name)
+    check_quantized(quant.format, grouped.shape, codes, scale, offset)
     codes = codes.to(torch.uint8).reshape(x.shape)
     pshape = (*x.shape[:-2], *quant.params_shape(length, dim))
     return codes, scale.reshape(pshape), None if offset is None else offset.reshape(pshape)
+
+
+def check_quantized(fmt, grouped_shape, codes, scale, offset) -> None:
+    """What ``fmt.quantize`` returned for groups of ``grouped_shape`` ``[..., a, gl, b, gd]``, as the packed pages
+    and every kernel take it: whole codes in ``0 .. 2^bits - 1`` (the packing adds codes into shared words, so one out
+    of range changes its neighbour), finite fp16 params ``[..., a, 1, b, 1]``, an offset exactly where the format
+    stores one. A ValueError naming the format otherwise, before anything is stored."""
+    where = f"{fmt.name}.quantize"
+    if not isinstance(codes, torch.Tensor) or tuple(codes.shape) != tuple(grouped_shape):
+        raise ValueError(f"{where} returned codes of shape {tuple(getattr(codes, 'shape', ()))}, not the groups' "
+                         f"{tuple(grouped_shape)}")
+    if codes.numel():
+        c = codes.double()
+        if not bool(torch.isfinite(c).all()) or not bool((c == c.round()).all()):
+            raise ValueError(f"{where} returned codes that are not whole numbers (round them)")
+        lo, hi = int(c.min()), int(c.max())
+        if lo < 0 or hi >= fmt.levels:
+            raise ValueError(f"{where} returned codes in {lo} .. {hi}: a {fmt.bits}-bit code is 0 .. {fmt.levels - 1} "
+                             "(a signed or centred format stores code + its centre, and says so in dequantize)")
+    pshape = (*grouped_shape[:-4], grouped_shape[-4], 1, grouped_shape[-2], 1)
+    if (offset is None) != (fmt.param_fields == 1):
+        raise ValueError(f"{where} returned {'no' if offset is None else 'an'} offset; a format with param_fields="
+                         f"{fmt.param_fields} returns {'None' if fmt.param_fields == 1 else 'one'}")
+    for what, t in (("scale", scale), ("offset", offset)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != PARAM_DTYPE or tuple(t.shape) != pshape:
+            raise ValueError(f"{where} returned a {what} of {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}: the pages store {PARAM_DTYPE} {pshape}, one per group")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where} returned a non-finite {what} (a group beyond the float16 range)")
 
 
 def stack_params(scale, offset, quant: TensorQuant):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .checks import LOG2E, checked_sm_scale
+from .formats import affine_mismatch
 from .layouts import TILE_TOKENS
 from .quantize import QuantizedKV
 from .scheme import Construction
@@ -67,9 +68,14 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, arch: str = "sm_90a", 
     ``operand_dtype`` (e.g. ``torch.float16``) additionally emulates the Hopper kernel's one rounding
     step: the MMA's other operand (Q, Q*s', P or P*s', scaled as the kernel scales it) is rounded to
     that type; the offset corrections take the unrounded q or p, as the kernel does (the operand bias
-    cancels inside the MMA accumulator, ``foscar.operands``); everything else stays exact.
+    cancels inside the MMA accumulator, ``foscar.operands``); everything else stays exact. A format whose
+    ``dequantize`` is not ``scale * code + offset`` (``foscar.formats.affine_mismatch``) is refused.
     """
     sm_scale = check_query(q, cache, sm_scale)
+    for name, quant in (("k", cache.scheme.k), ("v", cache.scheme.v)):
+        reason = affine_mismatch(quant.format)
+        if reason is not None:  # the folds take scale * code + offset; attend_dequantized takes any format
+            raise ValueError(f"{name}: a format the folds cannot take: {reason}")
     rnd = (lambda x: x) if operand_dtype is None else (lambda x: x.to(operand_dtype).to(torch.float64))
     plan = cache.scheme.plan(arch, construction=construction)
     qg = _grouped_query(q, cache)  # [b, h, r, d]

@@ -15,7 +15,10 @@ from user_formats import INT8, Int8
 
 from foscar import Scheme
 from foscar.archs import BLACKWELL, HOPPER
-from foscar.formats import FORMATS, Construction, Format, MinMaxFormat, Unsupported, affine_mismatch, register_format
+from foscar.cache import PagedKVCache
+from foscar.compile_cache import entry_key
+from foscar.formats import (FORMATS, PARAM_DTYPE, AppendRule, Construction, Format, MinMaxFormat, Unsupported,
+                            affine_mismatch, kernel_construction, register_format)
 from foscar.quantize import dequantize_groups, quantize_groups, quantize_kv
 from foscar.reference import attend_dequantized, attend_folded
 from foscar.scheme import HOPPER_FP16, TensorQuant
@@ -222,3 +225,149 @@ def test_cache_decode_matches_float64_on_the_gpu(scheme, rng):
         assert math.isfinite(err) and err <= tol, (seq, err, tol)
         assert float((lse[b].double() - torch.logsumexp(scores, -1)).abs().max()) <= max(tol, 1e-3)
     assert not cache._counters.any()
+
+
+# ------------------------------------------------------------------ a user's mistakes (a helper's audit, session 28)
+def _centred_sweep(ratio: int, name: str) -> Format:
+    """A scale-only 4-bit format ``x = s * (c + ratio)`` made by a factory (a sweep over the centre): every class it
+    makes has the same source text."""
+    class Sweep(Format):
+        bits, param_fields, offset_per_scale = 4, 1, ratio
+        append_rule = AppendRule("absmax", steps=7, shift=-ratio)
+
+        def quantize(self, grouped, mask, name):
+            a = torch.where(mask, grouped.abs(), 0.0).amax(dim=(-3, -1), keepdim=True)
+            s = (a / torch.full_like(a, 7)).to(PARAM_DTYPE)
+            s32 = s.float()
+            c = (torch.round(grouped / torch.where(s32 == 0, 1.0, s32)) - ratio).clamp_(0, 15)
+            return torch.where(mask & (s32 != 0), c, 0.0), s, None
+
+        def dequantize(self, codes, scale, offset):
+            return (codes + ratio) * scale
+
+        def construction(self, arch):
+            return kernel_construction(arch, 4)
+    Sweep.name = name
+    return Sweep()
+
+
+def test_formats_of_one_source_never_share_a_compiled_kernel():
+    """The disk cache keyed a format by its repr and its class's source: a factory's classes (or a class whose
+    source cannot be read: ``python -c``, a notebook cell) with another ``offset_per_scale``, a constant of the
+    kernel, got one entry, and the second format ran the first one's kernel."""
+    a, b = _centred_sweep(-8, "sweep8"), _centred_sweep(-7, "sweep7")
+    assert affine_mismatch(a) is None and affine_mismatch(b) is None
+    keys = [("hopper_decode", Scheme.make(format=f, gqa_ratio=4), 128, "sm_90a") for f in (a, b)]
+    assert entry_key(keys[0]) != entry_key(keys[1])
+
+
+class _Signed4(Format):
+    """Signed symmetric INT4 (codes -8..7, x = s*c): codes the packed 4-bit slots cannot hold."""
+    name, bits, param_fields, offset_per_scale = "test-signed4", 4, 1, 0
+
+    def quantize(self, grouped, mask, name):
+        a = torch.where(mask, grouped.abs(), 0.0).amax(dim=(-3, -1), keepdim=True)
+        s = (a / torch.full_like(a, 7)).to(PARAM_DTYPE)
+        s32 = s.float()
+        c = torch.round(grouped / torch.where(s32 == 0, 1.0, s32)).clamp_(-8, 7)
+        return torch.where(mask & (s32 != 0), c, 0.0), s, None
+
+    def dequantize(self, codes, scale, offset):
+        return codes * scale
+
+    def construction(self, arch):
+        return kernel_construction(arch, 4)
+
+
+class _Unclamped4(MinMaxFormat):
+    name, bits = "test-unclamped4", 4
+
+    def quantize(self, grouped, mask, name):
+        c, s, z = MinMaxFormat.quantize(self, grouped, mask, name)
+        return c + (c == 15).float(), s, z  # a top code of 16 carries into the next code's bits
+
+
+class _Unrounded4(MinMaxFormat):
+    name, bits = "test-unrounded4", 4
+
+    def quantize(self, grouped, mask, name):
+        c, s, z = MinMaxFormat.quantize(self, grouped, mask, name)
+        return c + 0.75 * (c < 15), s, z  # fractional codes (the uint8 cast truncated them)
+
+
+class _Fp32Params4(MinMaxFormat):
+    name, bits = "test-fp32params4", 4
+
+    def quantize(self, grouped, mask, name):
+        c, s, z = MinMaxFormat.quantize(self, grouped, mask, name)
+        return c, s.float(), z.float()
+
+
+class _NoOffset4(MinMaxFormat):
+    name, bits = "test-nooffset4", 4
+
+    def quantize(self, grouped, mask, name):
+        c, s, _ = MinMaxFormat.quantize(self, grouped, mask, name)
+        return c, s, None
+
+
+@pytest.mark.parametrize("fmt, match", [(_Signed4(), r"codes in -\d+ \.\. \d+: a 4-bit code is 0 \.\. 15"),
+                                        (_Unclamped4(), r"codes in 0 \.\. 16"),
+                                        (_Unrounded4(), "not whole numbers"),
+                                        (_Fp32Params4(), "scale of torch.float32"),
+                                        (_NoOffset4(), "no offset; a format with param_fields=2")], ids=lambda x: getattr(x, "name", ""))
+def test_what_a_format_quantizes_to_is_checked_before_it_is_stored(fmt, match, rng):
+    """Codes went into the packed words unchecked (cast to uint8 and added: a code out of range changed its
+    neighbour, max error 10.5 at |K| <= 4.3 for signed INT4) and so did params of another dtype or a missing
+    offset (an error from deep inside torch, or none until the decode): refused, naming the format."""
+    k = torch.randn(1, 1, 128, 128, generator=rng).bfloat16()
+    scheme = Scheme.make(format=fmt, gqa_ratio=4)
+    with pytest.raises(ValueError, match=f"{fmt.name}.quantize returned (.* )?{match}"):
+        quantize_kv(k, k, scheme, 128)
+    cache = PagedKVCache(scheme, 1, 1, 4, 1, 512, sink=0, window=64, device="cpu")
+    cache.allocate()
+    with pytest.raises(ValueError, match=f"{fmt.name}.quantize returned"):
+        cache.append(0, [0], k[:, :, :128], k[:, :, :128])
+    assert cache.seq_len(0) == 0
+
+
+class _Midpoint4(MinMaxFormat):
+    """The stored offset is the group's midpoint: x = s*(c - 7.5) + mid, not the kernels' s*c + z."""
+    name, bits = "test-midpoint4", 4
+
+    def dequantize(self, codes, scale, offset):
+        return (codes - 7.5) * scale + offset
+
+
+def test_the_folded_reference_refuses_a_format_the_folds_cannot_take(rng):
+    """``attend_folded`` applied s*c + z to any format (a midpoint format came out 3.3 off its own definition)."""
+    k = torch.randn(1, 1, 128, 128, generator=rng).bfloat16()
+    cache = quantize_kv(k, k, Scheme.make(format=_Midpoint4(), gqa_ratio=4), 128)
+    q = torch.randn(1, 4, 128, generator=rng).bfloat16()
+    attend_dequantized(q, cache, 0.1)  # the dequantize-then-attend reference takes any format
+    with pytest.raises(ValueError, match="k: a format the folds cannot take: the kernels dequantize scale"):
+        attend_folded(q, cache, 0.1)
+
+
+class _Divided4(MinMaxFormat):
+    name, bits = "test-divided4", 4
+
+    def __init__(self, divisor):
+        self.divisor = divisor
+
+    def dequantize(self, codes, scale, offset):
+        return (codes * scale + offset) / self.divisor
+
+
+def test_formats_with_other_attributes_are_other_formats():
+    """Formats compared (and the probes cached their verdicts) by class alone: a second instance with another
+    parameter took the first one's 'affine' and its kernels."""
+    assert _Divided4(1.0) == _Divided4(1.0) and hash(_Divided4(1.0)) == hash(_Divided4(1.0))
+    assert _Divided4(1.0) != _Divided4(0.5) and repr(_Divided4(0.5)) == "_Divided4(divisor=0.5)"
+    assert affine_mismatch(_Divided4(1.0)) is None
+    assert affine_mismatch(_Divided4(0.5)) is not None
+    assert register_format(_Divided4(1.0)) is FORMATS["test-divided4"]
+    assert register_format(_Divided4(1.0)) is FORMATS["test-divided4"]  # an equal one: a no-op
+    with pytest.raises(ValueError, match="format name 'test-divided4' is taken by _Divided4"):
+        register_format(_Divided4(0.5))
+    del FORMATS["test-divided4"]
