@@ -311,11 +311,14 @@ class _NoOffset4(MinMaxFormat):
         return c, s, None
 
 
-@pytest.mark.parametrize("fmt, match", [(_Signed4(), r"codes in -\d+ \.\. \d+: a 4-bit code is 0 \.\. 15"),
-                                        (_Unclamped4(), r"codes in 0 \.\. 16"),
-                                        (_Unrounded4(), "not whole numbers"),
-                                        (_Fp32Params4(), "scale of torch.float32"),
-                                        (_NoOffset4(), "no offset; a format with param_fields=2")], ids=lambda x: getattr(x, "name", ""))
+MISTAKES = [(_Signed4(), r"codes in -\d+ \.\. \d+: a 4-bit code is 0 \.\. 15"),
+            (_Unclamped4(), r"codes in 0 \.\. 16"),
+            (_Unrounded4(), "not whole numbers"),
+            (_Fp32Params4(), "scale of torch.float32"),
+            (_NoOffset4(), "no offset; a format with param_fields=2")]
+
+
+@pytest.mark.parametrize("fmt, match", MISTAKES, ids=[fmt.name for fmt, _ in MISTAKES])
 def test_what_a_format_quantizes_to_is_checked_before_it_is_stored(fmt, match, rng):
     """Codes went into the packed words unchecked (cast to uint8 and added: a code out of range changed its
     neighbour, max error 10.5 at |K| <= 4.3 for signed INT4) and so did params of another dtype or a missing
