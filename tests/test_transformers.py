@@ -225,7 +225,8 @@ def test_layer_types_count_only_where_the_config_class_takes_them():
     for max_seq_len in (64, np.int64(64)):
         with pytest.raises(ValueError, match="model: its attention slides over a window of 32 tokens"):
             FoscarCache(mistral, max_batch_size=1, max_seq_len=max_seq_len, device="cpu")
-    FoscarCache(transformers.Gemma2Config(**small, sliding_window=32), max_batch_size=1, max_seq_len=64, device="cpu")
+    FoscarCache(transformers.Gemma2Config(**small, sliding_window=32, attn_logit_softcapping=None), max_batch_size=1,
+                max_seq_len=64, device="cpu")
     qwen = transformers.Qwen2Config(**small, sliding_window=32, use_sliding_window=True)
     assert qwen.sliding_window == 32
     FoscarCache(qwen, max_batch_size=1, max_seq_len=64, device="cpu")

@@ -46,8 +46,10 @@ run eagerly):
 Not supported (clear errors): beam search / cache reordering, padded batches (FOSCAR's attention takes
 no attention mask: a padded 2-D ``attention_mask``, or a 4-D one that hides part of the causal past, is refused
 before the first layer runs, :func:`foscar_mask`, :func:`_refuse_hiding_mask`), a sliding window shorter than
-``max_seq_len`` (refused by :func:`FoscarCache`), a model whose attention is not FOSCAR's (refused at the first
-update: call :func:`use_foscar`).
+``max_seq_len`` and attention FOSCAR's does not compute (learned sinks, ALiBi, logit soft-capping, KV-shared layers;
+refused by :func:`FoscarCache`), a model whose attention is not FOSCAR's (refused at the first update: call
+:func:`use_foscar`), a cache whose layers an interrupted forward left at different lengths (refused at the next
+forward: ``reset()`` it).
 transformers is imported lazily; it is not a dependency of foscar.
 """
 
@@ -76,6 +78,11 @@ def foscar_attention_forward(module, query, key, value, attention_mask, dropout:
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    # what neither SDPA nor FOSCAR computes, and SDPA's function would drop unseen (FoscarCache refuses such models)
+    unsupported = [name for name in ("s_aux", "sinks", "softcap") if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(f"model: its attention passes {unsupported} (learned sinks or logit soft-capping), which "
+                         "FOSCAR's attention does not compute")
     layer = getattr(key, "foscar", None)  # set by FoscarCache's update after the prefill
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -243,6 +250,11 @@ def _make_layer_class():
             if decode:
                 self.owner.check_length(past + tokens, "a generate's prompt and max_new_tokens")
             self.owner.check_values(self.layer_idx, key_states, value_states)
+            first = self.owner.layers[0]
+            if self.layer_idx and past != first.cumulative_length - tokens:
+                raise ValueError(f"cache: layer {self.layer_idx} holds {past} tokens and layer 0 "
+                                 f"{first.cumulative_length - tokens} before this forward (a forward was interrupted "
+                                 "between layers?); reset() the cache")
             # a chunk's pages are reserved now: a refusal comes before anything changes, and no append fails later
             seq_ids = self.owner.sequences_for(key_states.shape[0], None if decode else past + tokens)
             self.commit()
@@ -498,9 +510,11 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
         device = model_or_config.device
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     _check_sliding_window(text, max_seq_len)
+    _check_attention_features(text, model_or_config if is_model else None)
     if is_model:
         _install_mask_check(model_or_config)
-    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads  # GPT-2, GPT-NeoX: multi-head
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     k_group = _default_group(k, head_dim) if k_group is None else k_group
     v_group = _default_group(v, head_dim) if v_group is None else v_group
@@ -538,6 +552,23 @@ def _check_sliding_window(text_config, max_seq_len: int) -> None:
         if is_int(window) and window > 0 and is_int(max_seq_len) and max_seq_len > window:
             raise ValueError(f"model: its attention {how} of {window} tokens, and FoscarCache attends every cached "
                              f"token; build it with max_seq_len <= {window} (got {max_seq_len})")
+
+
+def _check_attention_features(text_config, model=None) -> None:
+    """Refuse attention that FOSCAR's does not compute: logit soft-capping (Gemma 2), ALiBi (carried in the mask,
+    Falcon alibi=True), learned attention sinks (GPT-OSS's ``sinks``: SDPA and FOSCAR drop them), and KV-shared
+    layers (Gemma 3n), before any token."""
+    what = []
+    if getattr(text_config, "attn_logit_softcapping", None):
+        what.append(f"attention logit soft-capping ({text_config.attn_logit_softcapping})")
+    if getattr(text_config, "alibi", False):
+        what.append("ALiBi position biases")
+    if getattr(text_config, "num_kv_shared_layers", 0):
+        what.append(f"KV-shared layers ({text_config.num_kv_shared_layers})")
+    if model is not None and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        what.append("learned attention sinks")
+    if what:
+        raise ValueError(f"model: its attention has {', '.join(what)}, which FoscarCache's attention does not compute")
 
 
 def _refuse_beam_search() -> None:
