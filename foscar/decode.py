@@ -24,6 +24,10 @@ from .work_list import MAX_DECODE_SPLITS, MIN_TOKENS_PER_SPLIT, plan_splits
 __all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_paged", "MAX_DECODE_SPLITS",
            "MIN_TOKENS_PER_SPLIT"]
 
+MAX_GRID_YZ = 65535  # a CUDA grid's y and z extents: the decode launch's KV heads and sequences
+MAX_LENGTH = 2**31 - 2**16  # tokens of a sequence: the kernels count its tiles in 32-bit ints
+PARTIAL_LIMIT = 2**31  # elements of the splits' partial outputs the combine kernel indexes (32-bit offsets)
+
 def _tensor(name, t, dtype, dims, device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -38,6 +42,9 @@ def _tensor(name, t, dtype, dims, device):
         raise ValueError(f"{name} must be on {device} (the device of q), got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+    if t.device.type != "meta" and t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address (the kernels read 16-byte vectors); a slice "
+                         "at a storage offset is not: pass a copy (.clone())")
 
 
 def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme: Scheme, page_size: int,
@@ -80,6 +87,12 @@ def validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths,
         _tensor(name, t, PARAM_DTYPE, (num_pages, kv_heads, *quant.params_shape(page_size, dim), quant.param_fields), device)
     _tensor("page_table", page_table, torch.int32, (batch, "max_pages"), device)
     _tensor("lengths", lengths, torch.int32, (batch,), device)
+    if batch > MAX_GRID_YZ or kv_heads > MAX_GRID_YZ:  # the launch's grid (splits, KV heads, sequences)
+        raise ValueError(f"q: {batch} sequences of {kv_heads} KV heads; one launch takes at most {MAX_GRID_YZ} of each "
+                         "(a CUDA grid's y and z): split the batch")
+    if page_table.shape[1] * page_size > MAX_LENGTH:  # the kernel counts a sequence's tiles in 32-bit ints
+        raise ValueError(f"page_table: {page_table.shape[1]} pages of {page_size} tokens a sequence; a sequence holds "
+                         f"at most {MAX_LENGTH} tokens")
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if check_pages and not capturing:
         lens = lengths.cpu()
@@ -107,11 +120,18 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
     ``out`` (q's shape and dtype) and ``lse`` (fp32, q's shape but head_dim) may be given to write in
     place. ``check_pages=False`` skips the host read-back of the page table (it is skipped anyway under
     CUDA-graph capture). ``layout`` (optional) names the bit order the codes were packed in; it must be
-    the device's (``foscar.archs.Arch.layout``).
+    the device's (``foscar.archs.Arch.layout``). ``num_splits`` (None: :func:`plan_splits`'s) CTAs share each
+    (sequence, KV head), at most ``MAX_DECODE_SPLITS``, merged by a second launch.
     """
     sm_scale = validate_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, scheme, page_size, sm_scale,
                               check_pages)
     page_size = int(page_size)
+    if num_splits is not None:
+        if not is_int(num_splits) or not 1 <= num_splits <= MAX_DECODE_SPLITS:
+            raise ValueError(f"num_splits must be None or an int in [1, {MAX_DECODE_SPLITS}], got {num_splits!r}")
+        if num_splits > 1 and q.numel() * num_splits >= PARTIAL_LIMIT:  # the splits' fp32 partials [rows, splits, D]
+            raise ValueError(f"num_splits={num_splits}: the partial outputs of q {list(q.shape)} would hold "
+                             f"{q.numel() * num_splits} elements; the combine kernel indexes fewer than 2^31")
     if layout is not None and layout not in packed_layouts():
         raise ValueError(f"layout must be None or one of {packed_layouts()}, got {layout!r}")
     if out is not None:
@@ -127,8 +147,6 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
     arch.can_implement(scheme, page_size)  # a variant the kernel cannot build fails here, before compiling
     if num_splits is None:
         num_splits = plan_splits(q.shape[0], k_codes.shape[1], page_table.shape[1] * page_size, sm_count(q.device))
-    if not is_int(num_splits) or num_splits < 1:
-        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
     num_splits = int(num_splits)
     tokens = q.shape[1] if q.dim() == 4 else 1
     step = arch.max_query_tokens(scheme)[0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from foscar import Scheme, quantize_kv
-from foscar.decode import decode, decode_paged, plan_splits
+from foscar.decode import MAX_DECODE_SPLITS, decode, decode_paged, plan_splits, validate_paged
 
 
 @pytest.fixture
@@ -149,3 +149,48 @@ def test_foscar_decode_called_is_the_decode_function(case, monkeypatch):
     assert seen[0][0][:2] == (args["q"], cache.k_codes) and seen[0][0][10] is True
     with pytest.raises(TypeError, match="cache must be a foscar.QuantizedKV, got NoneType"):
         foscar.decode(args["q"], None)
+
+
+# ------------------------------------------------------------------ a helper's audit of bad input (session 28)
+def _paged_case(batch=2, kv_heads=2, gqa=4):
+    scheme = Scheme.make(2, k="channel", k_group=64, gqa_ratio=gqa)
+    k = torch.randn(1, kv_heads, 64, 128).bfloat16()
+    cache = quantize_kv(k, k.clone(), scheme, 64)
+    return dict(q=torch.randn(batch, kv_heads * gqa, 128).bfloat16(), k_codes=cache.k_codes, k_params=cache.k_params,
+                v_codes=cache.v_codes, v_params=cache.v_params, page_table=torch.zeros(batch, 1, dtype=torch.int32),
+                lengths=torch.full((batch,), 64, dtype=torch.int32), scheme=scheme, page_size=64)
+
+
+def _at_an_offset(t):
+    """``t``'s values in a contiguous tensor whose data starts one element past a 16-byte boundary."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("name", ["q", "page_table", "lengths", "k_codes", "v_params"])
+def test_a_misaligned_tensor_is_named_before_the_compiler(name):
+    """The kernels take 16-byte aligned pointers: a contiguous slice at a storage offset passed validation and failed
+    at the launch, after compiling, with an error naming no argument."""
+    args = _paged_case()
+    args[name] = _at_an_offset(args[name])
+    assert args[name].is_contiguous() and args[name].data_ptr() % 16
+    with pytest.raises(ValueError, match=f"{name} must start at a 16-byte aligned address"):
+        validate_paged(**args, sm_scale=None)
+
+
+@pytest.mark.parametrize("num_splits", [MAX_DECODE_SPLITS + 1, 10**6])
+def test_num_splits_past_the_maximum_is_refused(num_splits):
+    with pytest.raises(ValueError, match=rf"num_splits must be None or an int in \[1, {MAX_DECODE_SPLITS}\]"):
+        decode_paged(**_paged_case(), num_splits=num_splits)
+
+
+def test_split_partials_past_32_bit_offsets_are_refused():
+    """128 splits at batch 4096 x 64 query heads x 128 channels: the combine kernel's partials hold 2^32 elements at
+    32-bit row offsets (reads before the buffer)."""
+    with pytest.raises(ValueError, match="num_splits=128: the partial outputs"):
+        decode_paged(**_paged_case(batch=4096, kv_heads=8, gqa=8), num_splits=MAX_DECODE_SPLITS)
+
+
+def test_a_batch_past_the_grid_limit_is_refused():
+    """The grid's z extent holds 65535 sequences: a larger batch failed at the launch ('invalid argument')."""
+    with pytest.raises(ValueError, match="q: 65536 sequences of 1 KV heads; one launch takes at most 65535"):
+        validate_paged(**_paged_case(batch=65536, kv_heads=1, gqa=1), sm_scale=None)

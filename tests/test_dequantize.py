@@ -400,3 +400,19 @@ def test_cached_blocks_of_a_gpu_cache_run_the_kernel_in_its_arch_order(arch, rng
                           torch.tensor([held], device="cuda"), cache.arch.layout).dequantize(torch.float64)
         for got, want in zip((kb, vb), ref):
             assert torch.equal(got, want[0, :, :held].float().bfloat16())
+
+
+@pytest.mark.gpu
+def test_an_output_past_32_bit_offsets_is_refused_before_it_is_allocated(monkeypatch):
+    """The kernel's output offsets are 32-bit: 3 sequences x 131073 pages x 64 tokens x 128 channels (3.2e9
+    elements) wrote the third sequence at a negative offset (a helper's audit, from the PTX)."""
+    import foscar.kernels.dequantize as dq
+    from foscar import Scheme, quantize_kv
+
+    scheme = Scheme.make(4)
+    k = torch.randn(1, 1, 64, 128, device="cuda").bfloat16()
+    cache = quantize_kv(k, k.clone(), scheme, 64)
+    monkeypatch.setattr(dq, "launch", lambda *a, **kw: pytest.fail("launched past the kernel's 32-bit offsets"))
+    table = torch.zeros(3, 131073, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="page_table: 3 x 131073 pages dequantize to .* fewer than 2\\^31"):
+        dq.dequantize_pages(cache.k_codes, cache.k_params, table, scheme, "k")

@@ -166,3 +166,13 @@ def test_the_kernel_matches_float64(dtype, d, rng):
     torch.cuda.synchronize()
     assert (out[0, 0, 0] == 0).all() and lse[0, 0, 0] == -math.inf
     assert not out.isnan().any()
+
+
+def test_tensors_off_the_gpu_are_refused_before_the_compiler(monkeypatch):
+    """The kernel takes every part's address: a CPU part (or out) went to it unchecked (a helper's audit)."""
+    import foscar.kernels.merge_parts as mp
+
+    monkeypatch.setattr(mp, "cached_compile", lambda *a, **k: pytest.fail("reached the compiler"))
+    o, lse = torch.zeros(2, 3, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="out: on cpu; the merge kernel needs every tensor on out's CUDA device"):
+        mp.merge_parts([(o, lse)], o.clone(), lse.clone())

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -60,6 +61,7 @@ OUT_TYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 POSITIONS = {"hopper": tile_position, "blackwell": bw_tile_position}
 BANK_BITS = 5  # 32 shared-memory banks of one word
 SWIZZLE_TARGETS = (2, 3, 4)  # word-index bits a swizzle may flip: not 0, 1, which a 16-byte staging vector spans
+INDEX_LIMIT = 2**31  # elements of a pool or an output the kernel indexes (32-bit offsets)
 
 
 @dataclass(frozen=True)
@@ -623,6 +625,10 @@ class PagesDequantizer:
         self._check("params", params, torch.float16, (self.num_pages, self.kv_heads,
                                                       *params_shape(cfg.axis, G, self.page_size, cfg.head_dim),
                                                       cfg.param_fields), codes.device)
+        for name, t in (("codes", codes), ("params", params)):
+            if t.numel() >= INDEX_LIMIT:
+                raise ValueError(f"{name}: {t.numel()} elements; the dequantize kernel indexes a pool in 32-bit ints, "
+                                 f"so it holds fewer than 2^31")
         self.device = codes.device
         self._codes, self._params = codes, params
         self._compiled = None  # compiled at the first call, after its checks
@@ -643,6 +649,9 @@ class PagesDequantizer:
         batch, max_pages = page_table.shape
         shape = (batch, self.kv_heads, max_pages * self.page_size, self.cfg.head_dim)
         self._check("page_table", page_table, torch.int32, (batch, max_pages), self.device)
+        if math.prod(shape) >= INDEX_LIMIT:
+            raise ValueError(f"page_table: {batch} x {max_pages} pages dequantize to {math.prod(shape)} elements; the "
+                             "kernel writes them with 32-bit offsets, so fewer than 2^31 (fewer pages a call)")
         if out is not None:
             self._check("out", out, self.dtype, shape, self.device)
         else:

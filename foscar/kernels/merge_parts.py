@@ -160,6 +160,9 @@ def merge_parts(parts, out, lse) -> None:
             raise ValueError(f"parts[{index}]: need o of out's shape {tuple(out.shape)} in fp32 or {part_dtype} and an "
                              f"fp32 lse of shape {tuple(lse.shape)}, got {o.dtype} {tuple(o.shape)} and "
                              f"{part_lse.dtype} {tuple(part_lse.shape)}")
+    for name, t in [("out", out), ("lse", lse)] + [(f"parts[{i}]", x) for i, part in enumerate(parts) for x in part]:
+        if t.device != out.device or not t.is_cuda:  # the kernel takes every part's address
+            raise ValueError(f"{name}: on {t.device}; the merge kernel needs every tensor on out's CUDA device")
     out_type, part_type = (Float32 if out.dtype == torch.float32 else half_type(out.dtype)), half_type(part_dtype)
     arch = device_arch(out.device)
     compiled = cached_compile(("merge_parts", d, part_type, out_type, arch),
