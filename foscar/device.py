@@ -171,6 +171,19 @@ def cp_async_16(dst, src, src_bytes=None, *, loc=None, ip=None):
                    "r,l,r,~{memory}", True, loc, ip)
 
 
+def divmod_nonnegative(i, n: int):
+    """``(i // n, i % n)`` of an ``i >= 0`` and a constant ``n > 0``; an Int32 is divided as an unsigned number,
+    which needs none of a signed division's fix-ups (a shift and a mask for a power of two). Its callers' counts
+    (ring items, tiles, pages) start at 0: a negative one would come out wrong (-1 -> 2^32 - 1), not refused."""
+    if isinstance(i, int):
+        return divmod(i, n)
+    if not isinstance(i, Int32):
+        raise TypeError(f"divmod_nonnegative takes an Int32 (an unsigned Int64 division is another instruction), got "
+                        f"{type(i).__name__}")
+    u = cutlass.Uint32(i)
+    return Int32(u // n), Int32(u % n)
+
+
 def at(ptr, idx):
     """``ptr[idx]`` (a CuTe pointer: global or shared memory)."""
     import cutlass.cute as cute

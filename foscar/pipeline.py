@@ -3,8 +3,8 @@ engine) into stages guarded by mbarriers.
 
 Every (page, kv_head, 64-token tile) block of packed codes is contiguous in global memory, and so
 are the tile's (scale, offset) rows, so a stage is filled by four plain ``cp.async.bulk`` copies
-(no tensor map): K codes, V codes, K params, V params. Producer threads issue them (Hopper: lane 0
-of each of the 4 producer warps, every 4th tile; Blackwell: one thread).
+(no tensor map): K codes, V codes, K params, V params. A producer warp walks the tiles and one lane of it,
+chosen by ``elect.sync``, issues them (Hopper: 4 producer warps, every 4th tile each; Blackwell: one warp).
 
 Barriers of stage ``s`` (``full[s]``, ``empty[s]``):
 
@@ -46,7 +46,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .device import inline_ptx
+from .device import divmod_nonnegative, inline_ptx
 from .layouts.fragment import TILE_TOKENS
 
 
@@ -62,17 +62,17 @@ def bulk_copy_g2s(dst: cute.Pointer, src: cute.Pointer, nbytes: int, mbar: cute.
 def first_item(lo, item_of_lo, producer, producers: int):
     """The first index ``>= lo`` that producer ``producer`` of ``producers`` issues, where index ``lo`` is ring item
     ``item_of_lo`` (>= 0) and ring item ``i`` is producer ``i % producers``'s (the module docstring says why)."""
-    return lo + (producer + producers - item_of_lo % producers) % producers
+    return lo + divmod_nonnegative(producer + producers - divmod_nonnegative(item_of_lo, producers)[1], producers)[1]
 
 
 def stage(i, stages: int):
-    """The stage of item ``i`` in a ring of ``stages``."""
-    return i % stages if stages > 1 else 0
+    """The stage of item ``i`` (>= 0) in a ring of ``stages``."""
+    return divmod_nonnegative(i, stages)[1]
 
 
 def phase(i, stages: int):
-    """The phase parity of item ``i`` in a ring of ``stages``."""
-    return (i // stages) % 2
+    """The phase parity of item ``i`` (>= 0) in a ring of ``stages``."""
+    return divmod_nonnegative(i, stages)[0] & 1
 
 
 # The bundles below are frozen dataclasses: the DSL treats them as read-only, so a kernel may call their

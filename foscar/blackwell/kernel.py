@@ -81,7 +81,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Float8E4M3FN, Float16, Float32, Int32, Uint32
+from cutlass import Float8E4M3FN, Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.pipeline import NamedBarrier
 
@@ -425,7 +425,7 @@ class BlackwellDecodeKernel(DecodeKernelBase):
         if role == WG_MMA:
             set_warpgroup_registers(REGS[WG_MMA], cfg.launch_regs)
             if warp == 1:
-                self.produce(ch, pages, seq, head, lane)
+                self.produce(ch, pages, seq, head)
             if warp == 0:
                 self.issue_mma(mmas, sm, tmem_holder, s_layout, acc_layout, ch, seq)
 
@@ -443,30 +443,29 @@ class BlackwellDecodeKernel(DecodeKernelBase):
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, ch: pl.Channels, pages: PackedPages, seq, head: KvHead, lane: Int32):
-        """Producer warp (warp 1): one lane issues the 1-D bulk copies of each 64-token tile (K codes,
-        V codes, K params, V params: each contiguous in global memory) into the ring.
-        Local tile i = 2*step + half uses ring stage i % RING; a tile past the CTA's range repeats
-        the last tile of the sequence (finite codes, masked by the softmax)."""
-        if lane == 0:
-            self.produce_tiles(ch, pages, seq, head)
-
-    @cute.jit
-    def produce_tiles(self, ch: pl.Channels, pages: PackedPages, seq, head: KvHead):
+    def produce(self, ch: pl.Channels, pages: PackedPages, seq, head: KvHead):
+        """Producer warp (warp 1): the warp walks the CTA's 64-token tiles, and one elected lane issues the 1-D bulk
+        copies of each (K codes, V codes, K params, V params: each contiguous in global memory) into the ring.
+        Local tile i = 2*step + half uses ring stage i % RING; a tile past the CTA's range repeats the last tile of
+        the sequence (finite codes, masked by the softmax). elect.sync, not `lane == 0`: ptxas then moves the
+        copies' operands to uniform registers directly, with no per-copy ELECT / R2UR loop (benchmarks/NOTES.md
+        section 48)."""
         cfg = self.cfg
         ring = ch.ring
         tiles = seq.tiles()
         for i in cutlass.range(0, STEP_TILES * tiles.steps(STEP_TILES), 1, unroll=1):
-            page_head, sub, slot0 = self.tile_head(seq, head.kv_heads, head.h, tiles.n_tiles(), tiles.begin + i)
-            st = ring.stage(i)
-            ring.wait_empty(i)
-            cute.arch.mbarrier_arrive_and_expect_tx(ring.full(st), cfg.TILE_BYTES)
-            self.copy_tile(ch.ring_words + cute.assume(st * cfg.STAGE_WORDS, divby=4), ring.full(st), pages, page_head,
-                           sub, slot0)
+            page, sub, slot0 = self.tile_page(seq, tiles.n_tiles(), tiles.begin + i)
+            page_head = page.to(Int64) * head.kv_heads + head.h
+            with cute.arch.elect_one():
+                st = ring.stage(i)
+                ring.wait_empty(i)
+                cute.arch.mbarrier_arrive_and_expect_tx(ring.full(st), cfg.TILE_BYTES)
+                self.copy_tile(ch.ring_words + cute.assume(st * cfg.STAGE_WORDS, divby=4), ring.full(st), pages,
+                               page_head, sub, slot0)
 
-    def tile_head(self, seq, kv_heads, h, n_tiles, tile):
-        """``seq.tile_head`` (a call on the kernel: the DSL takes only the kernel's methods in loops)."""
-        return seq.tile_head(kv_heads, h, n_tiles, tile, self.cfg.page_size)
+    def tile_page(self, seq, n_tiles, tile):
+        """``seq.tile_page`` (a call on the kernel: the DSL takes only the kernel's methods in loops)."""
+        return seq.tile_page(n_tiles, tile, self.cfg.page_size)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

@@ -15,6 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ..device import divmod_nonnegative
 from ..window_tiles import quantized_tokens
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import TileSpan
@@ -47,12 +48,12 @@ class DecodeSequence:
         """The CTA's packed tiles (``foscar.pipeline.TileSpan``): whole 128-token steps per split."""
         return TileSpan.of_split(self.packed_tokens(), self.split, self.num_splits, STEP_TILES)
 
-    def tile_head(self, kv_heads, h, n_tiles, tile, page_size: int):
-        """(page * kv_heads + h, tile-in-page, first slot) of 64-token tile ``tile`` (clamped in range)."""
+    def tile_page(self, n_tiles, tile, page_size: int):
+        """(page, tile-in-page, first slot) of 64-token tile ``tile`` (clamped in range)."""
         tile = cutlass.min(tile, n_tiles - 1)
-        tok0 = tile * TILE_TOKENS
-        page = scalar(self.page_table, self.table_row() * self.max_pages + tok0 // page_size)[0]
-        return page.to(Int64) * kv_heads + h, (tok0 % page_size) // TILE_TOKENS, tok0 % page_size
+        page_of_row, slot0 = divmod_nonnegative(tile * TILE_TOKENS, page_size)
+        page = scalar(self.page_table, self.table_row() * self.max_pages + page_of_row)[0]
+        return page, slot0 // TILE_TOKENS, slot0
 
 
 class PlannedSequence(DecodeSequence):

@@ -43,8 +43,8 @@ All corrections in FP32; softmax in the log2 domain with sm_scale*log2(e) folded
 The MMAs run in FP16 (not BF16): the scaled other operand (Q*s' or P*s') is rounded to the MMA
 type, and FP16's 3 extra mantissa bits keep that rounding 4x below BF16's (foscar.operands).
 
-Structure: warp-specialized. Warpgroup 0 is the producer: lane 0 of each of its 4 warps walks every
-4th tile of the CTA and issues 1-D bulk copies (``cp.async.bulk``, TMA engine) of the tile's K
+Structure: warp-specialized. Warpgroup 0 is the producer: each of its 4 warps walks every 4th tile
+of the CTA and one elected lane issues 1-D bulk copies (``cp.async.bulk``, TMA engine) of the tile's K
 codes, V codes, K params and V params into a ``STAGES``-deep shared-memory ring guarded by
 mbarriers (foscar/pipeline.py; the cache decode's 16-bit window tiles, before them, are copied by
 all 32 lanes of each producer warp: foscar.hopper.cache_decode);
@@ -83,8 +83,8 @@ from cutlass.pipeline import NamedBarrier
 
 from ..barriers import HopperDecodeBarrier
 from ..decode_kernel import DecodeArgs, DecodeKernelBase, StageLayout
-from ..device import (MAX_THREAD_REGS, NEG_INF, at, check_register_budget, fsel, launch_regs, movmatrix_trans,
-                      reduce_over_rows, set_warpgroup_registers, store)
+from ..device import (MAX_THREAD_REGS, NEG_INF, at, check_register_budget, divmod_nonnegative, fsel, launch_regs,
+                      movmatrix_trans, reduce_over_rows, set_warpgroup_registers, store)
 from ..jit import half_type
 from ..layouts.fragment import THREADS, TILE_TOKENS, TileGeometry
 from ..pipeline import Channel, PackedPages, Ring, TileSpan, first_item
@@ -409,7 +409,7 @@ class HopperDecodeKernel(DecodeKernelBase):
         cute.arch.sync_threads()
 
     # ------------------------------------------------------------------------------------------
-    # producer: PRODUCER_WARPS warps, lane 0 of each issues the bulk copies of every P-th tile
+    # producer: PRODUCER_WARPS warps, one lane of each issues the bulk copies of every P-th tile
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, ring: Ring, pages: PackedPages, head: KvHead, tiles: TileSpan, pw: Int32, lane: Int32,
@@ -421,26 +421,30 @@ class HopperDecodeKernel(DecodeKernelBase):
         P = PRODUCER_WARPS
         SUB = cfg.SUB
         ring0 = 0 if ring_first is None else ring_first  # the ring item of tile tiles.begin
-        page_first = tiles.begin // SUB
-        page_end = (tiles.end + SUB - 1) // SUB
+        begin, end = tiles.begin, tiles.end
+        page_first = divmod_nonnegative(begin, SUB)[0]
+        page_end = divmod_nonnegative(end + SUB - 1, SUB)[0]
         for chunk in cutlass.range(page_first, page_end, 32, unroll=1):
             # lane l holds the page of the chunk's l-th logical page (clamped into the range)
             table_row = head.row.to(Int64) * pages.max_pages
             my_page = at(pages.page_table, table_row + cutlass.min(chunk + lane, page_end - 1))
-            tile_lo = cutlass.max(tiles.begin, chunk * SUB)
-            tile_hi = cutlass.min(tiles.end, (chunk + 32) * SUB)
+            tile_lo = cutlass.max(begin, chunk * SUB)
+            tile_hi = cutlass.min(end, (chunk + 32) * SUB)
             # producer warp pw issues ring items pw, pw + P, ...: one thread's issue rate is the
             # pipeline's bound otherwise (benchmarks/NOTES.md section 6)
-            first = first_item(tile_lo, tile_lo - tiles.begin + ring0, pw, P)
+            first = first_item(tile_lo, tile_lo - begin + ring0, pw, P)
             for tile in cutlass.range(first, tile_hi, P, unroll=1):
-                page = cute.arch.shuffle_sync(my_page, offset=tile // SUB - chunk)
-                if lane == 0:
-                    s, phase = ring.position(tile - tiles.begin + ring0)
+                page_of_chunk, sub = divmod_nonnegative(tile, SUB)
+                page = cute.arch.shuffle_sync(my_page, offset=page_of_chunk - chunk)
+                # elect.sync, not `lane == 0`: ptxas then knows one lane issues, and moves the copies' operands to
+                # uniform registers directly (under `lane == 0` each copy was an ELECT / R2UR loop over the active
+                # lanes' values, ~10 instructions; benchmarks/NOTES.md section 48)
+                with cute.arch.elect_one():
+                    s, phase = ring.position(tile - begin + ring0)
                     ring.wait_empty(s, phase)
                     cute.arch.mbarrier_arrive_and_expect_tx(ring.barriers.full(s), cfg.TILE_BYTES)
                     if cutlass.const_expr(cfg.FULL_ARRIVALS > 1):  # the arrivals a window tile's lanes make
                         cute.arch.mbarrier_arrive(ring.barriers.full(s), arrive_count=cfg.FULL_ARRIVALS - 1)
-                    sub = tile % SUB
                     self.copy_tile(ring.stage(s), ring.barriers.full(s), pages,
                                    page.to(Int64) * head.kv_heads + head.h, sub, sub * TILE_TOKENS)
 
