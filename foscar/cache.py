@@ -638,11 +638,10 @@ class PagedKVCache:
         over = (need > have).nonzero().flatten().tolist()
         if over:
             seq_id, most = over[0], int(most[over[0]])
-            raise RuntimeError(
-                    f"sequence {seq_id}: graph replays appended up to {most} tokens, more than its "
-                    f"{len(self._pages[seq_id])} pages hold; the quantized tokens past them went to the trash page "
-                    "and are lost. free() the sequence, and reserve() pages for every token the replays append "
-                    "before capturing")
+            raise RuntimeError(f"sequence {seq_id}: graph replays appended up to {most} tokens, more than its "
+                               f"{len(self._pages[seq_id])} pages hold; the quantized tokens past them went to the "
+                               "trash page and are lost. free() the sequence, and reserve() pages for every token the "
+                               "replays append before capturing")
 
     # ------------------------------------------------------------------ append
 

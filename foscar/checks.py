@@ -12,6 +12,7 @@ LOG2E = math.log2(math.e)  # the kernels' softmax runs in the log2 domain: exp(x
 # The kernels' scores sm_scale * log2(e) * q.k are float32 (exp2 softmax). Far above any model's scale (1/sqrt(head_dim),
 # at most ~1), this bound keeps every score of float16-range q and k finite (head_dim 256: |q.k| < 1.1e12)
 MAX_SM_SCALE = 2.0**16
+INDEX_LIMIT = 2**31  # elements a kernel indexes with 32-bit offsets (pools, outputs, partials)
 
 
 def is_int(value) -> bool:

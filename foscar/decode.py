@@ -14,7 +14,7 @@ import types
 import torch
 
 from .archs import arch_of_device, get_arch, packed_layouts
-from .checks import checked_sm_scale, is_int
+from .checks import INDEX_LIMIT, checked_sm_scale, is_int
 from .jit import sm_count
 from .query_rows import launches
 from .quantize import QuantizedKV, check_page_size
@@ -26,7 +26,7 @@ __all__ = ["compile_decode", "decode", "decode_paged", "plan_splits", "validate_
 
 MAX_GRID_YZ = 65535  # a CUDA grid's y and z extents: the decode launch's KV heads and sequences
 MAX_LENGTH = 2**31 - 2**16  # tokens of a sequence: the kernels count its tiles in 32-bit ints
-PARTIAL_LIMIT = 2**31  # elements of the splits' partial outputs the combine kernel indexes (32-bit offsets)
+
 
 def _tensor(name, t, dtype, dims, device):
     if not isinstance(t, torch.Tensor):
@@ -129,7 +129,7 @@ def decode_paged(q, k_codes, k_params, v_codes, v_params, page_table, lengths, s
     if num_splits is not None:
         if not is_int(num_splits) or not 1 <= num_splits <= MAX_DECODE_SPLITS:
             raise ValueError(f"num_splits must be None or an int in [1, {MAX_DECODE_SPLITS}], got {num_splits!r}")
-        if num_splits > 1 and q.numel() * num_splits >= PARTIAL_LIMIT:  # the splits' fp32 partials [rows, splits, D]
+        if num_splits > 1 and q.numel() * num_splits >= INDEX_LIMIT:  # the splits' fp32 partials [rows, splits, D]
             raise ValueError(f"num_splits={num_splits}: the partial outputs of q {list(q.shape)} would hold "
                              f"{q.numel() * num_splits} elements; the combine kernel indexes fewer than 2^31")
     if layout is not None and layout not in packed_layouts():

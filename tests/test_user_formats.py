@@ -369,8 +369,10 @@ def test_formats_with_other_attributes_are_other_formats():
     assert _Divided4(1.0) != _Divided4(0.5) and repr(_Divided4(0.5)) == "_Divided4(divisor=0.5)"
     assert affine_mismatch(_Divided4(1.0)) is None
     assert affine_mismatch(_Divided4(0.5)) is not None
-    assert register_format(_Divided4(1.0)) is FORMATS["test-divided4"]
-    assert register_format(_Divided4(1.0)) is FORMATS["test-divided4"]  # an equal one: a no-op
-    with pytest.raises(ValueError, match="format name 'test-divided4' is taken by _Divided4"):
-        register_format(_Divided4(0.5))
-    del FORMATS["test-divided4"]
+    try:
+        assert register_format(_Divided4(1.0)) is FORMATS["test-divided4"]
+        assert register_format(_Divided4(1.0)) is FORMATS["test-divided4"]  # an equal one: a no-op
+        with pytest.raises(ValueError, match="format name 'test-divided4' is taken by _Divided4"):
+            register_format(_Divided4(0.5))
+    finally:
+        FORMATS.pop("test-divided4", None)  # the registry is the process's

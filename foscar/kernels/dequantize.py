@@ -45,6 +45,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from ..checks import INDEX_LIMIT
 from ..jit import cached_compile, device_arch, fake_ptr, launch
 from ..layouts.blackwell import bw_tile_position
 from ..layouts.fragment import TILE_TOKENS, TileGeometry, tile_position
@@ -61,7 +62,6 @@ OUT_TYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 POSITIONS = {"hopper": tile_position, "blackwell": bw_tile_position}
 BANK_BITS = 5  # 32 shared-memory banks of one word
 SWIZZLE_TARGETS = (2, 3, 4)  # word-index bits a swizzle may flip: not 0, 1, which a 16-byte staging vector spans
-INDEX_LIMIT = 2**31  # elements of a pool or an output the kernel indexes (32-bit offsets)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from ..checks import INDEX_LIMIT
 from ..jit import cached_compile, device_arch, fake_ptr, launch
 from ..layouts.fragment import THREADS as TILE_THREADS
 from ..layouts.fragment import TILE_TOKENS, TileGeometry
@@ -60,8 +61,7 @@ __all__ = ["QuantizeConfig", "Quantize", "word_code_coords", "bw_word_code_coord
            "compile_quantize", "quantize_tiles", "granule_of"]
 
 THREADS = 128
-SRC_INDEX_LIMIT = 2**31  # elements of src one launch indexes (32-bit offsets; quantize_tiles launches per run)
-POOL_INDEX_LIMIT = 2**31  # elements of a layer's codes or params the kernel indexes (32-bit offsets)
+SRC_INDEX_LIMIT = INDEX_LIMIT  # elements of src one launch indexes (quantize_tiles launches per run)
 SRC_DTYPES = ("bfloat16", "float16")
 
 
@@ -369,7 +369,7 @@ def quantize_tiles(src, dest_page, dest_slot, codes, params, scheme: Scheme, rol
     if page_size % cfg.granule:
         raise ValueError(f"page_size {page_size} must be a multiple of the granule {cfg.granule}")
     for name, t in (("codes", codes), ("params", params)):
-        if t.numel() >= POOL_INDEX_LIMIT:
+        if t.numel() >= INDEX_LIMIT:
             raise ValueError(f"{name}: the quantize kernel indexes a pool in 32-bit ints, so it holds fewer than 2^31 "
                              f"elements; got {tuple(t.shape)} (fewer pages per layer)")
     if tiles == 0:
