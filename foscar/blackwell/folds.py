@@ -423,6 +423,8 @@ class BlackwellVChannelWise(VHooks):
                 ps = Float32(0.0)
                 for w in range(w0, w1):
                     ps = ps + sm.sPsum[sm_.psum(sp, w, r)]
-                upd[r] = upd[r] + vs * (acc[r] + acc[N + r]) + vz * ps
+                # a group with no visible token adds nothing: its params past the sequence's end are never read as
+                # numbers (a caller-built pool may hold inf or NaN there; Hopper zeroes them, VChannelHooks.mask_params)
+                upd[r] = upd[r] + fsel(ps != Float32(0.0), vs * (acc[r] + acc[N + r]) + vz * ps, Float32(0.0))
         for r in range(N):
             accO[mt * N + r] = accO[mt * N + r] * sm.sAlpha[sm_.alpha(sp, r)] + upd[r]
