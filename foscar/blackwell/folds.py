@@ -78,7 +78,11 @@ class KHooks(BlackwellFold):
         the others ``cfg.rows.offset`` rows from it)."""
 
     def softmax_wait(self, opnd, step):
-        """Softmax warpgroup: wait for what prep computed for this step (channel-wise K: sKinfo)."""
+        """Softmax warpgroup: wait for what prep wrote for this step (channel-wise K: sKinfo; token-wise K: sQinfo of
+        the prologue, which the chain prep -> MMA warp -> tcgen05.commit -> softmax orders only if the commit's arrive
+        carries what the MMA thread acquired, which the PTX ISA leaves unsaid). Parity safe: prep cannot publish item
+        step + OP_STAGES before the PV of this step, which needs this step's P."""
+        opnd.wait_full(step)
 
 
 @register(KTokenWise)
@@ -214,9 +218,6 @@ class BlackwellKChannelWise(KHooks):
         if x < self.q_copies * N:
             if half == 0:
                 sm.sKinfo[sm_.k_offset_term(kinfo, tk, r)] = acc * scale_log2
-
-    def softmax_wait(self, opnd, step):
-        opnd.wait_full(step)  # sKinfo of operand stage so (prep)
 
     def scores(self, sm, prm, tmem_ptr, t2r, thr_t2r, acc_layout, ss, step, t, wq):
         """S[r] = unscale_t * S[t(l), r] + C[t(l), r]: the NM columns of this warp's token group."""
