@@ -379,3 +379,27 @@ def test_cache_decode_compiles_for_sm100a(variant):
         assert len(re.findall(pattern, cache.ptx)) == len(re.findall(pattern, decode.ptx)) > 0, pattern
     assert re.search(r"ld\.global\.(u|b|s)64", cache.ptx)  # seq_rows[b], seq_lengths[row]
     assert cache.resources().local_bytes == 0
+
+
+def test_every_k_fold_softmax_waits_for_the_prep_of_its_step():
+    """The softmax reads what the prep warpgroup wrote (token-wise K: sQinfo of the prologue; channel-wise K: sKinfo
+    of the step) after that step's operand ``full`` barrier, in every K fold case, not through the MMA warp's commit
+    alone (NOTES 49: whether a tcgen05.commit arrive carries what the MMA thread acquired is unsaid in the PTX ISA)."""
+    from foscar.blackwell.folds import HOOKS, KHooks
+    from foscar.folds import KFold
+
+    class Channel:
+        def __init__(self):
+            self.waited = []
+
+        def wait_full(self, item):
+            self.waited.append(item)
+
+    k_cases = [case for case in HOOKS.classes if issubclass(case, KFold)]
+    assert len(k_cases) >= 2
+    for case in k_cases:
+        hooks = HOOKS.classes[case]
+        assert issubclass(hooks, KHooks)
+        opnd = Channel()
+        hooks.softmax_wait(object.__new__(hooks), opnd, 5)
+        assert opnd.waited == [5], case.__name__
