@@ -23,6 +23,9 @@ shared-memory tile filled once). wgmma issue: ``wgmma.fence`` -> GROUP wgmmas ->
 NACC: 8 for n8/n16/e4m3 and mma.sync, 2 for n64; the ``acc1`` variants use ONE accumulator, i.e. a
 dependency chain of wgmmas, as the decode kernel's QK group does (8 chained m64n8k16, then wait).
 mma.sync: each of the 4 warps of an active warpgroup issues its own stream (A and B in registers).
+``imma.sync-m16n8k32-u8s8``: the same with the INT8 ``mma.sync`` (unsigned codes x signed operand, int32
+accumulators; native IMMA.16832 on sm_90a, where FP8 ``mma.sync`` is emulated through FP16): the rate a Hopper decode
+building its operands as bytes would run at (benchmarks/NOTES.md section 51).
 
 At the end every thread sums all its accumulator values into ``out[thread]``, so no MMA is dead.
 
@@ -34,7 +37,7 @@ median over CTAs, per MMA instruction issued on the SM (``cyc/MMA/SM``) and per 
 warpgroup/warp (``cyc/MMA/issuer`` = the time between consecutive MMAs of one issuing
 warpgroup/warp). TFLOP/s come from CUDA-event wall time (median of REPS launches after warm-up),
 and ``MHz`` = cycles / event time cross-checks the two clocks. ``%peak`` is FLOP per SM cycle over
-Hopper's dense rate: 4096 FLOP/cycle/SM for FP16 (1024 FMA/cycle/SM), 8192 for FP8.
+Hopper's dense rate: 4096 FLOP/cycle/SM for FP16 (1024 FMA/cycle/SM), 8192 for FP8 and INT8 (``imma``: ops).
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float8E4M3FN, Float16, Float32, Int32, Int64
+from cutlass import Float8E4M3FN, Float16, Float32, Int32, Int64, Uint8
 from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 THREADS = 384  # 3 warpgroups per CTA; the first `active` run the MMA loop
@@ -80,7 +84,7 @@ class Kind:
 
     @property
     def peak_flop_per_cycle(self) -> int:  # dense Hopper rate per SM
-        return 8192 if self.dtype is Float8E4M3FN else 4096
+        return 8192 if self.dtype in (Float8E4M3FN, Uint8) else 4096  # 8-bit: FP8 and INT8 alike
 
 
 KINDS = {
@@ -94,6 +98,8 @@ KINDS = {
         "wgmma", 64, 16, 32, Float8E4M3FN, "RS", 8, "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"
     ),
     "sync": Kind("mma.sync", 16, 8, 16, Float16, "RS", 8, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"),
+    # unsigned 8-bit codes x signed 8-bit operand, exact int32 accumulation: 4 INT2 codes per LOP3 where FP16 takes 2
+    "imma": Kind("mma.sync", 16, 8, 32, Uint8, "RS", 8, "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32"),
 }
 
 MODES = {"pipe": (16, 1), "g8": (8, 0), "each": (1, 0)}  # (GROUP, DEPTH) of the wgmma issue
@@ -106,6 +112,7 @@ VARIANTS = {
     "n64-rs": ("n64", "pipe"),
     "e4m3-n16k32-rs": ("e4m3n16", "pipe"),
     "mma.sync-m16n8k16": ("sync", None),
+    "imma.sync-m16n8k32-u8s8": ("imma", None),
     "n8-rs-g8": ("n8", "g8"),
     "n8-rs-each": ("n8", "each"),
     "n8-rs-acc1-g8": ("n8a1", "g8"),
@@ -214,6 +221,8 @@ class MmaRate:
         n = iters * cutlass.max(cutlass.min(active - wg, 1), 0)
         if cutlass.const_expr(kd.family == "wgmma"):
             accs, t0 = self.wgmma_loop(tiled_mma, sA_layout, sB_layout, storage, tidx % 128, n, seed)
+        elif cutlass.const_expr(kd.dtype is Uint8):
+            accs, t0 = self.imma_loop(tidx % 32, n, seed)
         else:
             accs, t0 = self.sync_loop(tiled_mma, tidx % 32, n, seed)
         cute.arch.sync_threads()
@@ -222,7 +231,7 @@ class MmaRate:
         total = Float32(0.0)
         for a in accs:
             for i in cutlass.range_constexpr(cute.size(a)):
-                total = total + a[i]
+                total = total + Float32(a[i])  # (IMMA's are int32)
         cute.make_tensor(out_ptr, cute.make_layout(1 << 30))[bidx * THREADS + tidx] = total
         if tidx == 0:
             cute.make_tensor(cyc_ptr, cute.make_layout(1 << 24))[bidx] = t1 - t0
@@ -294,6 +303,45 @@ class MmaRate:
                 cute.gemm(tiled_mma, acc, tCrA[None, None, u % KB], tCrB[None, None, u % KB], acc)
         return accs, t0
 
+    @cute.jit
+    def imma_loop(self, lane: Int32, n: Int32, seed: Int32):
+        """``sync_loop`` for the INT8 ``mma.sync`` (the DSL wraps no warp-level integer MMA: inline PTX); A and B
+        registers per k-block as mma.sync m16n8k32 takes them (4 and 2 words), int32 accumulators."""
+        kd = self.kind
+        a = cute.make_rmem_tensor((4 * KB,), Int32)
+        b = cute.make_rmem_tensor((2 * KB,), Int32)
+        for i in cutlass.range_constexpr(4 * KB):
+            a[i] = seed + ((lane & 7) << 5) + i  # distinct words: no register is shared
+        for i in cutlass.range_constexpr(2 * KB):
+            b[i] = seed + ((lane & 7) << 5) + 16 + i
+        accs = [cute.make_rmem_tensor((4,), Int32) for _ in range(kd.nacc)]
+        for acc in accs:
+            acc.fill(0)
+
+        cute.arch.sync_threads()
+        t0 = cute.arch.clock64()
+        for _ in cutlass.range(n, unroll=1):
+            for u in cutlass.range_constexpr(UNROLL):
+                acc, kb = accs[u % kd.nacc], u % KB
+                d = mma_u8s8([a[4 * kb + i] for i in range(4)], [b[2 * kb + i] for i in range(2)],
+                             [acc[i] for i in range(4)])
+                for i in cutlass.range_constexpr(4):
+                    acc[i] = d[i]
+        return accs, t0
+
+
+@dsl_user_op
+def mma_u8s8(a, b, c, *, loc=None, ip=None):
+    """``mma.sync.aligned.m16n8k32`` of u8 A (4 words) and s8 B (2 words) into int32 ``c`` (4 words): D."""
+    from cutlass._mlir.dialects import llvm
+
+    from foscar.device import inline_ptx
+
+    result = llvm.StructType.get_literal([T.i32()] * 4)
+    d = inline_ptx(result, [*a, *b, *c], f"{KINDS['imma'].ptx} {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, "
+                   "{$10,$11,$12,$13};", ",".join(["=r"] * 4 + ["r"] * 10), False, loc, ip)
+    return [Int32(llvm.extractvalue(T.i32(), d, [i], loc=loc, ip=ip)) for i in range(4)]
+
 
 def seed_for(kind: Kind) -> int:
     """A 32-bit operand pattern of small finite values (fp16 ~0.0156 x2, e4m3 0.125 x4).
@@ -301,7 +349,7 @@ def seed_for(kind: Kind) -> int:
     The kernels add up to ``(7 << 5) + 15`` to it: from 0x20 no E4M3 byte reaches a NaN encoding
     (0x7F/0xFF); from 0x30 one did (0x30 + 0x40 + 15 = 0x7F), and the first H200 run failed there.
     """
-    return 0x20202020 if kind.dtype is Float8E4M3FN else 0x24002400
+    return 0x20202020 if kind.dtype in (Float8E4M3FN, Uint8) else 0x24002400
 
 
 def compile_variant(name: str, arch: str = "sm_90a"):

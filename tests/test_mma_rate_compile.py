@@ -18,7 +18,7 @@ pytest.importorskip("cutlass")
 from benchmarks.mma_rate import KINDS, MODES, UNROLL, VARIANTS, compile_variant  # noqa: E402
 
 MMA_RE = re.compile(r"\b(wgmma\.mma_async\.\S+|mma\.sync\.\S+)")
-SASS_MMA = {"wgmma": ("HGMMA", "QGMMA"), "mma.sync": ("HMMA",)}
+SASS_MMA = {"wgmma": ("HGMMA", "QGMMA"), "mma.sync": ("HMMA", "IMMA")}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
