@@ -8,8 +8,9 @@ sequence's length take no part in any group's statistics and get code 0.
 Cache format (:class:`QuantizedKV`): ``k_codes``/``v_codes`` int32
 ``[num_pages, kv_heads, page_size // 64, tile_words]`` (each 64-token tile packed as
 ``foscar.layouts.fragment`` documents), ``k_params``/``v_params`` float16 with last dim
-(scale, offset): ``[num_pages, kv_heads, page_size, head_dim // G, 2]`` for token-wise groups,
-``[num_pages, kv_heads, page_size // G, head_dim, 2]`` for channel-wise groups. ``page_table``
+``param_fields`` P (2: scale, offset; 1: the scale alone, a scale-only format):
+``[num_pages, kv_heads, page_size, head_dim // G, P]`` for token-wise groups,
+``[num_pages, kv_heads, page_size // G, head_dim, P]`` for channel-wise groups. ``page_table``
 int32 ``[batch, max_pages]`` and ``lengths`` int32 ``[batch]``: token ``i`` of sequence ``b`` is in
 page ``page_table[b, i // page_size]``, slot ``i % page_size``.
 """
