@@ -40,8 +40,10 @@ def check_verify(cache, ids, tokens, rng, layer=0, sm_scale=0.1, atol=1e-2, low_
         ref, ref_lse = causal_attention(qb, k.cpu(), v.cpu(), sm_scale)
         err = max(err, float((out[b].cpu().double() - ref).abs().max()))
         lse_err = float((lse[b].cpu().double() - ref_lse).abs().max())
-        if low_dtype is None:  # the torch path: fp32 softmax over the same fp32 values
+        if low_dtype is None:  # the torch path: fp32 softmax over the same fp32 values, the output in q's dtype
             assert lse_err / float(ref_lse.abs().clamp_min(1).min()) < 1e-4, seq
+            # (a BF16 output of |o| ~ 4 rounds by up to 0.016 on its own: atol alone failed seed 1827394871)
+            tol = max(tol, atol + float((ref.to(out.dtype).double() - ref).abs().max()))
         else:  # the kernel: scores of the 16-bit q, fp32 exp2 sums (the decode tests' lse rule)
             low, _ = causal_attention(qb.to(low_dtype), k.to(low_dtype).cpu(), v.to(low_dtype).cpu(), sm_scale)
             tol = max(tol, 2 * float((low.to(low_dtype).double() - ref).abs().max()) + 1e-5)
