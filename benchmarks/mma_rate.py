@@ -284,12 +284,7 @@ class MmaRate:
         thr = tiled_mma.get_slice(lane)
         tCrA = tiled_mma.make_fragment_A(thr.partition_shape_A((16, ktot)))  # (MMA, 1, KB)
         tCrB = tiled_mma.make_fragment_B(thr.partition_shape_B((8, ktot)))  # (MMA, 1, KB)
-        a32 = cute.recast_tensor(tCrA, Int32)
-        for i in cutlass.range_constexpr(cute.size(a32)):
-            a32[i] = seed + ((lane & 7) << 5) + i  # distinct words: no register is shared
-        b32 = cute.recast_tensor(tCrB, Int32)
-        for i in cutlass.range_constexpr(cute.size(b32)):
-            b32[i] = seed + ((lane & 7) << 5) + 16 + i
+        fill_operand_words(cute.recast_tensor(tCrA, Int32), cute.recast_tensor(tCrB, Int32), lane, seed)
         shape_C = thr.partition_shape_C((16, 8))
         accs = [tiled_mma.make_fragment_C(shape_C) for _ in range(kd.nacc)]
         for a in accs:
@@ -310,10 +305,7 @@ class MmaRate:
         kd = self.kind
         a = cute.make_rmem_tensor((4 * KB,), Int32)
         b = cute.make_rmem_tensor((2 * KB,), Int32)
-        for i in cutlass.range_constexpr(4 * KB):
-            a[i] = seed + ((lane & 7) << 5) + i  # distinct words: no register is shared
-        for i in cutlass.range_constexpr(2 * KB):
-            b[i] = seed + ((lane & 7) << 5) + 16 + i
+        fill_operand_words(a, b, lane, seed)
         accs = [cute.make_rmem_tensor((4,), Int32) for _ in range(kd.nacc)]
         for acc in accs:
             acc.fill(0)
@@ -328,6 +320,15 @@ class MmaRate:
                 for i in cutlass.range_constexpr(4):
                     acc[i] = d[i]
         return accs, t0
+
+
+@cute.jit
+def fill_operand_words(a, b, lane: Int32, seed: Int32):
+    """A and B registers of the mma.sync loops (Int32 views): distinct words from the seed, no register shared."""
+    for i in cutlass.range_constexpr(cute.size(a)):
+        a[i] = seed + ((lane & 7) << 5) + i
+    for i in cutlass.range_constexpr(cute.size(b)):
+        b[i] = seed + ((lane & 7) << 5) + 16 + i
 
 
 @dsl_user_op
