@@ -68,9 +68,7 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, arch: str = "sm_90a", 
     ``operand_dtype`` (e.g. ``torch.float16``) additionally emulates the Hopper kernel's one rounding
     step: the MMA's other operand (Q, Q*s', P or P*s', scaled as the kernel scales it) is rounded to
     that type; the offset corrections take the unrounded q or p, as the kernel does (the operand bias
-    cancels inside the MMA accumulator, ``foscar.operands``); everything else stays exact. A callable in its place
-    rounds those operands its own way (float64 in and out; the last dim is a row's channels for Q, its tile's tokens
-    for P). A format whose
+    cancels inside the MMA accumulator, ``foscar.operands``); everything else stays exact. A format whose
     ``dequantize`` is not ``scale * code + offset`` (``foscar.formats.affine_mismatch``) is refused.
     """
     sm_scale = check_query(q, cache, sm_scale)
@@ -78,12 +76,7 @@ def attend_folded(q, cache: QuantizedKV, sm_scale: float, arch: str = "sm_90a", 
         reason = affine_mismatch(quant.format)
         if reason is not None:  # the folds take scale * code + offset; attend_dequantized takes any format
             raise ValueError(f"{name}: a format the folds cannot take: {reason}")
-    if operand_dtype is None:
-        rnd = lambda x: x  # noqa: E731
-    elif callable(operand_dtype):
-        rnd = operand_dtype  # a rounding of its own (float64 -> float64): e.g. 16-bit integers with a scale per row
-    else:
-        rnd = lambda x: x.to(operand_dtype).to(torch.float64)  # noqa: E731
+    rnd = (lambda x: x) if operand_dtype is None else (lambda x: x.to(operand_dtype).to(torch.float64))
     plan = cache.scheme.plan(arch, construction=construction)
     qg = _grouped_query(q, cache)  # [b, h, r, d]
     batch, kvh, ratio, _ = qg.shape
