@@ -14,10 +14,12 @@ import torch
 __all__ = ["run_meta", "write"]
 
 
-def run_meta(module: str, argv, versions: dict, **extra) -> dict:
-    """Date (UTC), device, torch, Python, package ``versions`` and the command of a run of ``module``."""
+def run_meta(module: str, argv, versions: dict, device: str | None = None, **extra) -> dict:
+    """Date (UTC), ``device`` (default: CUDA device 0's name), torch, Python, package ``versions`` and the command of a
+    run of ``module``."""
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "python": platform.python_version(),
+            "device": device or torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "python": platform.python_version(),
             "versions": versions,
             "command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]), **extra}
 
