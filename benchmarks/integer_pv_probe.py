@@ -34,7 +34,8 @@ POLICIES = ("span", "tile")
 
 
 def int16_rows(x):
-    """Round to 16-bit integers times one power of two per row (the last dim)."""
+    """Round to 16-bit integers times one power of two per row (the last dim: a query row's channels, or its P over
+    the tokens): the byte candidate's Q and P, each split exactly into two bytes (NOTES 51)."""
     amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-300)
     scale = torch.exp2(torch.ceil(torch.log2(amax)) - 15)
     return torch.round(x / scale).clamp(-32768, 32767) * scale
