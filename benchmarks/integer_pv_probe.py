@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import torch
 
@@ -115,6 +114,13 @@ def case(seed: int, length: int, q_outlier: float, v_outlier: float, span: int) 
             for name, (out, big) in outs.items()]
 
 
+def _int_list(parser, name: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"{name} must be comma-separated integers, got {text!r}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="700,4097")
@@ -125,9 +131,14 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     parser.add_argument("--tag", default="integer-pv-probe-cpu")
     args = parser.parse_args(argv)
+    lengths, seeds = _int_list(parser, "--lengths", args.lengths), _int_list(parser, "--seeds", args.seeds)
+    if min(lengths) < 64:  # one whole tile, and token 5 (the V-scale outlier) inside it
+        parser.error(f"--lengths must be >= 64 tokens each, got {args.lengths}")
+    if args.span < 64 or args.span % 64:
+        parser.error(f"--span must be a positive multiple of the 64-token tile, got {args.span}")
     rows = []
-    for length in map(int, args.lengths.split(",")):
-        for seed in map(int, args.seeds.split(",")):
+    for length in lengths:
+        for seed in seeds:
             for q_out, v_out in ((1.0, 1.0), (args.q_outlier, 1.0), (1.0, args.v_outlier)):
                 rows += case(seed, length, q_out, v_out, args.span)
                 for r in rows[-1 - len(POLICIES):]:
@@ -146,4 +157,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    main()

@@ -169,3 +169,14 @@ def test_decode_rows_pick_shapes_and_name_a_bad_entry(capsys):
     with pytest.raises(SystemExit):
         decode.main(["--rows", "qwen3-8b:2x", "--methods", "int2-kt128"])
     assert "--rows: 'qwen3-8b:2x' is not" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [(["--lengths", "700,32"], "--lengths must be >= 64"),
+                                          (["--seeds", "1,x"], "--seeds must be comma-separated integers"),
+                                          (["--span", "100"], "--span must be a positive multiple of the 64-token")])
+def test_integer_pv_probe_names_a_bad_argument(args, message, capsys):
+    from benchmarks import integer_pv_probe
+
+    with pytest.raises(SystemExit):
+        integer_pv_probe.main(args)
+    assert message in capsys.readouterr().err
