@@ -73,8 +73,8 @@ def _warn_blackwell_once(name: str) -> None:
     if not _blackwell_warned:
         _blackwell_warned = True
         warnings.warn(f"{name}: FOSCAR's Blackwell (sm_100a) kernels are compile-verified only and have never run on "
-                      "a GPU; check their outputs against foscar.reference (python -m pytest -m gpu "
-                      "tests/test_blackwell.py) before relying on them", RuntimeWarning, stacklevel=3)
+                      "a GPU; check their outputs against foscar.reference before relying on them: python -m pytest -m "
+                      "gpu (the GPU suite runs this device's kernels)", RuntimeWarning, stacklevel=3)
 
 
 def cached_compile(key: tuple, build):

@@ -158,8 +158,8 @@ def test_blackwell_runs_its_compile_verified_kernels_with_one_warning(monkeypatc
         assert [jit.device_arch(), arch_of_device().name, jit.device_arch()] == ["sm_100a"] * 3
     assert [str(w.message) for w in caught if w.category is RuntimeWarning] == [
         "NVIDIA B200: FOSCAR's Blackwell (sm_100a) kernels are compile-verified only and have never run on a GPU; "
-        "check their outputs against foscar.reference (python -m pytest -m gpu tests/test_blackwell.py) before "
-        "relying on them"]
+        "check their outputs against foscar.reference before relying on them: python -m pytest -m gpu (the GPU "
+        "suite runs this device's kernels)"]
     _fake_gpu(monkeypatch, (9, 0), "NVIDIA H200")
     monkeypatch.setattr(jit, "_blackwell_warned", False)
     with warnings.catch_warnings():

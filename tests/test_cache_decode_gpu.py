@@ -15,6 +15,8 @@ import torch
 from foscar import Scheme
 from foscar.cache import PagedKVCache
 
+from device_arch import device_arch, require_arch
+
 pytestmark = pytest.mark.gpu
 
 SINK, WINDOW = 64, 256
@@ -109,11 +111,10 @@ def poison_attend_buffers(cache, batch, q, rotate: bool):
     (after emptying the allocator's cache): the caching allocator hands freed blocks of a size to the
     next requests of that size, so an element the kernels fail to write most likely reads NaN and
     fails the comparison. (Best effort: ``attend`` allocates its buffers itself.)"""
-    from foscar.hopper.decode import KERNELS
     from foscar.launch import cache_capacity
 
     hq, d = q.shape[1], q.shape[2]
-    part = KERNELS.cache_partials(cache.scheme, cache.page_size, batch, cache.kv_heads, cache.num_splits(batch),
+    part = cache.arch._kernels().cache_partials(cache.scheme, cache.page_size, batch, cache.kv_heads, cache.num_splits(batch),
                                   cache.cta_budget, cache.sink + cache.ring,
                                   capacity=cache_capacity(cache.k_codes[0], cache.page_table, batch))
     shapes = [((batch, hq, d), q.dtype)] * (2 if rotate else 1)  # the rotated q takes one such block first
@@ -161,6 +162,7 @@ def test_many_short_sequences_at_two_ctas_per_sm(case, rng, monkeypatch):
     """More (sequence, KV head) pairs than the work list's one-wave budget (the SM count), sequences of at most
     ``SHORT_CONTEXT_TOKENS``: the launch compiles one consumer warpgroup at two CTAs per SM and its work list
     fills twice the budget (``HopperKernels.cache_launch_options``), into NaN-poisoned buffers, against float64."""
+    require_arch("sm_90a", "the Hopper cache decode's launch options")
     from foscar.hopper.decode import KERNELS
 
     asked, cache_decode = [], KERNELS._cache_decode
@@ -180,6 +182,9 @@ def test_many_short_sequences_at_two_ctas_per_sm(case, rng, monkeypatch):
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_two_launch_decode_any_split_count(splits, rng):
     """The two-launch variant (window tiles do not fit the ring) with 1, 2 and 5 splits per sequence."""
+    scheme, page_size = CASES[-1][:2]
+    if device_arch()._fuses_window(scheme, page_size):
+        pytest.skip(f"{device_arch().name} attends {scheme.name}'s window in the decode's own launch")
     check_cache_decode(*CASES[-1], rng, splits=splits)
 
 
@@ -348,7 +353,7 @@ def test_window_kernel_matches_float64(case, rng):
     sm_scale = 0.7 * d**-0.5
     rows = torch.tensor(ids, dtype=torch.int64, device="cuda")
     sink_window_attend(q, cache.k_bf16[0], cache.v_bf16[0], rows, cache.lengths[0], o_part, lse_part, out, lse,
-                       cache._counters, 1, SINK, WINDOW, cache.granule, sm_scale, "sm_90a")
+                       cache._counters, 1, SINK, WINDOW, cache.granule, sm_scale, cache.arch.name)
     torch.cuda.synchronize()
     ref, ref_lse, low = reference(cache, 0, ids, q, sm_scale, dtype)
     tol = 2 * float((low.double() - ref).abs().max()) + FLOOR

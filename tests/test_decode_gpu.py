@@ -1,4 +1,4 @@
-"""GPU: the Hopper decode kernel against the float64 reference, over the coverage matrix.
+"""GPU: the device arch's decode kernel (tests/device_arch.py) against the float64 reference, over the coverage matrix.
 
 Fresh random inputs every run, NaN-poisoned outputs, every element checked; tolerance: 2x the
 error of a BF16 PyTorch dequantize-then-SDPA of the same cache (foscar.testing).
@@ -14,6 +14,8 @@ from foscar.reference import attend_dequantized
 from foscar.scheme import Scheme
 from foscar.testing import check_output, coverage_matrix, random_problem
 
+from device_arch import require_arch, skip_unless_builds
+
 pytestmark = pytest.mark.gpu
 
 
@@ -25,6 +27,7 @@ def _poisoned(q):
 
 @pytest.mark.parametrize("scheme, page_size, lengths", coverage_matrix(), ids=lambda p: getattr(p, "name", None))
 def test_decode_matches_reference(scheme, page_size, lengths):
+    skip_unless_builds(scheme, page_size)
     q, cache = random_problem(scheme, lengths, kv_heads=2, page_size=page_size)
     out, lse = decode(q, cache, return_lse=True, out=_poisoned(q)[0], lse=_poisoned(q)[1])
     acc = check_output(out, lse, q, cache, scheme.head_dim**-0.5)
@@ -66,6 +69,7 @@ def test_scores_of_one_token_sequences(scheme, max_err, mean_err, rng):
     biases up to 16, 32K scores of FP16 q erred at most 1.4e-4 on the H200 (mean 6e-6 INT2, 1.3e-5 INT4); with the
     biases up to 256 / 64 of the unlifted bottom slots, one draw gave max 2.8e-3 / 6.4e-4, mean 3.2e-4 / 6.5e-5
     (benchmarks/NOTES.md section 44), beyond both bounds."""
+    require_arch("sm_90a", "bounds measured on the Hopper kernel's FP16 operands")
     q, cache = random_problem(scheme, [1] * 1024, kv_heads=8, page_size=128, generator=rng)
     out, lse = _poisoned(q)
     decode(q, cache, sm_scale=0.1, return_lse=True, num_splits=1, out=out, lse=lse)
@@ -88,6 +92,7 @@ def test_many_short_sequences_at_two_ctas_per_sm(scheme, page_size, lengths, mon
     """More than a wave of short ragged sequences in one split: ``decode`` compiles and launches one consumer
     warpgroup at two CTAs per SM (``HopperKernels.launch_options``; registers and shared memory halved, a smaller
     ring), into NaN-poisoned outputs, against float64."""
+    require_arch("sm_90a", "the Hopper kernel's launch options")
     from foscar.hopper.decode import KERNELS
 
     asked, compile_decode = [], KERNELS.compile_decode

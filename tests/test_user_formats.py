@@ -11,6 +11,7 @@ from fractions import Fraction
 import pytest
 import torch
 from test_scale_only_format import SCHEMES as SCALE_ONLY
+from device_arch import skip_unless_builds
 from user_formats import INT8, Int8
 
 from foscar import Scheme
@@ -190,6 +191,7 @@ def test_decode_matches_float64_on_the_gpu(scheme):
     package: decode against float64."""
     from foscar.testing import check_decode
 
+    skip_unless_builds(scheme, 128)  # (INT8 codes: Hopper only)
     acc = check_decode(scheme)
     print(scheme.name, acc)
     assert acc.ok, acc
@@ -202,6 +204,7 @@ def test_cache_decode_matches_float64_on_the_gpu(scheme, rng):
     sink + window, against float64 over what the cache holds."""
     from foscar.cache import PagedKVCache
 
+    skip_unless_builds(scheme, 128)
     cache = PagedKVCache(scheme, 1, 2, num_pages=96, max_seqs=4, max_seq_len=8192, sink=64, window=256,
                          device="cuda")
     lengths = [1, 400, 3001]
