@@ -114,7 +114,8 @@ def poison_attend_buffers(cache, batch, q, rotate: bool):
     from foscar.launch import cache_capacity
 
     hq, d = q.shape[1], q.shape[2]
-    part = cache.arch._kernels().cache_partials(cache.scheme, cache.page_size, batch, cache.kv_heads, cache.num_splits(batch),
+    kernels = cache.arch._kernels()
+    part = kernels.cache_partials(cache.scheme, cache.page_size, batch, cache.kv_heads, cache.num_splits(batch),
                                   cache.cta_budget, cache.sink + cache.ring,
                                   capacity=cache_capacity(cache.k_codes[0], cache.page_table, batch))
     shapes = [((batch, hq, d), q.dtype)] * (2 if rotate else 1)  # the rotated q takes one such block first
