@@ -34,7 +34,8 @@ from ..folds import HookRegistry, KChannelWise, KTokenWise, VChannelWise, VToken
 from ..layouts.fragment import TILE_TOKENS
 from ..pipeline import stage
 from . import storage as sm_
-from .primitives import FP8_TARGET_EXP, STEP, WG, exp_floor, fabs, hilo, load_acc, max4, pow2_scale, scalar
+from .primitives import (FP8_TARGET_EXP, STEP, WG, exp_floor, fabs, fp8_pieces, load_acc, max4, piece_sum,
+                         pow2_scale, scalar)
 
 HOOKS = HookRegistry("sm_100a")
 register = HOOKS.register
@@ -61,6 +62,12 @@ class KHooks(BlackwellFold):
     s_blocks = 1  # S accumulators per step (channel blocks)
     q_copies = 1  # scaled Q' copies side by side along the QK MMA's N (token groups)
     qf_words = 0  # fp32 q kept in smem for per-step Q' (channel-wise)
+
+    def store_q(self, sm, x, col, d, so):
+        """Q' value ``x`` (|x| < 256) of channel ``d`` as its FP8 pieces (``cfg.PIECES``) in columns ``col + k * N``
+        of Q'^T buffer ``so``."""
+        for k, piece in enumerate(fp8_pieces(x, self.cfg.PIECES)):
+            sm.sQ[((col + k * self.cfg.N, d % 32), 0, d // 32, so)] = piece
 
     def q_buffers(self, op_stages: int) -> int:
         """Q'^T smem buffers: one (Q' fixed) or one per operand stage (Q' per step)."""
@@ -95,13 +102,11 @@ class BlackwellKTokenWise(KHooks):
         self.s_blocks = fold.channel_blocks
 
     def prep_q_row(self, sm, qv, sc, r, t, nd):
-        """Q^T hi/lo of row r, once (thread t owns channels (t + 128*i) % D)."""
-        N, D = self.cfg.N, self.cfg.D
+        """Q^T of row r in its FP8 pieces, once (thread t owns channels (t + 128*i) % D)."""
+        D = self.cfg.D
         for i in range(nd):
             d = (t + WG * i) % D
-            qhi, qlo = hilo(qv[i] * sc)
-            sm.sQ[((r, d % 32), 0, d // 32, 0)] = qhi
-            sm.sQ[((N + r, d % 32), 0, d // 32, 0)] = qlo
+            self.store_q(sm, qv[i] * sc, r, d, 0)
 
     @cute.jit
     def prep_sums(self, sm, q_ptr, q_base, kv_heads, scale_log2, t):
@@ -120,7 +125,7 @@ class BlackwellKTokenWise(KHooks):
     def scores(self, sm, prm, tmem_ptr, t2r, thr_t2r, acc_layout, ss, step, t, wq):
         """S[r] = sum_j s'[l, j] S_j[r] + z[l, j] Qsum[j, r] (token l = this thread)."""
         cfg = self.cfg
-        N, NM = cfg.N, cfg.NM
+        N, NQK = cfg.N, cfg.NQK
         sc = cute.make_rmem_tensor((N,), Float32)
         for r in range(N):
             sc[r] = Float32(0.0)
@@ -128,10 +133,10 @@ class BlackwellKTokenWise(KHooks):
             kp, ks = group_scale(prm + self.fold.param_element((t % TILE_TOKENS) * self.s_blocks + j, cfg.K_PARAMS),
                                  self.fold)
             ks, kz = ks * cfg.k_a_inv, group_offset(kp, ks, self.fold)
-            acc = load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + j * cfg.NQK, acc_layout), NM)
+            acc = load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + j * NQK, acc_layout), NQK)
             cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are used
             for r in range(N):
-                sc[r] = (sc[r] + ks * (acc[r] + acc[N + r]) * sm.sQinfo[sm_.s_unscale(r)]
+                sc[r] = (sc[r] + ks * piece_sum(acc, r, N, cfg.PIECES) * sm.sQinfo[sm_.s_unscale(r)]
                          + kz * sm.sQinfo[sm_.qsum(r, j, self.s_blocks)])
         return sc
 
@@ -166,10 +171,10 @@ class BlackwellKChannelWise(KHooks):
 
     @cute.jit
     def prep_q_scaled(self, sm, ring_words, step, so, kinfo, t, lane, wq, nd: cutlass.Constexpr):
-        """Q'[t] = Q * s[:, t] * 2^-e_t (hi/lo, N columns per token group t side by side, operand
-        stage so) and the S unscale 2^e_t / a; the group's (scale, offset) from the ring."""
+        """Q'[t] = Q * s[:, t] * 2^-e_t (its FP8 pieces, ``PIECES * N`` columns per token group t side by side,
+        operand stage so) and the S unscale 2^e_t / a; the group's (scale, offset) from the ring."""
         cfg = self.cfg
-        N, NM, D, G = cfg.N, cfg.NM, cfg.D, self.fold.group
+        N, NQ, D, G = cfg.N, cfg.PIECES * cfg.N, cfg.D, self.fold.group
         NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()  # previous step's sZ / sRed reads done
         ks = cute.make_rmem_tensor((self.q_copies * nd,), Float32)
         for tk in cutlass.range_constexpr(self.q_copies):
@@ -195,9 +200,7 @@ class BlackwellKChannelWise(KHooks):
                 qs = sm.sQinfo[sm_.q_scale(r)] * s_norm
                 for i in cutlass.range_constexpr(nd):
                     d = (t + WG * i) % D
-                    qhi, qlo = hilo(sm.sQf[r * D + d] * qs * ks[tk * nd + i])  # |.| < 256
-                    sm.sQ[((tk * NM + r, d % 32), 0, d // 32, so)] = qhi
-                    sm.sQ[((tk * NM + N + r, d % 32), 0, d // 32, so)] = qlo
+                    self.store_q(sm, sm.sQf[r * D + d] * qs * ks[tk * nd + i], tk * NQ + r, d, so)  # |.| < 256
         NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()
 
     @cute.jit
@@ -220,17 +223,18 @@ class BlackwellKChannelWise(KHooks):
                 sm.sKinfo[sm_.k_offset_term(kinfo, tk, r)] = acc * scale_log2
 
     def scores(self, sm, prm, tmem_ptr, t2r, thr_t2r, acc_layout, ss, step, t, wq):
-        """S[r] = unscale_t * S[t(l), r] + C[t(l), r]: the NM columns of this warp's token group."""
+        """S[r] = unscale_t * S[t(l), r] + C[t(l), r]: the ``PIECES * N`` columns of this warp's token group."""
         cfg = self.cfg
-        N, NM, G = cfg.N, cfg.NM, self.fold.group
+        N, NQ, G = cfg.N, cfg.PIECES * cfg.N, self.fold.group
         sc = cute.make_rmem_tensor((N,), Float32)
         so = stage(step, cfg.OP_STAGES)
         tk = (wq * 32) // G if G < STEP else 0  # token group of this warp
-        acc = load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + tk * NM, acc_layout), NM)
+        acc = load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + tk * NQ, acc_layout), NQ)
         cute.arch.fence_view_async_tmem_load()
         unscale = sm.sKinfo[sm_.k_unscale(sm_.kinfo_stage(so), tk)]
         for r in range(N):
-            sc[r] = (acc[r] + acc[N + r]) * unscale * sm.sQinfo[sm_.s_unscale(r)] + sm.sKinfo[sm_.k_offset_term(sm_.kinfo_stage(so), tk, r)]
+            sc[r] = (piece_sum(acc, r, N, cfg.PIECES) * unscale * sm.sQinfo[sm_.s_unscale(r)]
+                     + sm.sKinfo[sm_.k_offset_term(sm_.kinfo_stage(so), tk, r)])
         return sc
 
 
@@ -346,7 +350,8 @@ class BlackwellVTokenWise(VHooks):
                 cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld
                 unscale = sm.sAlpha[sm_.p_unscale(sp, self._block(mt, jl))]
                 for r in cutlass.range_constexpr(N):
-                    accO[mt * N + r] = accO[mt * N + r] * sm.sAlpha[sm_.alpha(sp, r)] + (acc[r] + acc[N + r]) * unscale
+                    accO[mt * N + r] = (accO[mt * N + r] * sm.sAlpha[sm_.alpha(sp, r)]
+                                        + piece_sum(acc, r, N, cfg.PIECES) * unscale)
 
     def output_term(self, sm, val, d, r):
         cv = Float32(0.0)
@@ -426,6 +431,7 @@ class BlackwellVChannelWise(VHooks):
                     ps = ps + sm.sPsum[sm_.psum(sp, w, r)]
                 # a group with no visible token adds nothing: its params past the sequence's end are never read as
                 # numbers (a caller-built pool may hold inf or NaN there; Hopper zeroes them, VChannelHooks.mask_params)
-                upd[r] = upd[r] + fsel(ps != Float32(0.0), vs * (acc[r] + acc[N + r]) + vz * ps, Float32(0.0))
+                upd[r] = upd[r] + fsel(ps != Float32(0.0), vs * piece_sum(acc, r, N, cfg.PIECES) + vz * ps,
+                                            Float32(0.0))
         for r in range(N):
             accO[mt * N + r] = accO[mt * N + r] * sm.sAlpha[sm_.alpha(sp, r)] + upd[r]

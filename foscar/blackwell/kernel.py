@@ -17,8 +17,9 @@ described as one byte per element (``OPERAND_SMEM_DTYPE``), each word's 8 bytes 
 half of its 16-byte unit, and only the instruction descriptor says E2M1 (``tiled_mma`` built with
 the FP4 type; descriptors from ``desc_mma`` built with a byte type).
 
-B (Q'^T or P'^T, FP8 E4M3) is hi/lo split: columns 0..N-1 hold ``fp8(x)``, N..2N-1
-``fp8(x - fp8(x))`` (``NM = 2N``), so one MMA carries ~8 mantissa bits. Every B value is scaled by
+B (Q'^T or P'^T, FP8 E4M3) is split in pieces: columns 0..N-1 hold ``fp8(x)``, N..2N-1
+``fp8(x - fp8(x))``, and so on (``NM = PIECES x N``), so one MMA carries ~4 mantissa bits per piece:
+hi/lo (~8 bits) for BF16 q, 3 or 4 pieces for FP16 q (``primitives.fp8_piece_options``). Every B value is scaled by
 an exact power of two first so its magnitude is below 256 (E4M3 max 448, subnormals from 2^-9):
 Q per query row into [128, 256); Q'[r, d] = Q[r, d] * s[d, t] * 2^-e_t with 2^e_t > max_d s[d, t];
 P'= P * s[l, j] * 2^-e_j (max over the step's tokens) for token-wise V, P * 2^7 for channel-wise
@@ -100,7 +101,7 @@ from . import storage as sm_
 from .folds import hooks_for
 from .operands import recipe_for
 from .pipeline import tcgen05_fence_after, tcgen05_fence_before
-from .primitives import STEP, WG, fabs, hilo, max4, pow2_scale, scalar
+from .primitives import STEP, WG, fabs, fp8_piece_options, fp8_pieces, max4, pow2_scale, scalar
 from .sequence import STEP_TILES, DecodeSequence
 from .window import cache_bytes
 
@@ -139,7 +140,6 @@ class BlackwellConfig(StageLayout):
         self.R = self.rows.R  # query columns: gqa x tokens
         self.packed_causal = bool(packed_causal) and tokens > 1
         self.N = 8 if self.R <= 8 else 16  # query columns (padded)
-        self.NM = 2 * self.N  # hi and lo halves
         # operand recipes and constructions, per tensor: the construction's 1/a (an exact power of
         # two) is applied after the MMA
         self.k_op, self.v_op = recipe_for(self.kfold), recipe_for(self.vfold)
@@ -152,16 +152,20 @@ class BlackwellConfig(StageLayout):
         # the fold cases' device hooks (foscar.blackwell.folds) and the geometry they add
         self.kh, self.vh = hooks_for(self.kfold, self), hooks_for(self.vfold, self)
         self.NJK = self.kh.s_blocks  # S accumulators per step (channel blocks; 1 for channel-wise K)
-        self.NQK = self.kh.q_copies * self.NM  # QK MMA N: one Q' (hi/lo) per channel-wise K token group
         self.JPM = self.vh.accumulators  # PV accumulators per m-tile (channel blocks or token groups)
         self.P_STAGES = self.vh.p_stages  # P'^T copies per step (token-wise V: one per channel block)
         if self.N > sm_.N_MAX or self.kh.q_copies > sm_.MAX_STEP_GROUPS or self.P_STAGES > sm_.N_MAX:
             raise NotImplementedError(f"{scheme.name}: beyond the shared-memory areas of foscar.blackwell.storage")
-        self.S_COLS = self.NJK * self.NQK
-        self.O_COLS = self.MT * self.JPM * self.NM
         # TMEM: S and O double-buffered where the 512 columns allow (S first: the softmax is the
-        # longest role, so the next QK should not wait for it)
-        for ss, os_ in ((2, 2), (2, 1), (1, 2), (1, 1)):
+        # longest role, so the next QK should not wait for it); the B operands in the most FP8 pieces
+        # that fit (primitives.fp8_piece_options: FP16 wants more than hi/lo)
+        for pieces, ss, os_ in ((p, ss, os_) for p in fp8_piece_options(scheme.q_dtype)
+                                for ss, os_ in ((2, 2), (2, 1), (1, 2), (1, 1))):
+            self.PIECES = pieces
+            self.NM = pieces * self.N  # PV MMA N: P' in its pieces (hi, lo, ...)
+            self.NQK = self.kh.q_copies * self.NM  # QK MMA N: one Q' (its pieces) per channel-wise K token group
+            self.S_COLS = self.NJK * self.NQK
+            self.O_COLS = self.MT * self.JPM * self.NM
             if ss * self.S_COLS + os_ * self.O_COLS <= 512:
                 break
         else:
@@ -697,9 +701,9 @@ class BlackwellDecodeKernel(DecodeKernelBase):
             if t == 0:
                 sm.sAlpha[sm_.alpha(sp, r)] = alpha
             for j in cutlass.range_constexpr(cfg.P_STAGES):
-                phi, plo = hilo(self.vh.p_operand(sm, v_params, p, alpha, pscale, r, j, t))
-                sm.sP[((r, t % 32), 0, t // 32, sp * cfg.P_STAGES + j)] = phi
-                sm.sP[((N + r, t % 32), 0, t // 32, sp * cfg.P_STAGES + j)] = plo
+                pieces = fp8_pieces(self.vh.p_operand(sm, v_params, p, alpha, pscale, r, j, t), cfg.PIECES)
+                for k in cutlass.range_constexpr(cfg.PIECES):
+                    sm.sP[((k * N + r, t % 32), 0, t // 32, sp * cfg.P_STAGES + j)] = pieces[k]
             self.vh.softmax_row_done(sm, p, r, sp, lane, wq)
 
     @cute.jit
