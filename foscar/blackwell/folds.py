@@ -95,7 +95,7 @@ class KHooks(BlackwellFold):
 @register(KTokenWise)
 class BlackwellKTokenWise(KHooks):
     """Scale on S_j: one accumulator per channel block j; offset z[l, j] * Qsum[j]. Q' = Q is
-    built once (hi/lo) by the preparation warpgroup."""
+    built once (in FP8 pieces) by the preparation warpgroup."""
 
     def __init__(self, fold, cfg):
         super().__init__(fold, cfg)
@@ -171,10 +171,10 @@ class BlackwellKChannelWise(KHooks):
 
     @cute.jit
     def prep_q_scaled(self, sm, ring_words, step, so, kinfo, t, lane, wq, nd: cutlass.Constexpr):
-        """Q'[t] = Q * s[:, t] * 2^-e_t (its FP8 pieces, ``PIECES * N`` columns per token group t side by side,
+        """Q'[t] = Q * s[:, t] * 2^-e_t (its FP8 pieces, ``NM = PIECES * N`` columns per token group t side by side,
         operand stage so) and the S unscale 2^e_t / a; the group's (scale, offset) from the ring."""
         cfg = self.cfg
-        N, NQ, D, G = cfg.N, cfg.PIECES * cfg.N, cfg.D, self.fold.group
+        N, NM, D, G = cfg.N, cfg.NM, cfg.D, self.fold.group
         NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()  # previous step's sZ / sRed reads done
         ks = cute.make_rmem_tensor((self.q_copies * nd,), Float32)
         for tk in cutlass.range_constexpr(self.q_copies):
@@ -200,7 +200,7 @@ class BlackwellKChannelWise(KHooks):
                 qs = sm.sQinfo[sm_.q_scale(r)] * s_norm
                 for i in cutlass.range_constexpr(nd):
                     d = (t + WG * i) % D
-                    self.store_q(sm, sm.sQf[r * D + d] * qs * ks[tk * nd + i], tk * NQ + r, d, so)  # |.| < 256
+                    self.store_q(sm, sm.sQf[r * D + d] * qs * ks[tk * nd + i], tk * NM + r, d, so)  # |.| < 256
         NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()
 
     @cute.jit
@@ -223,13 +223,13 @@ class BlackwellKChannelWise(KHooks):
                 sm.sKinfo[sm_.k_offset_term(kinfo, tk, r)] = acc * scale_log2
 
     def scores(self, sm, prm, tmem_ptr, t2r, thr_t2r, acc_layout, ss, step, t, wq):
-        """S[r] = unscale_t * S[t(l), r] + C[t(l), r]: the ``PIECES * N`` columns of this warp's token group."""
+        """S[r] = unscale_t * S[t(l), r] + C[t(l), r]: the ``NM`` columns of this warp's token group."""
         cfg = self.cfg
-        N, NQ, G = cfg.N, cfg.PIECES * cfg.N, self.fold.group
+        N, NM, G = cfg.N, cfg.NM, self.fold.group
         sc = cute.make_rmem_tensor((N,), Float32)
         so = stage(step, cfg.OP_STAGES)
         tk = (wq * 32) // G if G < STEP else 0  # token group of this warp
-        acc = load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + tk * NQ, acc_layout), NQ)
+        acc = load_acc(t2r, thr_t2r, cute.make_tensor(tmem_ptr + ss * cfg.S_COLS + tk * NM, acc_layout), NM)
         cute.arch.fence_view_async_tmem_load()
         unscale = sm.sKinfo[sm_.k_unscale(sm_.kinfo_stage(so), tk)]
         for r in range(N):

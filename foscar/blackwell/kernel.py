@@ -19,7 +19,7 @@ the FP4 type; descriptors from ``desc_mma`` built with a byte type).
 
 B (Q'^T or P'^T, FP8 E4M3) is split in pieces: columns 0..N-1 hold ``fp8(x)``, N..2N-1
 ``fp8(x - fp8(x))``, and so on (``NM = PIECES x N``), so one MMA carries ~4 mantissa bits per piece:
-hi/lo (~8 bits) for BF16 q, 3 or 4 pieces for FP16 q (``primitives.fp8_piece_options``). Every B value is scaled by
+hi/lo (~8 bits) for BF16 q, four for FP16 q (``primitives.fp8_piece_options``). Every B value is scaled by
 an exact power of two first so its magnitude is below 256 (E4M3 max 448, subnormals from 2^-9):
 Q per query row into [128, 256); Q'[r, d] = Q[r, d] * s[d, t] * 2^-e_t with 2^e_t > max_d s[d, t];
 P'= P * s[l, j] * 2^-e_j (max over the step's tokens) for token-wise V, P * 2^7 for channel-wise
@@ -280,7 +280,7 @@ class BlackwellDecodeKernel(DecodeKernelBase):
     """Fused paged INT2/INT4 decode attention for sm_100a (see the module docstring)."""
 
     arch = "sm_100a"
-    # limits (BlackwellConfig): at most 16 query columns, each split into hi/lo halves; sKinfo holds the unscales
+    # limits (BlackwellConfig): at most 16 query columns, each split into FP8 pieces; sKinfo holds the unscales
     # and corrections of at most 4 channel-wise K groups per 128-token step, so groups of >= 32 tokens
     max_gqa_ratio, page_sizes, min_group = 16, (64, 128, 256), 32
 
@@ -555,7 +555,7 @@ class BlackwellDecodeKernel(DecodeKernelBase):
                 sm.sRedP[sm_.red_row(0, r) + wq] = amax
             NamedBarrier(BlackwellDecodeBarrier.PREP, WG).arrive_and_wait()
             sc = pow2_scale(max4(sm.sRedP, sm_.red_row(0, r)))
-            self.kh.prep_q_row(sm, qv, sc, r, t, nd)  # Q^T hi/lo once (token-wise K) or q kept for Q' per step
+            self.kh.prep_q_row(sm, qv, sc, r, t, nd)  # Q^T in pieces once (token-wise K) or q kept for Q' per step
             if t == 0:
                 sm.sQinfo[sm_.s_unscale(r)] = scale_log2 / sc  # S unscale, log2(e)*sm_scale folded in
                 sm.sQinfo[sm_.q_scale(r)] = sc

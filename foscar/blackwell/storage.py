@@ -42,8 +42,8 @@ class Smem(NamedTuple):
 
     sK: Any  # K step [128 tokens x D] operand bytes (MMA, MMA_M, MMA_K, OP_STAGES)
     sV: Any  # V^T step [128 channels x 128 tokens] operand bytes (..., OP_STAGES * MT)
-    sQ: Any  # Q'^T hi/lo (FP8) (MMA, MMA_N, MMA_K, 1 | OP_STAGES)
-    sP: Any  # P'^T hi/lo (FP8) (MMA, MMA_N, MMA_K, P_BUFS * P_STAGES)
+    sQ: Any  # Q'^T in FP8 pieces (MMA, MMA_N, MMA_K, 1 | OP_STAGES)
+    sP: Any  # P'^T in FP8 pieces (MMA, MMA_N, MMA_K, P_BUFS * P_STAGES)
     sQinfo: Any
     sKinfo: Any
     sZ: Any  # z[d, t] of the step (channel-wise K)
