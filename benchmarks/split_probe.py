@@ -30,16 +30,17 @@ from .decode import MODELS, clones, copies_for, time_layers
 PAGE = 128
 
 
-def probe(model: str, batch: int, context: int, splits: list[int], consumers: list[int], reps: int) -> list[dict]:
+def probe(model: str, batch: int, context: int, splits: list[int], consumers: list[int], reps: int,
+          ctas_per_sm: list[int] = (1,)) -> list[dict]:
     q_heads, kv_heads, d = MODELS[model]
     scheme = Scheme.make(2, "token", 128, "token", 128, d, q_heads // kv_heads)
     q, cache = random_problem(scheme, [context] * batch, kv_heads=kv_heads, page_size=PAGE, shuffle=False)
     sm_scale = d**-0.5
     sets = clones(cache, copies_for(cache.nbytes()))
 
-    def call(c, n, wgs, out=None, lse=None):
+    def call(c, n, wgs, ctas, out=None, lse=None):
         return KERNELS.run_decode(q, c.k_codes, c.k_params, c.v_codes, c.v_params, c.page_table, c.lengths,
-                                  sm_scale, scheme, n, out, lse, consumers=wgs)
+                                  sm_scale, scheme, n, out, lse, consumers=wgs, ctas_per_sm=ctas)
 
     planned = plan_splits(batch, kv_heads, cache.max_tokens, torch.cuda.get_device_properties(0).multi_processor_count)
     print(f"{model} {batch}x{context}: plan_splits {planned}, "
@@ -52,24 +53,27 @@ def probe(model: str, batch: int, context: int, splits: list[int], consumers: li
         out, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device="cuda")
         merge = [lambda: combine_splits(o_part, lse_part, out, lse)] * len(sets)
         combine_us = time_layers(merge, reps) if n > 1 else 0.0
-        for wgs in consumers:
+        # two CTAs per SM take one consumer warpgroup each (foscar.hopper.decode's options)
+        for wgs, ctas in [(w, 1) for w in consumers if 1 in ctas_per_sm] + [(1, 2)] * (2 in ctas_per_sm):
             poisoned = torch.full_like(q, float("nan")), torch.full(q.shape[:-1], float("nan"), device="cuda")
-            acc = check_output(*call(cache, n, wgs, *poisoned), q, cache, sm_scale)
+            acc = check_output(*call(cache, n, wgs, ctas, *poisoned), q, cache, sm_scale)
             if not acc.ok:
-                raise SystemExit(f"{model} {batch}x{context} splits={n} consumers={wgs}: {acc}")
-            us = time_layers([lambda c=c: call(c, n, wgs) for c in sets], reps)
+                raise SystemExit(f"{model} {batch}x{context} splits={n} consumers={wgs} ctas_per_sm={ctas}: {acc}")
+            us = time_layers([lambda c=c: call(c, n, wgs, ctas) for c in sets], reps)
             _, first, end = split_range(context, 0, n, 1)  # the first split's tiles: the longest
             rows.append({"model": model, "shape": f"{batch}x{context}", "splits": n, "consumers": wgs,
-                         "tokens_per_cta": (end - first) * TILE_TOKENS, "decode_us": us, "combine_us": combine_us})
+                         "ctas_per_sm": ctas, "tokens_per_cta": (end - first) * TILE_TOKENS, "decode_us": us,
+                         "combine_us": combine_us})
             print(rows[-1], flush=True)
     return rows
 
 
 def table(rows) -> str:
-    lines = ["| model | shape | splits | tokens per CTA (at most) | consumer warpgroups | decode + combine (us) "
-             "| combine alone (us) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | shape | splits | tokens per CTA (at most) | consumer warpgroups | CTAs per SM "
+             "| decode + combine (us) | combine alone (us) |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['shape']} | {r['splits']} | {r['tokens_per_cta']} | {r['consumers']} | "
+              f"{r['ctas_per_sm']} | "
               f"{r['decode_us']:.1f} | {r['combine_us']:.1f} |" for r in rows]
     return "\n".join(lines)
 
@@ -81,6 +85,7 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--splits", default="32,64,96,128")
     parser.add_argument("--consumers", default="1,2,3")
+    parser.add_argument("--ctas-per-sm", default="1", help="comma-separated, of 1 and 2 (2: one consumer warpgroup)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None, help="write <out>/<tag>.json and .md (benchmarks.records)")
     parser.add_argument("--tag", default="split-probe")
@@ -91,15 +96,20 @@ def main(argv=None):
     try:
         splits = [int(s) for s in args.splits.split(",")]
         consumers = [int(c) for c in args.consumers.split(",")]
+        ctas_per_sm = [int(c) for c in args.ctas_per_sm.split(",")]
     except ValueError:
-        parser.error(f"--splits and --consumers: comma-separated integers, got {args.splits!r}, {args.consumers!r}")
+        parser.error(f"--splits, --consumers and --ctas-per-sm: comma-separated integers, got {args.splits!r}, "
+                     f"{args.consumers!r}, {args.ctas_per_sm!r}")
     if any(s < 1 for s in splits):
         parser.error(f"--splits: positive counts, got {args.splits!r}")
     if any(c not in (1, 2, 3, 4) for c in consumers):
         parser.error(f"--consumers: 1 to 4 warpgroups, got {args.consumers!r}")
+    if any(c not in (1, 2) for c in ctas_per_sm):
+        parser.error(f"--ctas-per-sm: 1 or 2, got {args.ctas_per_sm!r}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.split_probe needs a CUDA GPU")
-    rows = [row for m in models for row in probe(m, args.batch, args.context, splits, consumers, args.reps)]
+    rows = [row for m in models for row in probe(m, args.batch, args.context, splits, consumers, args.reps,
+                                                             ctas_per_sm)]
     text = table(rows)
     print(text)
     if args.out:

@@ -46,7 +46,8 @@ def test_verify_names_a_bad_choice_before_the_gpu_check(args, message, capsys):
 @pytest.mark.parametrize("args,message", [(["--models", "tp9"], "--models: each one of"),
                                           (["--consumers", "5"], "--consumers: 1 to 4 warpgroups"),
                                           (["--splits", "0"], "--splits: positive counts"),
-                                          (["--splits", "x"], "comma-separated integers")])
+                                          (["--splits", "x"], "comma-separated integers"),
+                                          (["--ctas-per-sm", "3"], "--ctas-per-sm: 1 or 2")])
 def test_split_probe_names_a_bad_choice_before_the_gpu_check(args, message, capsys):
     from benchmarks import split_probe
 
