@@ -17,7 +17,7 @@ def test_tiny_run_makes_tokens_and_the_account_adds_up(tmp_path):
     records = serve.main(["--model", "tiny", "--device", "cpu", "--out", str(tmp_path), "--tag", "serve-test"])
     by = {r["format"]: r for r in records}
     assert list(by) == list(serve.FORMATS)  # every format has a record
-    for name in ("bf16", "fp8"):
+    for name in ("bf16", "fp8", "fp8-xqa"):
         assert by[name]["status"] == "missing" and "CUDA" in by[name]["note"] and not by[name]["points"]
     assert by["k4v2"]["status"] == "ok" and by["int2-kivi"]["status"] == "ok"
     preset = serve.PRESETS["tiny"]
@@ -189,23 +189,40 @@ class FakeDecodeWrapper:
         return torch.stack(out)[:, :, 0].to(q.dtype)
 
 
+def fake_xqa(query, kv_cache, workspace, block_tables, seq_lens, max_seq_len, bmm1_scale, bmm2_scale, out,
+             kv_layout):
+    """FlashInfer's ``xqa_batch_decode_with_kv_cache`` contract (HND pages ``[pages, 2, kv_heads, page, D]``, a
+    block table row and a uint32 length per sequence, scores scaled by bmm1_scale, out by bmm2_scale) in torch."""
+    assert kv_layout == "HND" and workspace.dtype == torch.uint8 and seq_lens.dtype == torch.uint32
+    kv_heads, d = kv_cache.shape[2], query.shape[-1]
+    for b, n in enumerate(seq_lens.view(torch.int32).tolist()):
+        assert n <= max_seq_len and max_seq_len <= block_tables.shape[1] * kv_cache.shape[3]
+        pages = kv_cache[block_tables[b].long()].float()
+        k, v = (pages[:, i].permute(1, 0, 2, 3).reshape(kv_heads, -1, d)[:, :n] for i in (0, 1))
+        o = torch.nn.functional.scaled_dot_product_attention(query[b, :, None].float(), k, v, scale=bmm1_scale,
+                                                             enable_gqa=True)[:, 0]
+        out[b] = (o * bmm2_scale).to(out.dtype)
+
+
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     import sys
     import types
 
-    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeDecodeWrapper)
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeDecodeWrapper,
+                                 decode=types.SimpleNamespace(xqa_batch_decode_with_kv_cache=fake_xqa))
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(serve.FlashInferKV, "check", staticmethod(lambda device: None))
     monkeypatch.setattr(serve.FlashInferKV, "WORKSPACE", 2**20)  # the tiny model's budget is 6 MiB
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-def test_flashinfer_backend_attends_over_the_prefix_and_the_new_token(kv_dtype, fake_flashinfer):
+@pytest.mark.parametrize("backend_name,kv_dtype", [("flashinfer", "bfloat16"), ("flashinfer", "float8_e4m3fn"),
+                                                    ("flashinfer-xqa", "float8_e4m3fn")])
+def test_flashinfer_backend_attends_over_the_prefix_and_the_new_token(backend_name, kv_dtype, fake_flashinfer):
     geo = serve.PRESETS["tiny"].geometry
-    fmt = serve.Format("flashinfer", "test", kv_dtype=kv_dtype)
+    fmt = serve.Format(backend_name, "test", kv_dtype=kv_dtype)
     context, gen = 130, torch.Generator().manual_seed(3)
-    backend = serve.FlashInferKV(geo, fmt, 3, context, context + 64, torch.device("cpu"), gen)
+    backend = serve.BACKENDS[backend_name](geo, fmt, 3, context, context + 64, torch.device("cpu"), gen)
     backend.prepare(2)
     q = torch.randn(2, geo.q_heads, geo.head_dim, generator=gen).bfloat16()
     k, v = (torch.randn(2, geo.kv_heads, geo.head_dim, generator=gen).bfloat16() for _ in range(2))
@@ -222,9 +239,9 @@ def test_flashinfer_backend_attends_over_the_prefix_and_the_new_token(kv_dtype, 
 
 
 def test_tiny_run_with_flashinfer_formats(fake_flashinfer):
-    records = serve.main(["--model", "tiny", "--device", "cpu", "--formats", "bf16,fp8,int2"])
+    records = serve.main(["--model", "tiny", "--device", "cpu", "--formats", "bf16,fp8,fp8-xqa,int2"])
     by = {r["format"]: r for r in records}
-    for name in ("bf16", "fp8"):
+    for name in ("bf16", "fp8", "fp8-xqa"):
         r = by[name]
         assert r["status"] == "ok", r["note"]
         assert sum(r["account"].values()) == round(serve.PRESETS["tiny"].memory_gib * serve.GIB)
@@ -234,6 +251,7 @@ def test_tiny_run_with_flashinfer_formats(fake_flashinfer):
             assert p["tokens_in_range"] and p["tokens_changed"] and p["positions_advanced"]
             assert p["cache_advanced"] is None  # FlashInfer's lengths are fixed by the plan
     assert by["fp8"]["max_batch"] >= by["bf16"]["max_batch"]
+    assert by["fp8-xqa"]["max_batch"] == by["fp8"]["max_batch"]  # the same pages
 
 
 def test_append_merges_a_split_sweep(tmp_path):

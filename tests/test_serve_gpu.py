@@ -14,7 +14,7 @@ GEOMETRY = serve.Geometry("gpu-test", layers=2, hidden=512, q_heads=8, kv_heads=
 CONTEXT, STEPS = 600, 70  # 70 steps: the oldest window tile is quantized inside the graph at least once
 
 
-@pytest.mark.parametrize("name", ["int4", "int2", "k4v2", "int2-kivi", "bf16", "fp8"])
+@pytest.mark.parametrize("name", ["int4", "int2", "k4v2", "int2-kivi", "bf16", "fp8", "fp8-xqa"])
 def test_graph_replay_equals_eager_steps(name, rng):
     fmt = serve.FORMATS[name]
     cls = serve.BACKENDS[fmt.backend]
