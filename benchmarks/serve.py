@@ -1,7 +1,7 @@
 """Serving throughput at a long-context workload: a graph-captured decode loop of a full-size model,
 the largest concurrency each KV format fits in memory, aggregate and per-sequence output tokens/s.
 
-    python -m benchmarks.serve [--quick] [--formats bf16,fp8,fp8-xqa,int4,int2,k4v2,int2-kivi] [--out benchmarks/results]
+    python -m benchmarks.serve [--quick] [--formats bf16,fp8,fp8-xqa,int4,int2,k4v2,int2-kivi] [--out DIR]
     python -m benchmarks.serve --formats int4,int2 --append   # add formats to today's records
     python -m benchmarks.serve --model tiny --device cpu      # the loop and the memory account, seconds
 
