@@ -274,6 +274,7 @@ class PagedKVCache:
         self._dequantized = None if self.use_kernels else fp32(num_layers, kv_heads, pool * page_size, d)
         self._slots_fp32 = None if self.use_kernels else fp32(*bf16_shape)
         self._dequantizers = {}  # (layer, role, dtype): a PagesDequantizer of attend_chunk's blocks
+        self._prefix_schemes = {}  # step: _packed_prefix's scheme of gqa x step query heads, None where not built
         # rows padded to 16 bytes: a layer's row is handed to the decode launch, whose pointers are 16-byte aligned
         self.lengths = torch.zeros(num_layers, max_seqs + max_seqs % 2, dtype=torch.int64, device=dev)[:, :max_seqs]
         self.page_table = torch.full((max_seqs, self.max_pages), self.trash_page, dtype=torch.int32, device=dev)
@@ -995,7 +996,10 @@ class PagedKVCache:
             parts = [chunk_attention(q[b], k[b], v[b], self._cached_blocks(layer, seq, n, q.dtype, prefix is None),
                                      sm_scale, prefix, merge)
                      for b, (seq, n, prefix) in enumerate(zip(ids, held, prefixes))]
-            out, lse = (torch.stack(x) for x in zip(*parts))
+            if batch == 1:  # one sequence: its outputs as they are (a GPU cache's are contiguous: no copy)
+                out, lse = (x[None].contiguous() for x in parts[0])
+            else:
+                out, lse = (torch.stack(x) for x in zip(*parts))
             return (out, lse) if return_lse else out
         plan = self._attend_plan(layer, ids, index, 0)
         cached = self._read(layer, "k", plan), self._read(layer, "v", plan)
@@ -1016,10 +1020,15 @@ class PagedKVCache:
             return None
         if -(-tokens // step) * MAX_QUERY_COLUMNS > DECODE_COLUMNS:  # more passes over the pages than blocks cost
             return None
-        scheme = dataclasses.replace(self.scheme, gqa_ratio=gqa * step)  # one compiled variant per cache scheme
-        try:
-            self.arch.can_implement(scheme, self.page_size)
-        except ValueError:  # a ratio past the kernel's, a config that does not build
+        if step not in self._prefix_schemes:  # one compiled variant per cache scheme
+            scheme = dataclasses.replace(self.scheme, gqa_ratio=gqa * step)
+            try:
+                self.arch.can_implement(scheme, self.page_size)
+            except ValueError:  # a ratio past the kernel's, a config that does not build
+                scheme = None
+            self._prefix_schemes[step] = scheme
+        scheme = self._prefix_schemes[step]
+        if scheme is None:
             return None
         tiles, pages = -(-tokens // step), -(-quantized // self.page_size)
         table = self.page_table[seq, :pages].expand(tiles, pages).clone()  # the same pages for every tile; aligned

@@ -232,10 +232,11 @@ class PackedPrefix:
         :func:`chunk_attention`'s blocks (row ``g * L + t``)."""
         tokens, q_heads, d = q.shape
         group, n = q_heads // kv_heads, -(-tokens // self.step)
-        padded = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, n * self.step - tokens))  # zero tokens past the chunk
+        # zero tokens past the chunk (pad copies, so none where the tiles hold it exactly)
+        padded = q if n * self.step == tokens else torch.nn.functional.pad(q, (0, 0, 0, 0, 0, n * self.step - tokens))
         # [n, step, kv_heads, gqa, D] -> [n, kv_heads, step, gqa, D]: column t * gqa + g of a KV head's tile
-        # (contiguous: the kernel reads rows densely, and pad keeps a transposed q's strides)
-        folded = padded.view(n, self.step, kv_heads, group, d).transpose(1, 2).reshape(n, -1, d).contiguous()
+        # (contiguous: the kernel reads rows densely; q, and pad's result, may have a transposed q's strides)
+        folded = padded.reshape(n, self.step, kv_heads, group, d).transpose(1, 2).reshape(n, -1, d).contiguous()
         out, lse = self.decode(folded)
         out = out.view(n, kv_heads, self.step, group, d).permute(1, 3, 0, 2, 4).reshape(kv_heads, group, -1, d)
         lse = lse.view(n, kv_heads, self.step, group).permute(1, 3, 0, 2).reshape(kv_heads, group, -1)

@@ -134,7 +134,7 @@ def part_table(parts, device):
             raise ValueError(f"parts[{index}]: o of strides {o.stride()} at {o.data_ptr():#x} is not a view the merge "
                              f"kernel loads {vec} channels at a time from")
         rows.append([o.data_ptr(), *o.stride()[:3], lse.data_ptr(), *lse.stride(), int(o.dtype == torch.float32)])
-    return torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
 def merge_parts(parts, out, lse) -> None:
