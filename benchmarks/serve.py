@@ -249,8 +249,11 @@ class FlashInferKV:
         raw = self.kv.view(torch.uint8) if self.kv_dtype.itemsize == 1 else self.kv
         self.rows = raw.view(geo.layers, -1, geo.head_dim)
         self.workspace = torch.zeros(self.WORKSPACE, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True)
+        self.wrapper = self.make_wrapper(flashinfer)
         self.scales = dict(k_scale=1.0, v_scale=1.0) if self.kv_dtype != torch.bfloat16 else {}
+
+    def make_wrapper(self, flashinfer):
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True)
 
     def nbytes(self):
         return {"kv_pages": self.kv.numel() * self.kv.element_size(), "workspace": self.WORKSPACE}
@@ -301,6 +304,9 @@ class FlashInferXQAKV(FlashInferKV):
     on sm_90 the faster FP8 path, whose products take Q and P in e4m3 (``benchmarks/NOTES.md`` section 19)."""
 
     PAGE = XQA_PAGE
+
+    def make_wrapper(self, flashinfer):
+        return None  # XQA takes the workspace and the pages as they are
 
     @staticmethod
     def check(device):

@@ -2,6 +2,7 @@
 warpgroups, next to the combine kernel that merges its splits, alone.
 
     python -m benchmarks.split_probe --models tp8-70b,tp4-70b --context 131072 --splits 32,64,96,128 --consumers 1,2,3
+    python -m benchmarks.split_probe --models tp8-70b --splits 128,256 --consumers 2 --ctas-per-sm 1,2
 
 A batch-1 sequence with one or two KV heads fills the GPU only through its splits (``foscar.work_list.plan_splits``
 picks at most ``MAX_DECODE_SPLITS``): each CTA then attends a few tiles per consumer warp, and what does not shrink with the
@@ -31,7 +32,7 @@ PAGE = 128
 
 
 def probe(model: str, batch: int, context: int, splits: list[int], consumers: list[int], reps: int,
-          ctas_per_sm: list[int] = (1,)) -> list[dict]:
+          ctas_per_sm: tuple[int, ...] = (1,)) -> list[dict]:
     q_heads, kv_heads, d = MODELS[model]
     scheme = Scheme.make(2, "token", 128, "token", 128, d, q_heads // kv_heads)
     q, cache = random_problem(scheme, [context] * batch, kv_heads=kv_heads, page_size=PAGE, shuffle=False)
@@ -96,7 +97,7 @@ def main(argv=None):
     try:
         splits = [int(s) for s in args.splits.split(",")]
         consumers = [int(c) for c in args.consumers.split(",")]
-        ctas_per_sm = [int(c) for c in args.ctas_per_sm.split(",")]
+        ctas_per_sm = tuple(dict.fromkeys(int(c) for c in args.ctas_per_sm.split(",")))
     except ValueError:
         parser.error(f"--splits, --consumers and --ctas-per-sm: comma-separated integers, got {args.splits!r}, "
                      f"{args.consumers!r}, {args.ctas_per_sm!r}")

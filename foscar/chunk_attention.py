@@ -235,8 +235,10 @@ class PackedPrefix:
         # zero tokens past the chunk (pad copies, so none where the tiles hold it exactly)
         padded = q if n * self.step == tokens else torch.nn.functional.pad(q, (0, 0, 0, 0, 0, n * self.step - tokens))
         # [n, step, kv_heads, gqa, D] -> [n, kv_heads, step, gqa, D]: column t * gqa + g of a KV head's tile
-        # (contiguous: the kernel reads rows densely; q, and pad's result, may have a transposed q's strides)
+        # (contiguous: the kernel reads rows densely, and q may be a transposed view)
         folded = padded.reshape(n, self.step, kv_heads, group, d).transpose(1, 2).reshape(n, -1, d).contiguous()
+        if folded.data_ptr() % 16:  # q itself (nothing above copied it), at an offset the kernel's loads cannot take
+            folded = folded.clone()
         out, lse = self.decode(folded)
         out = out.view(n, kv_heads, self.step, group, d).permute(1, 3, 0, 2, 4).reshape(kv_heads, group, -1, d)
         lse = lse.view(n, kv_heads, self.step, group).permute(1, 3, 0, 2).reshape(kv_heads, group, -1)

@@ -38,22 +38,25 @@ def test_blocks_pieces_and_own_tokens_against_float64(dtype, pieces, tokens, rng
 
 @pytest.mark.parametrize("group, step", [(1, 1), (1, 3), (4, 4), (4, 1), (16, 1)])
 @pytest.mark.parametrize("tokens", [1, 5, 70])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_packed_prefix_folds_the_chunk_into_query_heads(group, step, tokens, transposed, rng):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "unaligned"])
+def test_packed_prefix_folds_the_chunk_into_query_heads(group, step, tokens, layout, rng):
     """``PackedPrefix``: the chunk's tokens as ``step`` more query heads per head of a decode over the prefix (here a
     float64 attention standing in for the kernel, rounded to q's dtype), unfolded into the blocks' rows and merged
     with a block of 16-bit slots and the chunk's own tokens: the chunk's attention over all of them. The kernel reads
-    its q densely: a contiguous one, also from a q transposed as transformers' attention gives it."""
+    its q densely and 16-byte aligned: a contiguous one, also from a q transposed as transformers' attention gives it
+    or starting 2 bytes into its storage."""
     kv_heads, d, prefix, slots = 2, 64, 300, 40
     k = (torch.randn(kv_heads, prefix + slots + tokens, d, generator=rng) + torch.randn(d, generator=rng))
     k, v = k.to(torch.bfloat16), torch.randn(kv_heads, prefix + slots + tokens, d, generator=rng).to(torch.bfloat16)
     q = torch.randn(tokens, kv_heads * group, d, generator=rng).to(torch.bfloat16)
-    if transposed:  # [L, Hq, D] with the strides of [Hq, L, D]
+    if layout == "transposed":  # [L, Hq, D] with the strides of [Hq, L, D]
         q = q.transpose(0, 1).contiguous().transpose(0, 1)
+    elif layout == "unaligned":  # contiguous, one element into its storage
+        q = torch.cat([q.new_zeros(1), q.flatten()])[1:].view(q.shape)
     seen = []
 
     def decode(folded):  # [n, kv_heads * group * step, D]: n sequences, each the whole prefix
-        assert folded.is_contiguous()
+        assert folded.is_contiguous() and folded.data_ptr() % 16 == 0
         seen.append(tuple(folded.shape))
         heads = folded.shape[1] // kv_heads
         scores = torch.einsum("nhd,htd->nht", folded.double(), k[:, :prefix].double().repeat_interleave(heads, 0))

@@ -193,7 +193,10 @@ def fake_xqa(query, kv_cache, workspace, block_tables, seq_lens, max_seq_len, bm
              kv_layout):
     """FlashInfer's ``xqa_batch_decode_with_kv_cache`` contract (HND pages ``[pages, 2, kv_heads, page, D]``, a
     block table row and a uint32 length per sequence, scores scaled by bmm1_scale, out by bmm2_scale) in torch."""
-    assert kv_layout == "HND" and workspace.dtype == torch.uint8 and seq_lens.dtype == torch.uint32
+    assert kv_layout == "HND" and workspace.dtype == torch.uint8 and kv_cache.dtype == torch.float8_e4m3fn
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.uint32
+    assert block_tables.is_contiguous() and seq_lens.is_contiguous() and len(seq_lens) == len(block_tables)
+    assert out.shape == query.shape and out.dtype == query.dtype == torch.bfloat16
     kv_heads, d = kv_cache.shape[2], query.shape[-1]
     for b, n in enumerate(seq_lens.view(torch.int32).tolist()):
         assert n <= max_seq_len and max_seq_len <= block_tables.shape[1] * kv_cache.shape[3]
