@@ -249,10 +249,11 @@ class FlashInferKV:
         raw = self.kv.view(torch.uint8) if self.kv_dtype.itemsize == 1 else self.kv
         self.rows = raw.view(geo.layers, -1, geo.head_dim)
         self.workspace = torch.zeros(self.WORKSPACE, dtype=torch.uint8, device=device)
-        self.wrapper = self.make_wrapper(flashinfer)
+        self.attention = self.make_attention(flashinfer)
         self.scales = dict(k_scale=1.0, v_scale=1.0) if self.kv_dtype != torch.bfloat16 else {}
 
-    def make_wrapper(self, flashinfer):
+    def make_attention(self, flashinfer):
+        """The FlashInfer object that attends (planned by :meth:`plan`, called by :meth:`attend`)."""
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=True)
 
     def nbytes(self):
@@ -279,12 +280,15 @@ class FlashInferKV:
     def prepare(self, batch):
         """Plan attention over ``context + 1`` tokens for sequences ``0 .. batch - 1``; each step
         writes their new token at position ``context``."""
+        self.plan(batch)
+        rows = self.token_rows(batch, self.pages_per_seq, self.context, self.geo.kv_heads, self.PAGE)
+        self.k_rows, self.v_rows = (r.to(self.kv.device) for r in rows)
+
+    def plan(self, batch):
         g, dev = self.geo, self.kv.device
         plan = self.page_plan(batch, self.pages_per_seq, self.context + 1, self.PAGE)
-        self.wrapper.plan(*(t.to(dev) for t in plan), g.q_heads, g.kv_heads, g.head_dim, self.PAGE,
-                          q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype)
-        rows = self.token_rows(batch, self.pages_per_seq, self.context, g.kv_heads, self.PAGE)
-        self.k_rows, self.v_rows = (r.to(dev) for r in rows)
+        self.attention.plan(*(t.to(dev) for t in plan), g.q_heads, g.kv_heads, g.head_dim, self.PAGE,
+                            q_data_type=torch.bfloat16, kv_data_type=self.kv_dtype)
 
     def tokens_held(self, batch):
         return None  # fixed by the plan
@@ -296,7 +300,10 @@ class FlashInferKV:
     def append_attend(self, layer, q, k, v):
         self.rows[layer].index_copy_(0, self.k_rows, self._store(k))
         self.rows[layer].index_copy_(0, self.v_rows, self._store(v))
-        return self.wrapper.run(q, self.kv[layer], **self.scales)
+        return self.attend(layer, q)
+
+    def attend(self, layer, q):
+        return self.attention.run(q, self.kv[layer], **self.scales)
 
 
 class FlashInferXQAKV(FlashInferKV):
@@ -305,8 +312,10 @@ class FlashInferXQAKV(FlashInferKV):
 
     PAGE = XQA_PAGE
 
-    def make_wrapper(self, flashinfer):
-        return None  # XQA takes the workspace and the pages as they are
+    def make_attention(self, flashinfer):
+        from .decode import xqa_decode_of
+
+        return xqa_decode_of(flashinfer)
 
     @staticmethod
     def check(device):
@@ -318,25 +327,17 @@ class FlashInferXQAKV(FlashInferKV):
         except ImportError as exc:
             raise FormatMissing(str(exc)) from None
 
-    def prepare(self, batch):
-        """Sequences ``0 .. batch - 1`` of ``context + 1`` tokens over their own pages; each step writes the new
-        token at position ``context``."""
-        from .decode import import_flashinfer, xqa_decode_of
-
+    def plan(self, batch):
+        """Sequences ``0 .. batch - 1`` of ``context + 1`` tokens, each over its own pages."""
         g, dev = self.geo, self.kv.device
-        self.decode = xqa_decode_of(import_flashinfer())
         self.block_tables = torch.arange(batch * self.pages_per_seq, dtype=torch.int32, device=dev).view(batch, -1)
         self.seq_lens = torch.full((batch,), self.context + 1, dtype=torch.int32, device=dev).view(torch.uint32)
         self.out = torch.empty(batch, g.q_heads, g.head_dim, dtype=torch.bfloat16, device=dev)
-        rows = self.token_rows(batch, self.pages_per_seq, self.context, g.kv_heads, self.PAGE)
-        self.k_rows, self.v_rows = (r.to(dev) for r in rows)
 
-    def append_attend(self, layer, q, k, v):
-        self.rows[layer].index_copy_(0, self.k_rows, self._store(k))
-        self.rows[layer].index_copy_(0, self.v_rows, self._store(v))
-        self.decode(q, self.kv[layer], self.workspace, self.block_tables, self.seq_lens,
-                    self.pages_per_seq * self.PAGE, bmm1_scale=self.geo.head_dim**-0.5, bmm2_scale=1.0, out=self.out,
-                    kv_layout="HND")
+    def attend(self, layer, q):
+        self.attention(q, self.kv[layer], self.workspace, self.block_tables, self.seq_lens,
+                       self.pages_per_seq * self.PAGE, bmm1_scale=self.geo.head_dim**-0.5, bmm2_scale=1.0,
+                       out=self.out, kv_layout="HND")
         return self.out
 
 
