@@ -19,7 +19,7 @@ def build(pkg, batch):
     for start in range(0, PREFIX, 8192):
         n = min(8192, PREFIX - start)
         k = torch.randn(batch, kvh, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        cache.append(0, seqs, k, torch.randn_like(k))
+        cache.append(0, seqs, k, torch.randn(k.shape, device="cuda", dtype=k.dtype, generator=g))
     return cache, seqs
 
 def host_event(fn, reps):
