@@ -274,10 +274,12 @@ def chunk_attention(q, k_new, v_new, blocks, sm_scale: float, packed: PackedPref
             _attend_block(queries, group * tokens, k, v, sm_scale, merged)
         del k, v  # before the next block is dequantized
     queries.cache_clear()
-    own_k, own_v = (x.repeat_interleave(group, dim=0)[None] for x in (k_new, v_new))  # [1, Hq, L, D]
-    out, lse = fused_attention(q_by_head[None], own_k, own_v, sm_scale, causal=True)
-    if merge is not None:  # [1, Hq, L, D] -> [kv_heads, gqa, L, D]: views
-        merged.add_part(out[0].unflatten(0, (kv_heads, group)), lse[0].unflatten(0, (kv_heads, group)))
+    # the chunk's own tokens: KV heads as the batch, each broadcast over its gqa query heads (stride 0: no copy
+    # where k, v come contiguous; FlashAttention loads a contiguous last dim)
+    own_k, own_v = (x.contiguous()[:, None].expand(kv_heads, group, tokens, d) for x in (k_new, v_new))
+    out, lse = fused_attention(q_by_head.view(kv_heads, group, tokens, d), own_k, own_v, sm_scale, causal=True)
+    if merge is not None:  # [kv_heads, gqa, L, D]
+        merged.add_part(out, lse)
         return merged.result(q.dtype)
     merged.add(out.reshape(1, kv_heads, group * tokens, d), lse.reshape(1, kv_heads, group * tokens))
     out, lse = merged.result()

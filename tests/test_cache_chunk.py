@@ -54,8 +54,8 @@ def rotated(cache, x):
 def check_chunk(cache, ids, cached, rng, tokens, layer=0, sm_scale=0.1, transposed_q=False):
     """``attend_chunk`` of ``tokens`` fresh random tokens on ``ids`` equals float64 attention over what each
     sequence holds (``cached(seq)``: fp32 ``(k, v) [kvh, n, D]``) and the new tokens within the project's rule
-    (``assert_within_the_rule``); the cache is unchanged. Returns the new tokens' ``(k, v)``. ``transposed_q``: q
-    is a transposed view of ``[batch, heads, tokens, D]``, as transformers' attention passes it."""
+    (``assert_within_the_rule``); the cache is unchanged. Returns the new tokens' ``(k, v)``. ``transposed_q``: q,
+    k and v are transposed views of ``[batch, tokens, heads, D]`` tensors, as transformers' attention passes them."""
     scheme, dev = cache.scheme, cache.device
     heads = cache.kv_heads * scheme.gqa_ratio
     q = torch.randn(len(ids), tokens, heads, scheme.head_dim, generator=rng)
@@ -64,10 +64,11 @@ def check_chunk(cache, ids, cached, rng, tokens, layer=0, sm_scale=0.1, transpos
     q = q.to(scheme.q_dtype)
     k_new, v_new = kv(rng, scheme, len(ids), tokens, heads=cache.kv_heads)
     before = snapshot(cache)
-    q_dev = q.to(dev)
+    q_dev, k_dev, v_dev = (x.to(dev) for x in (q, k_new, v_new))
+    if transposed_q:
+        k_dev, v_dev = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k_dev, v_dev))
     assert q_dev.is_contiguous() != transposed_q
-    out, lse = cache.attend_chunk(layer, ids, q_dev, k_new.to(dev), v_new.to(dev), sm_scale=sm_scale,
-                                  return_lse=True)
+    out, lse = cache.attend_chunk(layer, ids, q_dev, k_dev, v_dev, sm_scale=sm_scale, return_lse=True)
     assert_unchanged(cache, before)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
     q_seen, k_seen = rotated(cache, q), rotated(cache, k_new)
