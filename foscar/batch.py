@@ -32,6 +32,7 @@ class _Group(NamedTuple):
 
 class _Plan(NamedTuple):
     ids: tuple
+    claims: tuple  # each sequence's claim of its slot when planned (PagedKVCache._claims)
     lens: tuple  # new tokens per sequence
     held: torch.Tensor  # [num_layers, batch]: tokens each sequence held in each layer when planned
     total_q: int
@@ -57,15 +58,33 @@ class BatchAttention:
         """Plan a step: ``seq_ids`` (cache sequence ids, no repeats) get ``qo_indptr[i + 1] - qo_indptr[i] >= 1``
         new tokens each (``qo_indptr``: a 1-D int32/int64 tensor, on any device, or a list of ints, starting at 0).
         Reserves their pages; every argument is checked first (ValueError/TypeError naming it, PagePoolFull when
-        the pool cannot hold the new tokens), and a refused plan changes nothing."""
+        the pool cannot hold the new tokens), and a refused plan changes nothing. A previous plan that ran on some
+        layers but not all is refused too: its sequences' layers would hold different tokens from then on."""
         cache = self.cache
         cache._no_capture("BatchAttention.plan")
         held = cache.seq_lens(seq_ids)  # validates seq_ids
         ids = tuple(int(s) for s in seq_ids)
         offsets = _offsets(qo_indptr, ids)
         lens = tuple(end - start for start, end in zip(offsets, offsets[1:]))
+        self._check_finished()
         self._reserve(ids, held.max(0).values.tolist(), lens)
-        self._plan = _Plan(ids, lens, held, offsets[-1], self._groups(ids, offsets))
+        claims = tuple(cache._claims[s] for s in ids)
+        self._plan = _Plan(ids, claims, lens, held, offsets[-1], self._groups(ids, offsets))
+
+    def _check_finished(self) -> None:
+        """Refuse to replace a plan whose sequences ran on some layers and not on others (still their claim)."""
+        plan, cache = self._plan, self.cache
+        if plan is None:
+            return
+        for b, (seq, claim, new) in enumerate(zip(plan.ids, plan.claims, plan.lens)):
+            if cache._pages[seq] is None or cache._claims[seq] != claim:  # freed since: nothing left to finish
+                continue
+            now, planned = cache._host_len[:, seq], plan.held[:, b]
+            ran, pending = (now == planned + new).tolist(), (now == planned).tolist()
+            if any(ran) and any(pending):
+                raise ValueError(f"plan: the previous plan ran layers {[i for i, x in enumerate(ran) if x]} of "
+                                 f"sequence {seq} but not layers {[i for i, x in enumerate(pending) if x]}: run "
+                                 "those layers (or truncate the ones that ran) before planning again")
 
     def _reserve(self, ids, held, lens) -> None:
         """Pages for ``held + lens`` tokens per sequence (their longest layer), all or nothing."""
@@ -139,6 +158,10 @@ class BatchAttention:
         cache._no_capture("BatchAttention.run")
         cache._check_layer(layer)
         held = cache.seq_lens(plan.ids)[layer].tolist()  # also refuses sequences freed since
+        for seq, claim in zip(plan.ids, plan.claims):
+            if cache._claims[seq] != claim:
+                raise ValueError(f"layer {layer}: sequence {seq} was freed and allocated again since plan: plan "
+                                 "again")
         for seq, n, planned, new in zip(plan.ids, held, plan.held[layer].tolist(), plan.lens):
             if n != planned:
                 raise ValueError(f"layer {layer}: sequence {seq} holds {n} tokens, {planned} when planned: each layer "
@@ -166,6 +189,8 @@ def _offsets(qo_indptr, ids) -> list[int]:
     if isinstance(qo_indptr, torch.Tensor):
         if qo_indptr.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"qo_indptr must be an int32 or int64 tensor, got {qo_indptr.dtype}")
+        if qo_indptr.is_meta:
+            raise ValueError("qo_indptr must hold values: a meta tensor has none")
         if qo_indptr.dim() != 1:
             raise ValueError(f"qo_indptr must be 1-D, got shape {list(qo_indptr.shape)}")
         offsets = qo_indptr.tolist()

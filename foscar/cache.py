@@ -282,6 +282,7 @@ class PagedKVCache:
         # host state: the page allocator, and a mirror of ``lengths`` for reservation and validation
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest index
         self._pages: list[list[int] | None] = [None] * max_seqs  # None: slot free
+        self._claims = [0] * max_seqs  # how often each slot was allocated: a plan for an earlier claim is stale
         self._host_len = torch.zeros((num_layers, max_seqs), dtype=torch.int64, device="cpu")  # host mirror
         # the longest each sequence was since its last truncate (its ring slots hold the last `ring` tokens of that)
         self._written = torch.zeros((num_layers, max_seqs), dtype=torch.int64)
@@ -400,6 +401,7 @@ class PagedKVCache:
             raise PagePoolFull(f"num_tokens={num_tokens} needs {need} pages, {self.free_pages} of num_pages="
                                f"{self.num_pages} are free")
         self._pages[seq_id] = []
+        self._claims[seq_id] += 1
         self._grow(seq_id, need)
         # (free zeroed them; a graph replayed after that, a misuse, may have moved them since)
         self.lengths[:, seq_id] = 0
@@ -651,6 +653,7 @@ class PagedKVCache:
             return x
         return (x.float() @ self.rotation).to(x.dtype)
 
+    @torch.no_grad()  # the cache keeps values, never autograd history (k, v may require grad)
     def append(self, layer: int, seq_ids, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v [len(seq_ids), kv_heads, tokens, head_dim]`` to the sequences of ``seq_ids``.
 

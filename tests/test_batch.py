@@ -212,6 +212,8 @@ def test_plan_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
          lambda: wrapper.plan([a, b], torch.tensor([0.0, 1.0, 2.0]))),
         (ValueError, r"qo_indptr must be 1-D, got shape \[1, 3\]",
          lambda: wrapper.plan([a, b], torch.tensor([[0, 1, 2]]))),
+        (ValueError, "qo_indptr must hold values: a meta tensor has none",
+         lambda: wrapper.plan([a, b], torch.zeros(3, dtype=torch.int64, device="meta"))),
         (TypeError, "qo_indptr must hold ints", lambda: wrapper.plan([a, b], [0, 1.0, 2])),
         (TypeError, "qo_indptr must hold ints", lambda: wrapper.plan([a, b], [0, True, 2])),
         (TypeError, "qo_indptr must be a 1-D int tensor or a list of ints, got NoneType",
@@ -285,7 +287,7 @@ def test_run_errors_name_the_argument_and_leave_the_cache_unchanged(rng):
 
 def test_run_refuses_a_sequence_freed_since_plan(rng):
     """A sequence freed after plan is refused by name; one freed and allocated again (the same id and length 0, as
-    planned, but not the pages plan reserved) too."""
+    planned) too, whether or not its new claim holds the pages plan reserved."""
     cache, (a, b) = errors_cache(rng)
     wrapper = BatchAttention(cache)
     wrapper.plan([a, b], [0, 1, 300])
@@ -300,9 +302,38 @@ def test_run_refuses_a_sequence_freed_since_plan(rng):
     cache.free(b)
     assert cache.allocate() == b
     snap = snapshot(cache)
-    with pytest.raises(ValueError, match=f"layer 0: sequence {b} lost the pages plan reserved"):
+    with pytest.raises(ValueError, match=f"layer 0: sequence {b} was freed and allocated again since plan"):
         wrapper.run(0, q[:300], k[:300], v[:300])
     assert_unchanged(cache, snap)
+    cache.free(b)
+    b = cache.allocate()
+    wrapper.plan([b], [0, 5])  # a first chunk of a few tokens needs no pages: only the claim tells the slots apart
+    cache.free(b)
+    assert cache.allocate() == b
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=f"layer 0: sequence {b} was freed and allocated again since plan"):
+        wrapper.run(0, q[:5], k[:5], v[:5])
+    assert_unchanged(cache, snap)
+
+
+def test_plan_refuses_to_replace_a_plan_that_ran_on_some_layers_only(rng):
+    """Planning again after a plan ran on layer 0 but not layer 1 would leave the layers holding different tokens:
+    refused, naming the layers; once the layer that ran is truncated back (or the rest run), plan goes on."""
+    cache = PagedKVCache(Scheme.make(4, "token", 64, "token", 64, 64, 2), 2, 2, 20, 4, 1500, sink=16, window=128)
+    a = cache.allocate()
+    wrapper = BatchAttention(cache)
+    wrapper.plan([a], [0, 10])
+    wrapper.run(0, *ragged(cache, 10, rng))
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=r"previous plan ran layers \[0\] of sequence 0 but not layers \[1\]"):
+        wrapper.plan([a], [0, 1])
+    assert_unchanged(cache, snap)
+    cache.truncate(0, [a], 10)
+    wrapper.plan([a], [0, 1])  # the layers even again
+    for layer in (0, 1):
+        wrapper.run(layer, *ragged(cache, 1, rng))
+    assert cache.seq_lens([a]).flatten().tolist() == [1, 1]
+    wrapper.plan([a], [0, 3])  # the last plan ran on every layer
 
 
 GPU_SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make(4, "token", 128, "token", 128, 128, 4)]

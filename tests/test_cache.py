@@ -590,3 +590,21 @@ def test_a_rotated_cache_refuses_what_its_rotation_takes_beyond_float16(rng):
         cache.append(0, [seq], k, torch.zeros_like(k))
     assert_unchanged(cache, snap)
     cache.append(0, [seq], k / 10, torch.zeros_like(k))  # 8000 once rotated: taken
+
+
+def test_append_keeps_values_not_autograd_history(rng):
+    """K/V that require grad (a forward outside no_grad) are appended as values: no cache tensor takes a grad_fn (its
+    history would grow with every step), and what the cache holds equals the same append of detached K/V."""
+    held, plain = make_cache(), make_cache()
+    for cache in (held, plain):
+        cache.allocate()
+    for tokens in (300, 1, 1):
+        k, v = kv(rng, held.scheme, 1, tokens)
+        held.append(0, [0], k.requires_grad_(), v.requires_grad_())
+        plain.append(0, [0], k.detach(), v.detach())
+    tensors = {name: x for name, x in vars(held).items() if isinstance(x, torch.Tensor)}
+    for name in ("_dequantized", "_slots_fp32"):  # the torch path's fp32 copies
+        tensors.update({f"{name}.{role}": x for role, x in vars(held)[name].items()})
+    assert tensors and not [name for name, x in tensors.items() if x.requires_grad or x.grad_fn is not None]
+    for x, y in zip(held.dense(0, 0), plain.dense(0, 0)):
+        assert torch.equal(x, y)
