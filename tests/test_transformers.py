@@ -258,8 +258,10 @@ def test_a_decode_step_past_max_seq_len_names_input_ids():
     assert cache.get_seq_length() == 16
 
 
-def test_a_model_without_foscar_attention_is_refused_at_the_first_update():
-    """Without use_foscar the model's own attention would see only the new token at each decode step."""
+def test_a_model_without_foscar_attention_is_refused_at_every_forward():
+    """Without use_foscar the model's own attention would see only the new token at each decode step: refused at the
+    first update, and at a later forward after the model's attention was switched away (its logits were silently
+    wrong), before that forward changes the cache."""
     config = tiny_model().config
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dtype=torch.bfloat16).eval()
@@ -272,6 +274,11 @@ def test_a_model_without_foscar_attention_is_refused_at_the_first_update():
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long), **cache_kwargs(cache))
     assert cache.get_seq_length() == 4
+    model.set_attn_implementation("sdpa")
+    for tokens in (1, 3):  # a decode step and a chunk
+        with pytest.raises(ValueError, match="use_foscar"), torch.no_grad():
+            model(input_ids=torch.zeros(1, tokens, dtype=torch.long), **cache_kwargs(cache))
+        assert cache.get_seq_length() == 4 and cache.kv._host_len[:, 0].tolist() == [4] * cache.kv.num_layers
 
 
 def test_generate_on_cpu_fp16_model_takes_the_models_dtype():

@@ -352,6 +352,10 @@ def test_second_generate_and_assisted_generation_on_the_tiny_model():
     ref, ref_logits = greedy(model, prompt, dynamic(model), 20)
     got, _ = greedy(model, prompt, foscar(model, BF16), 20, prompt_lookup_num_tokens=5)
     assert_equal_up_to_a_tie(ref, got, ref_logits)
+    # a cache sized for the prompt and the new tokens alone: the last drafts run past it, and the error says why
+    with pytest.raises(ValueError, match=r"max_seq_len >= \d+ \(assisted generation: its drafts may run up to "
+                                         "prompt_lookup_num_tokens"):
+        greedy(model, prompt, foscar(model, BF16, prompt.shape[1] + 19), 20, prompt_lookup_num_tokens=5)
 
 
 @pytest.mark.gpu

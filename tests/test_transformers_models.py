@@ -1,8 +1,8 @@
 """FoscarCache on model families beyond Llama (tiny random models built from configs, CPU, BF16): the attention
-FOSCAR does not compute (learned sinks, ALiBi, logit soft-capping, KV-shared layers) is refused before any token,
-configs without ``num_key_value_heads`` (GPT-2, GPT-NeoX: multi-head) take their query heads and generate what
-DynamicCache does, and a cache an interrupted forward left with layers of different lengths is refused (a helper's
-audit found each giving wrong text or an unclear crash)."""
+FOSCAR does not compute (learned sinks, ALiBi, logit soft-capping, KV-shared layers, latent attention) is refused
+before any token, configs without ``num_key_value_heads`` (GPT-2, GPT-NeoX: multi-head) take their query heads and
+generate what DynamicCache does, and a cache an interrupted forward left with layers of different lengths is refused
+(a helper's audit found each giving wrong text or an unclear crash)."""
 
 import copy
 
@@ -48,10 +48,15 @@ def ids_of(batch, tokens, seed=1):
                                num_hidden_layers=4, head_dim=64, sliding_window=512,
                                layer_types=["full_attention"] * 4, activation_sparsity_pattern=[0.0] * 4,
                                laurel_rank=8, altup_num_inputs=2, num_kv_shared_layers=2),
-     r"KV-shared layers \(2\)")], ids=["gpt-oss", "falcon-alibi", "gemma2", "gemma3n"])
+     r"KV-shared layers \(2\)"),
+    ("DeepseekV3Config", dict(SMALL, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                              qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=2, n_routed_experts=4),
+     r"multi-head latent attention \(kv_lora_rank 32")],
+    ids=["gpt-oss", "falcon-alibi", "gemma2", "gemma3n", "deepseek-v3-mla"])
 def test_attention_foscar_does_not_compute_is_refused_at_the_cache(config_class, kw, match):
     """GPT-OSS's sinks and Falcon's ALiBi (in a mask of its own) were dropped unseen: every greedy token differed;
-    Gemma 2 failed in SDPA after a layer had taken the prompt; Gemma 3n's shared layers crashed on a second turn."""
+    Gemma 2 failed in SDPA after a layer had taken the prompt; Gemma 3n's shared layers crashed on a second turn;
+    DeepSeek's latent attention failed at the first update with a misleading head count."""
     model = use_foscar(build(config_class, **kw))
     with pytest.raises(ValueError, match=f"model: its attention has .*{match}.*which FoscarCache's attention does "
                                          "not compute"):

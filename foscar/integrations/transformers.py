@@ -46,10 +46,10 @@ run eagerly):
 Not supported (clear errors): beam search / cache reordering, padded batches (FOSCAR's attention takes
 no attention mask: a padded 2-D ``attention_mask``, or a 4-D one that hides part of the causal past, is refused
 before the first layer runs, :func:`foscar_mask`, :func:`_refuse_hiding_mask`), a sliding window shorter than
-``max_seq_len`` and attention FOSCAR's does not compute (learned sinks, ALiBi, logit soft-capping, KV-shared layers;
-refused by :func:`FoscarCache`), a model whose attention is not FOSCAR's (refused at the first update: call
-:func:`use_foscar`), a cache whose layers an interrupted forward left at different lengths (refused at the next
-forward: ``reset()`` it).
+``max_seq_len`` and attention FOSCAR's does not compute (learned sinks, ALiBi, logit soft-capping, KV-shared layers,
+latent attention; refused by :func:`FoscarCache`), a model whose attention is not FOSCAR's (refused at every
+forward's first layer: call :func:`use_foscar`), a cache whose layers an interrupted forward left at different
+lengths (refused at the next forward: ``reset()`` it).
 transformers is imported lazily; it is not a dependency of foscar.
 """
 
@@ -256,7 +256,11 @@ def _make_layer_class():
                                  f"{first.cumulative_length - tokens} before this forward (a forward was interrupted "
                                  "between layers?); reset() the cache")
             # a chunk's pages are reserved now: a refusal comes before anything changes, and no append fails later
-            seq_ids = self.owner.sequences_for(key_states.shape[0], None if decode else past + tokens)
+            if self.layer_idx == 0 and self.owner.model_config is not None:  # every forward: it may be switched
+                _check_attention(self.owner.model_config)
+            drafts = ("assisted generation: its drafts may run up to prompt_lookup_num_tokens (or the assistant's "
+                      "tokens) past the prompt and max_new_tokens") if self.record_past else ""
+            seq_ids = self.owner.sequences_for(key_states.shape[0], None if decode else past + tokens, drafts)
             self.commit()
             if decode:
                 self.owner.kv.append(self.layer_idx, seq_ids, key_states.contiguous(), value_states.contiguous())
@@ -407,7 +411,9 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
     groups, and 128 fits every head_dim; the accuracy table's were 64 tokens at head_dim 64).
 
     ``arch``: see :class:`PagedKVCache`. ``sink``/``window``: BF16 parts. ``num_pages`` defaults to
-    enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens. A factory (not a class
+    enough for ``max_batch_size`` sequences of ``max_seq_len`` tokens. ``max_seq_len`` bounds the prompt and
+    the new tokens, and under assisted generation the draft tokens too: transformers' last drafts may run up
+    to ``prompt_lookup_num_tokens`` (or the assistant's draft length) past ``max_length``. A factory (not a class
     statement) so that importing this module does not import transformers.
     """
     from transformers.cache_utils import Cache
@@ -426,20 +432,19 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
                 self.model_config = model_config  # checked at the first update (None: built from a config)
                 super().__init__(layers=[layer_class(self, i) for i in range(kv.num_layers)])
 
-            def sequences_for(self, batch: int, total: int | None):
+            def sequences_for(self, batch: int, total: int | None, what: str = ""):
                 """The cache's sequence ids, allocated on the first update (one per batch row); with ``total``,
-                pages reserved for that many tokens each. Refused before anything changes."""
+                pages reserved for that many tokens each (``what``: as :meth:`check_length`). Refused before
+                anything changes."""
                 kv = self.kv
                 if self.seq_ids is None:
-                    if self.model_config is not None:
-                        _check_attention(self.model_config)
                     if batch > kv.max_seqs:
                         _refuse_beam_search()
                         raise ValueError(f"batch size {batch} exceeds max_batch_size={kv.max_seqs}")
                 elif batch != len(self.seq_ids):
                     raise ValueError(f"batch size changed from {len(self.seq_ids)} to {batch}; use a new FoscarCache")
                 if total is not None:
-                    self.check_length(total)
+                    self.check_length(total, what)
                     pages = [len(kv.pages_of(s)) for s in self.seq_ids] if self.seq_ids else [0] * batch
                     need = sum(max(0, kv.pages_for(total) - p) for p in pages)
                     if need > kv.free_pages:
@@ -556,8 +561,8 @@ def _check_sliding_window(text_config, max_seq_len: int) -> None:
 
 def _check_attention_features(text_config, model=None) -> None:
     """Refuse attention that FOSCAR's does not compute: logit soft-capping (Gemma 2), ALiBi (carried in the mask,
-    Falcon alibi=True), learned attention sinks (GPT-OSS's ``sinks``: SDPA and FOSCAR drop them), and KV-shared
-    layers (Gemma 3n), before any token."""
+    Falcon alibi=True), learned attention sinks (GPT-OSS's ``sinks``: SDPA and FOSCAR drop them), KV-shared
+    layers (Gemma 3n) and multi-head latent attention (DeepSeek V2/V3), before any token."""
     what = []
     if getattr(text_config, "attn_logit_softcapping", None):
         what.append(f"attention logit soft-capping ({text_config.attn_logit_softcapping})")
@@ -565,6 +570,8 @@ def _check_attention_features(text_config, model=None) -> None:
         what.append("ALiBi position biases")
     if getattr(text_config, "num_kv_shared_layers", 0):
         what.append(f"KV-shared layers ({text_config.num_kv_shared_layers})")
+    if getattr(text_config, "kv_lora_rank", None):  # DeepSeek V2/V3: the layers cache one compressed latent
+        what.append(f"multi-head latent attention (kv_lora_rank {text_config.kv_lora_rank}: no per-head K/V)")
     if model is not None and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         what.append("learned attention sinks")
     if what:
