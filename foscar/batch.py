@@ -44,7 +44,8 @@ class BatchAttention:
 
     :meth:`plan` reserves the pages the new tokens need (all or nothing), so :meth:`run`'s appends allocate none;
     it leaves a previous plan in place when it refuses. :meth:`run` of each layer appends that layer's new K/V:
-    each layer runs once per plan. Not capturable in a CUDA graph (host planning, and ``attend_chunk``); a
+    every layer of the cache runs once per plan (a plan that ran on some layers only must be finished, or the
+    sequences truncated back or freed, before the next). Not capturable in a CUDA graph (host planning, and ``attend_chunk``); a
     captured decode step calls ``PagedKVCache.append`` and ``attend`` directly (``docs/engines.md``).
     """
 
@@ -84,7 +85,8 @@ class BatchAttention:
             if any(ran) and any(pending):
                 raise ValueError(f"plan: the previous plan ran layers {[i for i, x in enumerate(ran) if x]} of "
                                  f"sequence {seq} but not layers {[i for i, x in enumerate(pending) if x]}: run "
-                                 "those layers (or truncate the ones that ran) before planning again")
+                                 "those layers, truncate the ones that ran (within rollback_limit) or free the "
+                                 "sequence before planning again")
 
     def _reserve(self, ids, held, lens) -> None:
         """Pages for ``held + lens`` tokens per sequence (their longest layer), all or nothing."""
@@ -151,7 +153,8 @@ class BatchAttention:
         return out
 
     def _checked_plan(self, layer) -> _Plan:
-        """The plan, if ``layer`` holds what it held when planned and the pages reserved then are still there."""
+        """The plan, if its sequences are the claims it was made for and ``layer`` holds what it held when planned
+        (the pages plan reserved then stay with the claim: truncate keeps them, free ends the claim)."""
         cache, plan = self.cache, self._plan
         if plan is None:
             raise RuntimeError("BatchAttention.run before plan: call plan(seq_ids, qo_indptr) first")
@@ -162,14 +165,11 @@ class BatchAttention:
             if cache._claims[seq] != claim:
                 raise ValueError(f"layer {layer}: sequence {seq} was freed and allocated again since plan: plan "
                                  "again")
-        for seq, n, planned, new in zip(plan.ids, held, plan.held[layer].tolist(), plan.lens):
+        for seq, n, planned in zip(plan.ids, held, plan.held[layer].tolist()):
             if n != planned:
                 raise ValueError(f"layer {layer}: sequence {seq} holds {n} tokens, {planned} when planned: each layer "
                                  "runs once per plan, and the sequences must not change between plan and run (plan "
                                  "again)")
-            if len(cache._pages[seq]) < cache.pages_for(n + new):
-                raise ValueError(f"layer {layer}: sequence {seq} lost the pages plan reserved (freed since?): "
-                                 "plan again")
         return plan
 
     def _check_inputs(self, plan, q, k, v) -> None:

@@ -17,8 +17,7 @@ KV heads of head_dim 256) takes FlashAttention-2, which plans nothing.
 The partial outputs merge by their LSE in FP32: given a ``merge`` (a kernel cache passes
 ``foscar.kernels.merge_parts``), in one launch that reads each partial once and writes the chunk's output layout
 (:class:`MergedParts`), else by torch ops (:class:`Merged`, the CPU's). Extra memory: one block, the partials held
-for a merge (``HELD_PART_BYTES``; ``HELD_BYTES`` on the CPU), the chunk's query, outputs and its K/V repeated per
-query head, never the whole prefix.
+for a merge (``HELD_PART_BYTES``; ``HELD_BYTES`` on the CPU), the chunk's query and outputs, never the whole prefix.
 
 Shapes: a query head ``h`` of KV head ``h // gqa``; for the cached blocks, which every token sees, the ``gqa``
 heads of a KV head fold into the rows of one attention (``[kv_heads, gqa * L, D]``, row ``g * L + t``), so the
