@@ -45,8 +45,9 @@ class BatchAttention:
     :meth:`plan` reserves the pages the new tokens need (all or nothing), so :meth:`run`'s appends allocate none;
     it leaves a previous plan in place when it refuses. :meth:`run` of each layer appends that layer's new K/V:
     every layer of the cache runs once per plan (a plan that ran on some layers only must be finished, or the
-    sequences truncated back or freed, before the next). Not capturable in a CUDA graph (host planning, and ``attend_chunk``); a
-    captured decode step calls ``PagedKVCache.append`` and ``attend`` directly (``docs/engines.md``).
+    sequences truncated back or freed, before the next). Not capturable in a CUDA graph (host planning, and
+    ``attend_chunk``); a captured decode step calls ``PagedKVCache.append`` and ``attend`` directly
+    (``docs/engines.md``).
     """
 
     def __init__(self, cache: PagedKVCache):
