@@ -429,7 +429,7 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
                 self.kv = kv
                 self.seq_ids = None
                 self.resets = 0  # reset() calls: a GraphedDecode built before one refuses to run after it
-                self.model_config = model_config  # checked at the first update (None: built from a config)
+                self.model_config = model_config  # checked at every forward (None: built from a config)
                 super().__init__(layers=[layer_class(self, i) for i in range(kv.num_layers)])
 
             def sequences_for(self, batch: int, total: int | None, what: str = ""):
