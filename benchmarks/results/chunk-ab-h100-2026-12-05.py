@@ -1,4 +1,7 @@
-"""attend_chunk before / after in one process: bitwise-equal outputs, host time until return and event time."""
+"""attend_chunk before / after in one process: bitwise-equal outputs, host time until return and event time.
+
+Usage (from the repository root): python benchmarks/results/chunk-ab-h100-2026-12-05.py BASE_FOSCAR_DIR, the base
+tree's foscar package (``git archive <rev> foscar``); the new tree is the installed foscar."""
 import importlib, statistics, sys, tempfile, time
 from pathlib import Path
 import torch
@@ -6,7 +9,7 @@ from benchmarks.ab import materialize
 from benchmarks.decode import MODELS
 
 into = Path(tempfile.mkdtemp()); sys.path.insert(0, str(into))
-pkgs = {"base": importlib.import_module(materialize(".xfer/base9ae/foscar", into)), "new": importlib.import_module("foscar")}
+pkgs = {"base": importlib.import_module(materialize(sys.argv[1], into)), "new": importlib.import_module("foscar")}
 qh, kvh, d = MODELS["qwen3-8b"]
 PREFIX = 100_000
 
