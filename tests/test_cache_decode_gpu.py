@@ -46,6 +46,9 @@ CASES = [  # (scheme, page_size, max_seq_len, kv_heads, rotate)
     (Scheme.make(4, "token", 128, "token", 128, 256, 11), 128, 8192, 1, False),
     (Scheme.make(2, "token", 128, "token", 128, 256, 16), 128, 8192, 2, False),  # the most shared memory taken
     (Scheme.make(2, "channel", 128, "token", 128, 128, 16), 128, 8192, 1, True),  # 2 consumer warpgroups, spilling
+    # gqa 16 at INT4 and with FP16 queries: the configs a 16-column chunk tile or a 4-token verification takes
+    (Scheme.make(4, "token", 128, "token", 128, 128, 16), 128, 8192, 1, False),
+    (Scheme.make(2, "token", 128, "token", 128, 128, 16, torch.float16), 128, 8192, 1, False),
     # no ring of window-sized stages fits (4 x 4 stages of 16.5 KB): two launches, the window kernel merging
     (Scheme.make(2, "channel", 256, "token", 128, 256, 8), 256, 8192, 2, False),
 ]
@@ -148,6 +151,13 @@ def test_repeated_launches_give_the_same_bits(budget, rng):
     into 2 or 3 parts of 14 or 9-10 window tiles (``foscar.work_list.host_plan``): the shape where the producers could
     lose a lap (benchmarks/NOTES.md section 49)."""
     check_cache_decode(*CASES[7], rng, budget=budget, repeats=50)
+
+
+@pytest.mark.parametrize("case", [i for i, c in enumerate(CASES) if c[0].gqa_ratio == 16], ids=lambda i: CASES[i][0].name)
+def test_gqa_16_repeated_launches_give_the_same_bits(case, rng):
+    """16 query columns per KV head (two n8 blocks in every window MMA; what a chunk's column tile and a 4-token
+    verification at gqa 4 launch): 20 launches bit for bit the first, which matches float64."""
+    check_cache_decode(*CASES[case], rng, repeats=20)
 
 
 def _two_ctas_cases():
