@@ -1,8 +1,8 @@
 """FoscarCache on model families beyond Llama (tiny random models built from configs, CPU, BF16): the attention
-FOSCAR does not compute (learned sinks, ALiBi, logit soft-capping, KV-shared layers, latent attention) is refused
-before any token, configs without ``num_key_value_heads`` (GPT-2, GPT-NeoX: multi-head) take their query heads and
-generate what DynamicCache does, and a cache an interrupted forward left with layers of different lengths is refused
-(a helper's audit found each giving wrong text or an unclear crash)."""
+FOSCAR does not compute (learned sinks, ALiBi, logit soft-capping, KV-shared layers, latent attention) and hybrid
+models' recurrent layers are refused before any token, configs without ``num_key_value_heads`` (GPT-2, GPT-NeoX:
+multi-head) take their query heads and generate what DynamicCache does, and a cache an interrupted forward left with
+layers of different lengths is refused (a helper's audit found each giving wrong text or an unclear crash)."""
 
 import copy
 
@@ -61,6 +61,25 @@ def test_attention_foscar_does_not_compute_is_refused_at_the_cache(config_class,
     with pytest.raises(ValueError, match=f"model: its attention has .*{match}.*which FoscarCache's attention does "
                                          "not compute"):
         FoscarCache(model, max_seq_len=256, **BF16)
+
+
+@pytest.mark.parametrize("config_class, kw, kind", [
+    ("Qwen3NextConfig", dict(SMALL, head_dim=64, num_hidden_layers=4, num_experts=4), "linear_attention"),
+    ("JambaConfig", dict(SMALL, num_hidden_layers=4, num_experts=1, attn_layer_period=2, attn_layer_offset=1),
+     "mamba"),
+    ("FalconH1Config", dict(SMALL, head_dim=64, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16), "hybrid")],
+    ids=["qwen3-next", "jamba", "falcon-h1"])
+def test_a_hybrid_model_is_refused_at_the_cache(config_class, kw, kind):
+    """Hybrid models (recurrent layers beside attention) failed at generate with transformers' own message about a
+    recurrent state the cache's layers lack; now refused by name when the cache is built, from the model or its
+    config."""
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"this transformers has no {config_class}")
+    model = use_foscar(build(config_class, **kw))
+    for model_or_config in (model, model.config):
+        with pytest.raises(ValueError, match=f"model: its layers include .*'{kind}'.*FoscarCache caches the K/V of "
+                                             "attention layers only"):
+            FoscarCache(model_or_config, max_seq_len=256, **BF16)
 
 
 def test_the_attention_function_refuses_sinks_it_would_drop():

@@ -514,6 +514,7 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
     if device is None and is_model:
         device = model_or_config.device
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    _check_layer_types(text)
     _check_sliding_window(text, max_seq_len)
     _check_attention_features(text, model_or_config if is_model else None)
     if is_model:
@@ -538,6 +539,31 @@ def FoscarCache(model_or_config, bits: int = 4, max_batch_size: int = 1, max_seq
 _FoscarCacheClass = None
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # config.layer_types' names
+
+
+def _config_layer_types(text_config) -> tuple:
+    """``text_config.layer_types`` where the config's class takes it or computes it (Jamba's property), else ():
+    elsewhere it is a stray attribute its model ignores (``MistralConfig(layer_types=[...])``)."""
+    cls = type(text_config)
+    takes = "layer_types" in inspect.signature(cls.__init__).parameters
+    if not (takes or isinstance(getattr(cls, "layer_types", None), property)):
+        return ()
+    return tuple(getattr(text_config, "layer_types", None) or ())
+
+
+def _check_layer_types(text_config) -> None:
+    """Refuse a hybrid model, one with layers that are not attention alone (named in ``layer_types``: Qwen3-Next's
+    and Granite 4's ``"linear_attention"``; or in ``layers_block_type``: Jamba's and Bamba's ``"mamba"``, Falcon-H1's
+    ``"hybrid"``): their recurrent state is not K/V, and FoscarCache holds K/V only."""
+    kinds = set(_config_layer_types(text_config)) | set(getattr(text_config, "layers_block_type", None) or ())
+    other = sorted(kinds - {"attention", *ATTENTION_LAYER_TYPES})
+    if other:
+        raise ValueError(f"model: its layers include {', '.join(map(repr, other))} (a recurrent state, not K/V), and "
+                         "FoscarCache caches the K/V of attention layers only; use transformers' own cache for "
+                         "hybrid models")
+
+
 def _check_sliding_window(text_config, max_seq_len: int) -> None:
     """Refuse a model whose layers attend through a window shorter than ``max_seq_len``: FOSCAR's attention attends
     every cached token, so past the window its decode steps would see what the model's do not. A config with
@@ -546,8 +572,7 @@ def _check_sliding_window(text_config, max_seq_len: int) -> None:
     ``sliding_window`` (Mistral v0.1) unless ``use_sliding_window`` is off. ``layer_types`` counts only where the
     config's class takes it: elsewhere it is a stray attribute its model ignores (``MistralConfig(layer_types=
     ["full_attention", ...], sliding_window=4096)``: transformers warns, and Mistral slides by ``sliding_window``)."""
-    takes_layer_types = "layer_types" in inspect.signature(type(text_config).__init__).parameters
-    layer_types = (getattr(text_config, "layer_types", None) if takes_layer_types else None) or ()
+    layer_types = _config_layer_types(text_config)
     windows = []
     if "sliding_attention" in layer_types or (not layer_types and getattr(text_config, "use_sliding_window", True)):
         windows.append(("slides over a window", getattr(text_config, "sliding_window", None)))
