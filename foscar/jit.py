@@ -12,11 +12,13 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 import warnings
 from collections import OrderedDict
 
 import torch
 
+from .log import logger
 from .targets import TARGETS
 
 __all__ = ["ARCHS", "device_arch", "cached_compile", "compile_count", "kernel_count", "fake_ptr", "gmem_ptr",
@@ -94,11 +96,25 @@ def cached_compile(key: tuple, build):
             _misses += 1
             hit = compile_cache.load(key)
             if hit is None:
+                what = _describe(key)
+                kept = f"kept in {compile_cache.cache_dir()}" if compile_cache.enabled() else "FOSCAR_CACHE=0: not kept"
+                logger.info("compiling %s (its first use; %s for later processes) ...", what, kept)
+                start = time.perf_counter()
                 hit = build()
                 _compiles += 1
+                logger.info("compiled %s in %.1f s", what, time.perf_counter() - start)
                 compile_cache.store(key, hit)
             _cache[key] = hit
         return hit
+
+
+def _describe(key: tuple) -> str:
+    """A compile's name for the log: the kernel, its scheme's name where the key holds one, the arch."""
+    from .scheme import Scheme
+
+    schemes = [x.name for x in key if isinstance(x, Scheme)]
+    arch = next(x for x in key if x in ARCHS)
+    return " ".join([str(key[0]), *schemes, "for", arch])
 
 
 def compile_count() -> int:

@@ -5,6 +5,7 @@ Each scenario runs in fresh processes, since the in-memory cache would hide the 
 slow: ~10 s each, mostly process start-up and imports).
 """
 
+import logging
 import os
 import subprocess
 import sys
@@ -54,10 +55,13 @@ def cache_tool(cache_dir, *args):
 @pytest.mark.slow
 def test_second_process_loads_instead_of_compiling(tmp_path):
     cache = tmp_path / "cache"
-    first, _ = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
-    second, _ = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
+    first, said = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
+    second, said_again = finish(run_python(COMPILE_COMBINE, cache, tmp_path))
     assert first[:2] == ["CudaDialectJitCompiledFunction", "1"]
     assert second[:2] == ["LoadedKernel", "0"]
+    # the compile is said on stderr (foscar.log), the load is not
+    assert f"[foscar] compiling combine for sm_90a (its first use; kept in {cache} for later processes)" in said
+    assert "[foscar] compiled combine for sm_90a in" in said and "[foscar]" not in said_again
     assert first[2:] == second[2:]  # same registers, cubin and SASS sizes
     assert len(list((cache / "kernels").iterdir())) == 1
     assert len(list((cache / "sass").glob("*.sass"))) == 1
@@ -110,6 +114,53 @@ def test_damaged_entry_warns_and_recompiles(tmp_path):
     assert "cannot load" in err
     out, err = finish(run_python(COMPILE_COMBINE, cache, tmp_path))  # the entry was written anew
     assert out[:2] == ["LoadedKernel", "0"] and "cannot load" not in err
+
+
+@pytest.fixture
+def foscar_log():
+    """The "foscar" logger's records while the test runs (its default stderr handler stays)."""
+    import logging
+
+    from foscar.log import logger
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_a_compile_is_said_before_and_after_and_a_kept_kernel_is_not(monkeypatch, foscar_log):
+    from foscar.jit import cached_compile
+
+    monkeypatch.setenv("FOSCAR_CACHE", "0")
+    key = ("log_probe", object(), "sm_100a")  # a key no other test builds
+    built = cached_compile(key, object)
+    assert cached_compile(key, lambda: pytest.fail("compiled again")) is built
+    said = [r.getMessage() for r in foscar_log]
+    assert said[0] == ("compiling log_probe for sm_100a (its first use; FOSCAR_CACHE=0: not kept for later processes) "
+                       "...")
+    assert said[1].startswith("compiled log_probe for sm_100a in ") and said[1].endswith(" s") and len(said) == 2
+
+
+def test_foscar_log_level_silences_the_compile_lines_and_a_bad_one_warns(monkeypatch, foscar_log):
+    from foscar import log
+    from foscar.jit import cached_compile
+
+    monkeypatch.setenv("FOSCAR_CACHE", "0")
+    try:
+        monkeypatch.setenv("FOSCAR_LOG_LEVEL", "warning")
+        log._logger()
+        cached_compile(("log_probe", object(), "sm_90a"), object)
+        assert not foscar_log
+        monkeypatch.setenv("FOSCAR_LOG_LEVEL", "LOUD")
+        with pytest.warns(RuntimeWarning, match="FOSCAR_LOG_LEVEL must be a logging level name .*got 'LOUD'"):
+            log._logger()
+        assert log.logger.level == logging.INFO
+    finally:
+        monkeypatch.delenv("FOSCAR_LOG_LEVEL")
+        log._logger()
 
 
 def test_key_must_name_the_arch():

@@ -1,7 +1,7 @@
 """The package's import layering (docs/design.md), read from the sources: every import, module-level or
 inside a function, goes down the layers, and there is no import circle.
 
-    core (checks, formats, folds, scheme, layouts, operands, quantize, references, targets, chunk_attention)
+    core (checks, formats, folds, scheme, layouts, operands, quantize, references, targets, chunk_attention, log)
       <- compile (jit, compile cache, inspect)
       <- shared device components (device, pipeline, softmax, split_merge, work_list, window_tiles, warp_mma,
          barriers, query_rows, decode_kernel)
@@ -16,7 +16,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).parent.parent / "foscar"
 
-CORE = {"checks", "formats", "folds", "scheme", "operands", "quantize", "reference", "targets", "layouts",
+CORE = {"checks", "formats", "folds", "scheme", "operands", "quantize", "reference", "targets", "layouts", "log",
         "chunk_attention"}
 COMPILE = {"jit", "compile_cache", "inspect"}
 DEVICE = {"device", "pipeline", "softmax", "split_merge", "work_list", "window_tiles", "warp_mma", "barriers",
