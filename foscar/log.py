@@ -1,7 +1,8 @@
 """FOSCAR's logger, ``logging.getLogger("foscar")``: what takes seconds and would otherwise be a silent pause (a
 kernel's first compile, ``foscar.jit.cached_compile``) is said on stderr as ``[foscar] ...``, as FlashInfer's JIT
-says its builds. ``FOSCAR_LOG_LEVEL`` sets its level (default ``INFO``; ``WARNING`` silences the compile lines);
-an application that gives the logger handlers of its own replaces the default one."""
+says its builds. ``FOSCAR_LOG_LEVEL`` sets its level (default ``INFO``; ``WARNING`` silences the compile lines).
+It does not propagate to the root logger; an application that routes it elsewhere replaces its handler
+(``logging.getLogger("foscar").handlers = [...]``)."""
 
 from __future__ import annotations
 
