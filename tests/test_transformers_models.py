@@ -67,8 +67,9 @@ def test_attention_foscar_does_not_compute_is_refused_at_the_cache(config_class,
     ("Qwen3NextConfig", dict(SMALL, head_dim=64, num_hidden_layers=4, num_experts=4), "linear_attention"),
     ("JambaConfig", dict(SMALL, num_hidden_layers=4, num_experts=1, attn_layer_period=2, attn_layer_offset=1),
      "mamba"),
-    ("FalconH1Config", dict(SMALL, head_dim=64, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16), "hybrid")],
-    ids=["qwen3-next", "jamba", "falcon-h1"])
+    ("FalconH1Config", dict(SMALL, head_dim=64, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16), "hybrid"),
+    ("Lfm2Config", dict(SMALL, layer_types=["conv", "full_attention"]), "conv")],
+    ids=["qwen3-next", "jamba", "falcon-h1", "lfm2"])
 def test_a_hybrid_model_is_refused_at_the_cache(config_class, kw, kind):
     """Hybrid models (recurrent layers beside attention) failed at generate with transformers' own message about a
     recurrent state the cache's layers lack; now refused by name when the cache is built, from the model or its
@@ -78,7 +79,7 @@ def test_a_hybrid_model_is_refused_at_the_cache(config_class, kw, kind):
     model = use_foscar(build(config_class, **kw))
     for model_or_config in (model, model.config):
         with pytest.raises(ValueError, match=f"model: its layers include .*'{kind}'.*FoscarCache caches the K/V of "
-                                             "attention layers only"):
+                                             "full, sliding and chunked attention layers only"):
             FoscarCache(model_or_config, max_seq_len=256, **BF16)
 
 

@@ -540,6 +540,9 @@ _FoscarCacheClass = None
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # config.layer_types' names
+# what else may name a layer that FoscarCache takes: the legacy name of full attention (Jamba's layers_block_type) and
+# the MLP kinds some configs list per layer
+OTHER_LAYER_TYPES = ("attention", "sparse", "dense")
 
 
 def _config_layer_types(text_config) -> tuple:
@@ -553,15 +556,16 @@ def _config_layer_types(text_config) -> tuple:
 
 
 def _check_layer_types(text_config) -> None:
-    """Refuse a hybrid model, one with layers that are not attention alone (named in ``layer_types``: Qwen3-Next's
-    and Granite 4's ``"linear_attention"``; or in ``layers_block_type``: Jamba's and Bamba's ``"mamba"``, Falcon-H1's
-    ``"hybrid"``): their recurrent state is not K/V, and FoscarCache holds K/V only."""
+    """Refuse a model with layers that are not full, sliding or chunked attention, as named in ``layer_types`` or
+    ``layers_block_type``: hybrid models' recurrent layers (Qwen3-Next's and Granite 4's ``"linear_attention"``,
+    Jamba's and Bamba's ``"mamba"``, Falcon-H1's ``"hybrid"``, LFM2's ``"conv"``) hold a state that is not K/V, and
+    sparse attention with an indexer (``"indexed_attention"``) attends what FOSCAR's attention does not."""
     kinds = set(_config_layer_types(text_config)) | set(getattr(text_config, "layers_block_type", None) or ())
-    other = sorted(kinds - {"attention", *ATTENTION_LAYER_TYPES})
+    other = sorted(kinds - {*ATTENTION_LAYER_TYPES, *OTHER_LAYER_TYPES})
     if other:
-        raise ValueError(f"model: its layers include {', '.join(map(repr, other))} (a recurrent state, not K/V), and "
-                         "FoscarCache caches the K/V of attention layers only; use transformers' own cache for "
-                         "hybrid models")
+        raise ValueError(f"model: its layers include {', '.join(map(repr, other))}, and FoscarCache caches the K/V of "
+                         "full, sliding and chunked attention layers only (a recurrent layer's state is not K/V); use "
+                         "transformers' own cache for this model")
 
 
 def _check_sliding_window(text_config, max_seq_len: int) -> None:
