@@ -97,7 +97,8 @@ def cached_compile(key: tuple, build):
             hit = compile_cache.load(key)
             if hit is None:
                 what = _describe(key)
-                kept = f"kept in {compile_cache.cache_dir()}" if compile_cache.enabled() else "FOSCAR_CACHE=0: not kept"
+                kept = (f"to be kept in {compile_cache.cache_dir()}" if compile_cache.enabled()
+                        else "FOSCAR_CACHE=0: not kept")
                 logger.info("compiling %s (its first use; %s for later processes) ...", what, kept)
                 start = time.perf_counter()
                 hit = build()
@@ -109,12 +110,13 @@ def cached_compile(key: tuple, build):
 
 
 def _describe(key: tuple) -> str:
-    """A compile's name for the log: the kernel, its scheme's name where the key holds one, the arch."""
+    """A compile's name for the log: the kernel, then what tells its variants apart (a scheme's name, numbers, flags,
+    dtypes; not a config object's fields), then the arch."""
     from .scheme import Scheme
 
-    schemes = [x.name for x in key if isinstance(x, Scheme)]
     arch = next(x for x in key if x in ARCHS)
-    return " ".join([str(key[0]), *schemes, "for", arch])
+    parts = [x.name if isinstance(x, Scheme) else getattr(x, "__name__", x) for x in key[1:] if x != arch]
+    return " ".join(str(x) for x in [key[0], *parts, "for", arch] if isinstance(x, (str, int, bool)))
 
 
 def compile_count() -> int:

@@ -1,8 +1,9 @@
 """FOSCAR's logger, ``logging.getLogger("foscar")``: what takes seconds and would otherwise be a silent pause (a
 kernel's first compile, ``foscar.jit.cached_compile``) is said on stderr as ``[foscar] ...``, as FlashInfer's JIT
 says its builds. ``FOSCAR_LOG_LEVEL`` sets its level (default ``INFO``; ``WARNING`` silences the compile lines).
-It does not propagate to the root logger; an application that routes it elsewhere replaces its handler
-(``logging.getLogger("foscar").handlers = [...]``)."""
+It does not propagate to the root logger (so pytest's ``caplog`` does not see it); an application that routes it
+elsewhere replaces its handler (``logging.getLogger("foscar").handlers = [...]``), and one that configures logging
+by ``logging.config.dictConfig`` after importing foscar keeps it with ``disable_existing_loggers=False``."""
 
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def _logger() -> logging.Logger:
         log.addHandler(handler)
         log.propagate = False  # said once, not again by the root logger's handlers
     level = os.environ.get("FOSCAR_LOG_LEVEL", "INFO").upper()
-    if not isinstance(logging.getLevelName(level), int):  # a name it does not know
-        warnings.warn(f"FOSCAR_LOG_LEVEL must be a logging level name (DEBUG, INFO, WARNING, ...), got {level!r}: "
-                      "using INFO", RuntimeWarning, stacklevel=2)
+    level = int(level) if level.isdigit() else level
+    if not isinstance(level, int) and not isinstance(logging.getLevelName(level), int):  # a name it does not know
+        warnings.warn(f"FOSCAR_LOG_LEVEL must be a logging level (DEBUG, INFO, WARNING, ... or a number), got "
+                      f"{level!r}: using INFO", RuntimeWarning, stacklevel=2)
         level = "INFO"
     log.setLevel(level)
     return log

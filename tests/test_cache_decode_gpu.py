@@ -153,7 +153,8 @@ def test_repeated_launches_give_the_same_bits(budget, rng):
     check_cache_decode(*CASES[7], rng, budget=budget, repeats=50)
 
 
-@pytest.mark.parametrize("case", [i for i, c in enumerate(CASES) if c[0].gqa_ratio == 16], ids=lambda i: CASES[i][0].name)
+@pytest.mark.parametrize("case", [i for i, (scheme, *_) in enumerate(CASES) if scheme.gqa_ratio == 16],
+                         ids=lambda i: CASES[i][0].name)
 def test_gqa_16_repeated_launches_give_the_same_bits(case, rng):
     """16 query columns per KV head (two n8 blocks in every window MMA; what a chunk's column tile and a 4-token
     verification at gqa 4 launch): 20 launches bit for bit the first, which matches float64."""

@@ -60,8 +60,9 @@ def test_second_process_loads_instead_of_compiling(tmp_path):
     assert first[:2] == ["CudaDialectJitCompiledFunction", "1"]
     assert second[:2] == ["LoadedKernel", "0"]
     # the compile is said on stderr (foscar.log), the load is not
-    assert f"[foscar] compiling combine for sm_90a (its first use; kept in {cache} for later processes)" in said
-    assert "[foscar] compiled combine for sm_90a in" in said and "[foscar]" not in said_again
+    assert f"[foscar] compiling combine 128 BFloat16 for sm_90a (its first use; to be kept in {cache} for later " \
+           "processes)" in said
+    assert "[foscar] compiled combine 128 BFloat16 for sm_90a in" in said and "[foscar]" not in said_again
     assert first[2:] == second[2:]  # same registers, cubin and SASS sizes
     assert len(list((cache / "kernels").iterdir())) == 1
     assert len(list((cache / "sass").glob("*.sass"))) == 1
@@ -117,50 +118,52 @@ def test_damaged_entry_warns_and_recompiles(tmp_path):
 
 
 @pytest.fixture
-def foscar_log():
-    """The "foscar" logger's records while the test runs (its default stderr handler stays)."""
-    import logging
-
+def foscar_log(monkeypatch):
+    """The "foscar" logger's records while the test runs, at its default level whatever FOSCAR_LOG_LEVEL the tests run
+    under (its stderr handler stays; the level is restored after)."""
     from foscar.log import logger
 
+    level = logger.level
+    monkeypatch.delenv("FOSCAR_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("FOSCAR_CACHE", "0")
+    logger.setLevel(logging.INFO)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
-def test_a_compile_is_said_before_and_after_and_a_kept_kernel_is_not(monkeypatch, foscar_log):
+def test_a_compile_is_said_before_and_after_and_a_kept_kernel_is_not(foscar_log, capsys):
     from foscar.jit import cached_compile
 
-    monkeypatch.setenv("FOSCAR_CACHE", "0")
-    key = ("log_probe", object(), "sm_100a")  # a key no other test builds
+    key = ("log_probe", object(), 16, "sm_100a")  # a key no other test builds
     built = cached_compile(key, object)
     assert cached_compile(key, lambda: pytest.fail("compiled again")) is built
     said = [r.getMessage() for r in foscar_log]
-    assert said[0] == ("compiling log_probe for sm_100a (its first use; FOSCAR_CACHE=0: not kept for later processes) "
-                       "...")
-    assert said[1].startswith("compiled log_probe for sm_100a in ") and said[1].endswith(" s") and len(said) == 2
+    assert said[0] == ("compiling log_probe 16 for sm_100a (its first use; FOSCAR_CACHE=0: not kept for later "
+                       "processes) ...")
+    assert said[1].startswith("compiled log_probe 16 for sm_100a in ") and said[1].endswith(" s") and len(said) == 2
+    # the default handler writes to the stderr of the moment (here pytest's capture), once per line
+    assert capsys.readouterr().err.count("[foscar] compiling log_probe 16 for sm_100a") == 1
 
 
 def test_foscar_log_level_silences_the_compile_lines_and_a_bad_one_warns(monkeypatch, foscar_log):
     from foscar import log
     from foscar.jit import cached_compile
 
-    monkeypatch.setenv("FOSCAR_CACHE", "0")
-    try:
-        monkeypatch.setenv("FOSCAR_LOG_LEVEL", "warning")
+    monkeypatch.setenv("FOSCAR_LOG_LEVEL", "warning")
+    log._logger()
+    cached_compile(("log_probe", object(), "sm_90a"), object)
+    assert not foscar_log
+    monkeypatch.setenv("FOSCAR_LOG_LEVEL", "10")
+    assert log._logger().level == logging.DEBUG
+    monkeypatch.setenv("FOSCAR_LOG_LEVEL", "LOUD")
+    with pytest.warns(RuntimeWarning, match="FOSCAR_LOG_LEVEL must be a logging level .*got 'LOUD'"):
         log._logger()
-        cached_compile(("log_probe", object(), "sm_90a"), object)
-        assert not foscar_log
-        monkeypatch.setenv("FOSCAR_LOG_LEVEL", "LOUD")
-        with pytest.warns(RuntimeWarning, match="FOSCAR_LOG_LEVEL must be a logging level name .*got 'LOUD'"):
-            log._logger()
-        assert log.logger.level == logging.INFO
-    finally:
-        monkeypatch.delenv("FOSCAR_LOG_LEVEL")
-        log._logger()
+    assert log.logger.level == logging.INFO
 
 
 def test_key_must_name_the_arch():

@@ -66,7 +66,7 @@ def test_attention_foscar_does_not_compute_is_refused_at_the_cache(config_class,
 @pytest.mark.parametrize("config_class, kw, kind", [
     ("Qwen3NextConfig", dict(SMALL, head_dim=64, num_hidden_layers=4, num_experts=4), "linear_attention"),
     ("JambaConfig", dict(SMALL, num_hidden_layers=4, num_experts=1, attn_layer_period=2, attn_layer_offset=1),
-     "mamba"),
+     "linear_attention', 'mamba"),
     ("FalconH1Config", dict(SMALL, head_dim=64, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16), "hybrid"),
     ("Lfm2Config", dict(SMALL, layer_types=["conv", "full_attention"]), "conv")],
     ids=["qwen3-next", "jamba", "falcon-h1", "lfm2"])
@@ -78,9 +78,19 @@ def test_a_hybrid_model_is_refused_at_the_cache(config_class, kw, kind):
         pytest.skip(f"this transformers has no {config_class}")
     model = use_foscar(build(config_class, **kw))
     for model_or_config in (model, model.config):
-        with pytest.raises(ValueError, match=f"model: its layers include .*'{kind}'.*FoscarCache caches the K/V of "
-                                             "full, sliding and chunked attention layers only"):
+        with pytest.raises(ValueError, match=f"model: its layers include '{kind}', and FoscarCache caches and attends "
+                                             "the K/V of full, sliding and chunked attention layers only"):
             FoscarCache(model_or_config, max_seq_len=256, **BF16)
+
+
+def test_layer_kinds_without_state_beside_attention_are_taken():
+    """Nemotron-H's list of layer kinds names its MLP (and MoE) layers beside its mixers: a pattern of attention and
+    MLP layers alone is a model FoscarCache takes (its mamba layers are what is refused)."""
+    if not hasattr(transformers, "NemotronHConfig"):
+        pytest.skip("this transformers has no NemotronHConfig")
+    config = transformers.NemotronHConfig(**SMALL, head_dim=64, hybrid_override_pattern="*-*E")
+    assert set(config.layers_block_type) == {"full_attention", "mlp", "moe"}
+    assert FoscarCache(config, max_seq_len=256, **BF16).kv.num_layers == 4
 
 
 def test_the_attention_function_refuses_sinks_it_would_drop():

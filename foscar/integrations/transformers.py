@@ -540,9 +540,9 @@ _FoscarCacheClass = None
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # config.layer_types' names
-# what else may name a layer that FoscarCache takes: the legacy name of full attention (Jamba's layers_block_type) and
-# the MLP kinds some configs list per layer
-OTHER_LAYER_TYPES = ("attention", "sparse", "dense")
+# what else may name a layer of a model FoscarCache takes: the legacy name of full attention (layers_block_type) and
+# the MLP kinds Nemotron-H's list names beside its mixers
+OTHER_LAYER_TYPES = ("attention", "mlp", "moe")
 
 
 def _config_layer_types(text_config) -> tuple:
@@ -557,15 +557,17 @@ def _config_layer_types(text_config) -> tuple:
 
 def _check_layer_types(text_config) -> None:
     """Refuse a model with layers that are not full, sliding or chunked attention, as named in ``layer_types`` or
-    ``layers_block_type``: hybrid models' recurrent layers (Qwen3-Next's and Granite 4's ``"linear_attention"``,
-    Jamba's and Bamba's ``"mamba"``, Falcon-H1's ``"hybrid"``, LFM2's ``"conv"``) hold a state that is not K/V, and
-    sparse attention with an indexer (``"indexed_attention"``) attends what FOSCAR's attention does not."""
+    ``layers_block_type``: hybrid models' recurrent layers (Qwen3-Next's, Bamba's and Granite 4's
+    ``"linear_attention"``, Jamba's ``"mamba"``, Falcon-H1's ``"hybrid"``, LFM2's ``"conv"``) hold a state that is
+    not K/V, and sparse attention with an indexer (DeepSeek V3.2's ``"indexed_attention"``) attends a subset of the
+    tokens that FOSCAR's attention does not pick."""
     kinds = set(_config_layer_types(text_config)) | set(getattr(text_config, "layers_block_type", None) or ())
     other = sorted(kinds - {*ATTENTION_LAYER_TYPES, *OTHER_LAYER_TYPES})
     if other:
-        raise ValueError(f"model: its layers include {', '.join(map(repr, other))}, and FoscarCache caches the K/V of "
-                         "full, sliding and chunked attention layers only (a recurrent layer's state is not K/V); use "
-                         "transformers' own cache for this model")
+        raise ValueError(f"model: its layers include {', '.join(map(repr, other))}, and FoscarCache caches and attends "
+                         "the K/V of full, sliding and chunked attention layers only (a recurrent layer's state is not "
+                         "K/V; sparse attention picks tokens FOSCAR's does not); use transformers' own cache for this "
+                         "model")
 
 
 def _check_sliding_window(text_config, max_seq_len: int) -> None:
