@@ -48,8 +48,8 @@ no attention mask: a padded 2-D ``attention_mask``, or a 4-D one that hides part
 before the first layer runs, :func:`foscar_mask`, :func:`_refuse_hiding_mask`), a sliding window shorter than
 ``max_seq_len``, attention FOSCAR's does not compute (learned sinks, ALiBi, logit soft-capping, KV-shared layers,
 latent attention) and layers that are not full, sliding or chunked attention (hybrid models' recurrent layers, sparse
-attention with an indexer; all refused by :func:`FoscarCache`), a model whose attention is not FOSCAR's (refused at every
-forward's first layer: call :func:`use_foscar`), a cache whose layers an interrupted forward left at different
+attention with an indexer; all refused by :func:`FoscarCache`), a model whose attention is not FOSCAR's (refused at
+every forward's first layer: call :func:`use_foscar`), a cache whose layers an interrupted forward left at different
 lengths (refused at the next forward: ``reset()`` it).
 transformers is imported lazily; it is not a dependency of foscar.
 """
