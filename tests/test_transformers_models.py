@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional integration)")
 
 from foscar.integrations.transformers import FoscarCache, cache_kwargs, use_foscar  # noqa: E402
+from test_transformers_chunks import assert_equal_up_to_a_tie  # noqa: E402
 
 SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -117,16 +118,23 @@ FAMILIES = {
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_families_generate_what_dynamic_cache_does(family):
-    """Tokens and logits of a batch of 2 against DynamicCache's, every token in 16 bits (BF16 rounding only). GPT-2
-    and GPT-NeoX, whose configs have no ``num_key_value_heads``, raised AttributeError at ``FoscarCache(model)``."""
+    """Tokens and logits of a batch of 2 against DynamicCache's, every token in 16 bits (BF16 rounding only): each
+    row the same tokens, or parting from DynamicCache's at a near-tie of its logits (the CPU's BF16 matmuls round
+    differently by ISA: Qwen3's second row parts at a margin of 0.031 on an AVX-512 machine), and the same logits up
+    to where it parts. GPT-2 and GPT-NeoX, whose configs have no ``num_key_value_heads``, raised AttributeError at
+    ``FoscarCache(model)``."""
     config_class, kw = FAMILIES[family]
     ref = build(config_class, **kw)
     model = use_foscar(copy.deepcopy(ref))
     ids = ids_of(2, 40)
     want_tokens, want = generate(ref, transformers.DynamicCache(config=ref.config), ids, 8)
     got_tokens, got = generate(model, FoscarCache(model, max_batch_size=2, max_seq_len=256, **BF16), ids, 8)
-    assert torch.equal(got_tokens, want_tokens)
-    assert float((got - want).abs().max()) < 0.1 * float(want.std())  # BF16 rounding
+    new = slice(ids.shape[1], None)
+    for row in range(ids.shape[0]):
+        part = assert_equal_up_to_a_tie(want_tokens[row, new], got_tokens[row, new], want[:, row])
+        same_past = want.shape[0] if part is None else part[0] + 1  # the steps before the parting, and its own
+        error = float((got[:same_past, row] - want[:same_past, row]).abs().max())
+        assert error < 0.1 * float(want.std()), f"row {row}: logits {error:.4f} from DynamicCache's"  # BF16 rounding
 
 
 def test_a_cache_an_interrupted_forward_left_uneven_is_refused():
