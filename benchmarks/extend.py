@@ -13,11 +13,12 @@ Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, on
   FlashInfer's ragged batch prefill (``BatchPrefillWithRaggedKVCacheWrapper``, NHD: the gather writes that layout,
   one copy as a concatenation would be) over them. Extra memory: the whole prefix in BF16.
 * ``foscar-attend-chunk``: ``PagedKVCache.attend_chunk`` on a kernel cache (``foscar.chunk_attention``), its packed
-  pages attended one of two ways, a row each (the call takes the decode kernel up to ``DECODE_COLUMNS`` query rows
-  per KV head, blocks past it): ``blocks``, dequantized a block at a time into a fused attention; ``decode``, by the
-  folded decode kernel with the chunk's tokens as query heads (``PackedPrefix``: the pages read once per 16 rows,
-  never in BF16), measured up to ``--decode-up-to`` tokens. The 16-bit slots and the chunk's own tokens take the
-  fused attention either way; all merge by LSE.
+  pages attended one of three ways, a row each (the call's own choice follows ``PREFILL_COLUMNS`` and
+  ``DECODE_COLUMNS``): ``prefill``, by the Hopper prefill kernel (``PackedPrefill``: 128 query rows a CTA, each packed
+  tile dequantized once per CTA in shared memory, never in BF16 in global memory); ``blocks``, dequantized a block at
+  a time into a fused attention; ``decode``, by the folded decode kernel with the chunk's tokens as query heads
+  (``PackedPrefix``: the pages read once per 16 rows, never in BF16), measured up to ``--decode-up-to`` tokens.
+  The 16-bit slots and the chunk's own tokens take the fused attention either way; all merge by LSE.
 * ``foscar-attend-chunk, growing prefix``: the same, each call after a one-token append, as in serving, where the
   prefix is one step longer at every call: the last block and the slots are new shapes each time (what a fused
   attention that plans per shape would pay at every call; ``foscar.chunk_attention`` keeps cuDNN off them).
@@ -166,15 +167,18 @@ def flashinfer_ragged(flashinfer, workspace, n, chunk, q_heads, kv_heads, d):
 
 
 @contextlib.contextmanager
-def decode_columns(columns: int):
-    """``attend_chunk`` with its threshold ``foscar.cache.DECODE_COLUMNS`` set to ``columns`` (0: blocks always)."""
+def packed_path(path: str):
+    """``attend_chunk`` with its packed pages taken one way: "prefill" (``foscar.cache.PREFILL_COLUMNS`` unbounded),
+    "decode" (``DECODE_COLUMNS`` unbounded, no prefill) or "blocks" (neither)."""
     import foscar.cache
 
-    kept, foscar.cache.DECODE_COLUMNS = foscar.cache.DECODE_COLUMNS, columns
+    kept = foscar.cache.PREFILL_COLUMNS, foscar.cache.DECODE_COLUMNS
+    foscar.cache.PREFILL_COLUMNS = 1 << 62 if path == "prefill" else 0
+    foscar.cache.DECODE_COLUMNS = 1 << 62 if path == "decode" else 0
     try:
         yield
     finally:
-        foscar.cache.DECODE_COLUMNS = kept
+        foscar.cache.PREFILL_COLUMNS, foscar.cache.DECODE_COLUMNS = kept
 
 
 def measure(method: str, prefix: int, chunks, reps: int, decode_up_to: int):
@@ -209,11 +213,11 @@ def measure(method: str, prefix: int, chunks, reps: int, decode_up_to: int):
 
         def packed_by(path):  # attend_chunk with its packed pages taken one way
             def call():
-                with decode_columns(0 if path == "blocks" else 1 << 30):
+                with packed_path(path):
                     return foscar()
             return call
 
-        paths = ("blocks", "decode") if chunk <= decode_up_to else ("blocks",)
+        paths = ("prefill", "blocks", "decode") if chunk <= decode_up_to else ("prefill", "blocks")
         for name, fn in (("flashinfer-bf16", bf16), ("dequant+flashinfer", oscar),
                          *((f"foscar-attend-chunk, {p}", packed_by(p)) for p in paths)):
             us, extra, first, host, gpu = timed(fn, reps)

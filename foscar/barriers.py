@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["HopperDecodeBarrier", "WindowBarrier", "BlackwellDecodeBarrier"]
+__all__ = ["HopperDecodeBarrier", "PrefillBarrier", "WindowBarrier", "BlackwellDecodeBarrier"]
 
 
 class HopperDecodeBarrier(enum.IntEnum):
     """``foscar.hopper``: the decode and cache-decode kernels."""
 
     CONSUMERS = 1  # all consumer warps: merging the warps' outputs, and the in-launch split merge
+
+
+class PrefillBarrier(enum.IntEnum):
+    """``foscar.hopper.prefill``."""
+
+    CONVERTER = 1  # the converter warpgroup: a tile's packed words staged, then read
+    CONSUMERS = 2  # both consumer warpgroups: the query rows in shared memory
 
 
 class WindowBarrier(enum.IntEnum):

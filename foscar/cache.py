@@ -71,7 +71,7 @@ import torch
 
 from .archs import HOPPER, arch_of_device, get_arch
 from .checks import checked_sm_scale, is_int
-from .chunk_attention import CUDNN_TOKENS, DECODE_COLUMNS, PackedPrefix, chunk_attention
+from .chunk_attention import CUDNN_TOKENS, DECODE_COLUMNS, PREFILL_COLUMNS, PackedPrefill, PackedPrefix, chunk_attention
 from .jit import sm_count
 from .kernels.dequantize import PagesDequantizer
 from .kernels.merge_parts import merge_parts
@@ -1012,14 +1012,23 @@ class PagedKVCache:
         out = torch.cat([o for o, _ in parts], dim=1).to(q.dtype)
         return (out, torch.cat([lse for _, lse in parts], dim=1)) if return_lse else out
 
-    def _packed_prefix(self, layer, seq, n, tokens, sm_scale) -> PackedPrefix | None:
-        """The packed pages of sequence ``seq`` (``n`` tokens) for ``chunk_attention`` to attend through the decode
-        kernel (``PackedPrefix``), where a chunk of ``tokens`` is short enough for that to beat dequantized blocks
-        (its tiles, one pass over the pages each, hold at most ``DECODE_COLUMNS`` query columns) and the kernel
-        takes the chunk's tokens as query heads; else None (``_cached_blocks`` dequantizes them)."""
+    def _packed_prefix(self, layer, seq, n, tokens, sm_scale) -> PackedPrefill | PackedPrefix | None:
+        """The packed pages of sequence ``seq`` (``n`` tokens) for ``chunk_attention`` to attend without writing them
+        in 16 bits: through the arch's prefill kernel (``PackedPrefill``) up to ``PREFILL_COLUMNS`` query columns
+        (``gqa x tokens``) where it has one and takes the scheme; else through the decode kernel (``PackedPrefix``),
+        where a chunk of ``tokens`` is short enough for that to beat dequantized blocks (its tiles, one pass over the
+        pages each, hold at most ``DECODE_COLUMNS`` query columns) and the kernel takes the chunk's tokens as query
+        heads; else None (``_cached_blocks`` dequantizes them)."""
         quantized, gqa = self.quantized_tokens(n), self.scheme.gqa_ratio
+        if self.device.type != "cuda" or not quantized:
+            return None
+        if gqa * tokens <= PREFILL_COLUMNS and self.arch.takes_prefill(self.scheme):
+            table = self.page_table[seq, :-(-quantized // self.page_size)].clone()  # a copy: 16-byte aligned
+            codes = self.k_codes[layer], self.k_params[layer], self.v_codes[layer], self.v_params[layer]
+            return PackedPrefill(lambda q_rows: self.arch.run_prefill(q_rows, *codes, table, quantized, sm_scale,
+                                                                      self.scheme))
         step = self.arch.max_query_tokens(self.scheme)[0]
-        if self.device.type != "cuda" or not quantized or step < 1:
+        if step < 1:
             return None
         if -(-tokens // step) * MAX_QUERY_COLUMNS > DECODE_COLUMNS:  # more passes over the pages than blocks cost
             return None

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Merged", "MergedParts", "PackedPrefix", "chunk_attention", "fused_attention"]
+__all__ = ["Merged", "MergedParts", "PackedPrefill", "PackedPrefix", "chunk_attention", "fused_attention"]
 
 CUDNN_HEAD_DIM = 128  # the head dim cuDNN's attention was measured faster at (_cudnn_rows)
 CUDNN_TOKENS = 8192  # cuDNN attends blocks of a multiple of this many keys: the full blocks, a bounded set of shapes
@@ -51,6 +51,8 @@ ROWS_PER_CTA = 128  # query rows of one CTA of the fused attention's forward ker
 PIECE_CTAS_PER_SM = 2  # pieces are added while the grid stays within this many CTAs per SM
 DECODE_COLUMNS = 512  # query columns per KV head (tiles of 16, one pass over the pages each) up to which the decode
 # kernel attends the packed pages (PackedPrefix) rather than dequantized blocks, which read them once in all
+PREFILL_COLUMNS = 0  # query columns per KV head up to which the arch's prefill kernel attends the packed pages
+# (PackedPrefill), where it has one, before the decode kernel's and the blocks' limits are asked
 HELD_BYTES = 64 << 20  # FP32 bytes of partial outputs Merged holds before it merges them (its working memory)
 HELD_PART_BYTES = 256 << 20  # bytes of partials (their own dtype) MergedParts holds before it merges them
 
@@ -226,10 +228,12 @@ class PackedPrefix:
     step: int
     decode: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-    def attend(self, q: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [L, Hq, D]`` over the prefix: ``(out [kv_heads, gqa * L, D], lse [kv_heads, gqa * L])``, the rows of
-        :func:`chunk_attention`'s blocks (row ``g * L + t``)."""
+    def attend(self, q: torch.Tensor, q_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [L, Hq, D]`` (its rows ``q_rows [kv_heads, gqa * L, D]`` unused) over the prefix: one partial ``(out [1,
+        kv_heads, gqa * L, D], lse [1, kv_heads, gqa * L])``, the rows of :func:`chunk_attention`'s blocks (row ``g * L
+        + t``)."""
         tokens, q_heads, d = q.shape
+        kv_heads = q_rows.shape[0]
         group, n = q_heads // kv_heads, -(-tokens // self.step)
         # zero tokens past the chunk (pad copies, so none where the tiles hold it exactly)
         padded = q if n * self.step == tokens else torch.nn.functional.pad(q, (0, 0, 0, 0, 0, n * self.step - tokens))
@@ -241,11 +245,25 @@ class PackedPrefix:
         out, lse = self.decode(folded)
         out = out.view(n, kv_heads, self.step, group, d).permute(1, 3, 0, 2, 4).reshape(kv_heads, group, -1, d)
         lse = lse.view(n, kv_heads, self.step, group).permute(1, 3, 0, 2).reshape(kv_heads, group, -1)
-        return (out[:, :, :tokens].reshape(kv_heads, group * tokens, d),
-                lse[:, :, :tokens].reshape(kv_heads, group * tokens))
+        return (out[:, :, :tokens].reshape(1, kv_heads, group * tokens, d),
+                lse[:, :, :tokens].reshape(1, kv_heads, group * tokens))
 
 
-def chunk_attention(q, k_new, v_new, blocks, sm_scale: float, packed: PackedPrefix | None = None,
+@dataclass(frozen=True)
+class PackedPrefill:
+    """The packed pages of a prefix, attended by the arch's prefill kernel (``foscar.hopper.prefill``): the chunk's
+    query rows of a KV head (row ``g * L + t``) are the M side of its products, 128 to a CTA, and each packed tile is
+    dequantized once per CTA into shared memory, never written to global memory in 16 bits. ``run(q_rows [kv_heads,
+    rows, D])`` returns its splits' partials ``(out [splits, kv_heads, rows, D], lse [splits, kv_heads, rows])``."""
+
+    run: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+    def attend(self, q: torch.Tensor, q_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q_rows`` over the prefix: the splits' partials (``q`` unused: the rows are what the kernel reads)."""
+        return self.run(q_rows)
+
+
+def chunk_attention(q, k_new, v_new, blocks, sm_scale: float, packed: PackedPrefix | PackedPrefill | None = None,
                     merge: Callable | None = None):
     """Attention of ``L`` new tokens ``q [L, Hq, D]`` over the cached ``blocks`` (an iterable of ``(k, v)``
     ``[kv_heads, T, D]`` in q's dtype, each fully visible; empty ones are skipped), the ``packed`` prefix where
@@ -267,7 +285,7 @@ def chunk_attention(q, k_new, v_new, blocks, sm_scale: float, packed: PackedPref
 
     merged = Merged() if merge is None else MergedParts(merge, group, tokens)
     if packed is not None:
-        merged.add(*(x[None] for x in packed.attend(q, kv_heads)))
+        merged.add(*packed.attend(q, q_rows))
     for k, v in blocks:
         if k.shape[1]:
             _attend_block(queries, group * tokens, k, v, sm_scale, merged)

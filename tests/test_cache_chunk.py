@@ -365,17 +365,35 @@ GPU_SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make
                Scheme.make(2, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16)]
 
 
+def take_packed_pages_by(path: str, monkeypatch) -> list:
+    """Route ``attend_chunk``'s packed pages one way: "prefill" (the prefill kernel), "decode" (the decode kernel)
+    or "blocks" (dequantized blocks). Returns the list the prefill kernel's launches are counted in."""
+    import foscar.hopper.prefill
+
+    monkeypatch.setattr(foscar.cache, "PREFILL_COLUMNS", 10**9 if path == "prefill" else 0)
+    monkeypatch.setattr(foscar.cache, "DECODE_COLUMNS", 10**9 if path == "decode" else 0)
+    launched, run = [], foscar.hopper.prefill.run_prefill
+
+    def counted(q_rows, *args):
+        launched.append(tuple(q_rows.shape))
+        return run(q_rows, *args)
+
+    monkeypatch.setattr(foscar.hopper.prefill, "run_prefill", counted)
+    return launched
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed_by", ["blocks", "decode"])
+@pytest.mark.parametrize("packed_by", ["blocks", "decode", "prefill"])
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("scheme", GPU_SCHEMES, ids=lambda s: s.name)
 def test_attend_chunk_on_a_kernel_cache(scheme, rotate, packed_by, rng, monkeypatch):
     """The kernel path's cache (no fp32 copies): chunks against float64 attention over what the cache holds (its
     dense(), read from the packed pages), chunks appended in turn. The packed pages either dequantized per call, in
     blocks of one page cut into pieces of 64 tokens (the dequantize kernel given page-table slices past the first
-    page), or attended by the decode kernel with the chunk's tokens as query heads (``PackedPrefix``: tiles of
-    ``16 // gqa`` tokens, the last one padded)."""
-    monkeypatch.setattr(foscar.cache, "DECODE_COLUMNS", 10**9 if packed_by == "decode" else 0)
+    page), attended by the decode kernel with the chunk's tokens as query heads (``PackedPrefix``: tiles of
+    ``16 // gqa`` tokens, the last one padded), or by the prefill kernel (``PackedPrefill``: 128 query rows a CTA,
+    the last row tile part-filled)."""
+    prefilled = take_packed_pages_by(packed_by, monkeypatch)
     monkeypatch.setattr(foscar.cache, "BLOCK_BYTES", 1)
     monkeypatch.setattr(foscar.chunk_attention, "MIN_PIECE", 64)
     dequantized = []
@@ -395,11 +413,27 @@ def test_attend_chunk_on_a_kernel_cache(scheme, rotate, packed_by, rng, monkeypa
         k_new, v_new = check_chunk(cache, ids[::-1], lambda seq: cache.dense(0, seq), rng, tokens)
         cache.append(0, ids[::-1], k_new.cuda(), v_new.cuda())
     assert bool(dequantized) == (packed_by == "blocks")  # the path asked for took the packed pages
+    assert bool(prefilled) == (packed_by == "prefill")
     # one kept launcher per role (one layer, one dtype) served every block; a copy of the cache builds its own
     assert len(cache._dequantizers) == (2 if packed_by == "blocks" else 0)
     view = copy.deepcopy(cache)
     assert view._dequantizers == {}
     check_chunk(view, ids, lambda seq: view.dense(0, seq), rng, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", GPU_SCHEMES, ids=lambda s: s.name)
+def test_the_prefill_kernel_over_a_long_prefix_in_splits(scheme, rng, monkeypatch):
+    """The prefill kernel over prefixes of many tiles and pages, cut into splits (each a partial merged by its LSE),
+    with one row tile part-filled and with several: against float64, the cache unchanged."""
+    prefilled = take_packed_pages_by("prefill", monkeypatch)
+    cache = foscar.cache.PagedKVCache(scheme, 1, 2, 96, 2, 8192, sink=64, window=256, device="cuda")
+    ids = [cache.allocate() for _ in range(2)]
+    k0, v0 = kv(rng, scheme, 2, 5000)
+    cache.append(0, ids, k0.cuda(), v0.cuda())
+    for tokens in (1, 7, 40, 100):
+        check_chunk(cache, ids, lambda seq: cache.dense(0, seq), rng, tokens)
+    assert len(prefilled) == 8 and prefilled[-1] == (2, 4 * 100, scheme.head_dim)
 
 
 @pytest.mark.gpu

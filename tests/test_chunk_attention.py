@@ -73,6 +73,30 @@ def test_packed_prefix_folds_the_chunk_into_query_heads(group, step, tokens, lay
     assert_within_the_rule(out, lse, q, k.float(), v.float(), SM_SCALE, (group, step, tokens), rounded_partials=True)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_packed_prefill_merges_the_kernels_splits(splits, rng):
+    """``PackedPrefill``: the prefill kernel's partials (here float64 attentions standing in for it, one per split of
+    the prefix, rounded to q's dtype) over the chunk's query rows ``g * L + t`` of each KV head, merged with a block
+    of 16-bit slots and the chunk's own tokens: the chunk's attention over all of them."""
+    kv_heads, group, d, prefix, slots, tokens = 2, 4, 64, 300, 40, 9
+    k = (torch.randn(kv_heads, prefix + slots + tokens, d, generator=rng) + 1).to(torch.bfloat16)
+    v = torch.randn(kv_heads, prefix + slots + tokens, d, generator=rng).to(torch.bfloat16)
+    q = torch.randn(tokens, kv_heads * group, d, generator=rng).to(torch.bfloat16)
+    cuts = torch.linspace(0, prefix, splits + 1).long().tolist()
+
+    def run(q_rows):  # [kv_heads, group * tokens, D] -> the splits' partials
+        assert tuple(q_rows.shape) == (kv_heads, group * tokens, d)
+        scores = torch.einsum("hrd,htd->hrt", q_rows.double(), k[:, :prefix].double()) * SM_SCALE
+        parts = [(torch.softmax(scores[..., a:b], -1) @ v[:, a:b].double(), torch.logsumexp(scores[..., a:b], -1))
+                 for a, b in zip(cuts, cuts[1:])]
+        return torch.stack([o for o, _ in parts]).to(q.dtype), torch.stack([x for _, x in parts]).float()
+
+    cached = [(k[:, prefix:prefix + slots], v[:, prefix:prefix + slots])]
+    out, lse = chunk_attention.chunk_attention(q, k[:, -tokens:], v[:, -tokens:], cached, SM_SCALE,
+                                               chunk_attention.PackedPrefill(run))
+    assert_within_the_rule(out, lse, q, k.float(), v.float(), SM_SCALE, splits, rounded_partials=True)
+
+
 def test_nothing_cached_is_causal_attention_of_the_chunk(rng):
     kv_heads, group, d, tokens = 1, 2, 32, 9
     k, v = (torch.randn(kv_heads, tokens, d, generator=rng).to(torch.bfloat16) for _ in range(2))

@@ -1,0 +1,53 @@
+"""The Hopper prefill kernel (``foscar.hopper.prefill``) on the CPU: what it builds and refuses, its splits, and its
+SASS (compiled here for sm_90a: no spill, the products it should issue, whole-line shared-memory stores). Its
+values are checked on the GPU against float64 (``tests/test_cache_chunk.py``: ``packed_by="prefill"`` and
+``test_the_prefill_kernel_over_a_long_prefix_in_splits``)."""
+
+import re
+
+import pytest
+import torch
+
+from foscar import Scheme
+from foscar.archs import BLACKWELL, HOPPER
+from foscar.hopper.prefill import TILE_N, PrefillConfig, compile_prefill, prefill_splits
+from foscar.inspect import artifacts
+
+COMPILED = [Scheme.make(2, "channel", 128, "token", 128, 128, 4),
+            Scheme.make(4, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16),
+            Scheme.make(k_bits=4, v_bits=2, head_dim=64, gqa_ratio=8)]
+
+
+@pytest.mark.parametrize("scheme", COMPILED, ids=lambda s: s.name)
+def test_the_prefill_kernel_compiles_without_spills(scheme):
+    """Both roles' loops: the consumers issue ``D/16`` QK and 4 PV warpgroup MMAs per 64-token tile and nothing
+    spills; shared memory is stored whole vectors at a time (8 values of a chunk in the swizzled tiles: 16 bytes; the
+    packed words staged: 8 or 16), never element by element."""
+    dtype = "float16" if scheme.q_dtype == torch.float16 else "bfloat16"
+    found = artifacts(compile_prefill(PrefillConfig.of(scheme, dtype)))
+    assert found.resources().local_bytes == 0
+    mma_loops = [loop for loop in found.loops() if loop.mma]
+    assert [loop.mma for loop in mma_loops] == [scheme.head_dim // 16 + TILE_N // 16]
+    stores = set(re.findall(r"\bSTS(\.\S+)?", found.sass))
+    assert ".128" in stores and stores <= {".128", ".64"}, stores
+
+
+def test_what_the_prefill_kernel_takes():
+    assert HOPPER.takes_prefill(COMPILED[0]) and not BLACKWELL.takes_prefill(COMPILED[0])
+    wide = Scheme.make(2, "token", 128, "token", 128, 256, 4)
+    assert not HOPPER.takes_prefill(wide)
+    with pytest.raises(ValueError, match="head_dim"):
+        PrefillConfig.of(wide)
+    with pytest.raises(NotImplementedError, match="sm_100a"):
+        BLACKWELL.run_prefill(None, None, None, None, None, None, 64, 0.1, COMPILED[0])
+
+
+@pytest.mark.parametrize("row_tiles, kv_heads, tiles, want", [
+    (1, 8, 1563, 16),  # a short chunk: the splits fill one wave of 132 SMs
+    (4, 8, 1563, 4),
+    (32, 8, 1563, 1),  # 256 CTAs: more than a wave already
+    (1, 8, 40, 5),  # no split shorter than 8 tiles
+    (1, 1, 3, 1),
+])
+def test_prefill_splits_fill_one_wave(row_tiles, kv_heads, tiles, want):
+    assert prefill_splits(row_tiles, kv_heads, tiles, 132) == want
