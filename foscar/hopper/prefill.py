@@ -303,15 +303,16 @@ class HopperPackedPrefill:
             _gemm(pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
             ring.consumer_release(state)
             state.advance()
-        self.store(wg_pv, acc_O, m_run, l_run, gOut, gLse, row_tile, rows)
+        self.store(pv.get_slice(ctidx), acc_O, m_run, l_run, gOut, gLse, row_tile, rows)
 
     @cute.jit
-    def store(self, wg_pv, acc_O: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, gOut: cute.Tensor,
+    def store(self, thr_pv, acc_O: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, gOut: cute.Tensor,
               gLse: cute.Tensor, row_tile: Int32, rows: Int32):
-        """The rows' normalized output (q's dtype) and natural-log LSE, rows past ``rows`` not written."""
+        """The rows' normalized output (q's dtype) and natural-log LSE, rows past ``rows`` not written. ``thr_pv``:
+        the PV product's slice of this thread (the fragments' slices are the warpgroup's)."""
         O = cute.make_tensor(acc_O.iterator, _acc_mn(acc_O.layout))
-        # (row, column) of each accumulator element, in the same view
-        coords = wg_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, self.D)))
+        # (row, column) of each of this thread's accumulator elements, in the same view
+        coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, self.D)))
         C = cute.make_tensor(coords.iterator, _acc_mn(coords.layout))
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
