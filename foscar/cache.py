@@ -965,8 +965,10 @@ class PagedKVCache:
         Returns ``out [B, L, Hq, D]`` (q's dtype) and, if asked, ``lse [B, L, Hq]`` (fp32, as :meth:`attend`).
         The cache is not changed. Host-planned: not capturable in a CUDA graph. Two computations:
 
-        * a kernel cache (GPU): per sequence, the packed pages are attended by the decode kernel with the new
-          tokens as query heads (tiles of 16 columns, ``foscar.chunk_attention.DECODE_COLUMNS`` in all), or else
+        * a kernel cache (GPU): per sequence, the packed pages are attended by the arch's prefill kernel (Hopper,
+          ``foscar.hopper.prefill``: the chunk's query rows 128 to a CTA, each packed tile dequantized once per CTA in
+          shared memory; up to ``foscar.chunk_attention.PREFILL_COLUMNS`` query columns per KV head), or by the decode
+          kernel with the new tokens as query heads (tiles of 16 columns, ``DECODE_COLUMNS`` in all), or else
           dequantized into q's dtype one block at a time and attended by a fused attention; the 16-bit slots and,
           causally, the new tokens by the fused attention; all merged by their LSE (``foscar.chunk_attention``):
           extra memory is one block and the chunk, not the prefix;

@@ -34,26 +34,27 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.pipeline import (Agent, CooperativeGroup, NamedBarrier, PipelineAsync, PipelineUserType,
                               make_pipeline_state)
 from cutlass.utils import LayoutEnum
 
 from ..barriers import PrefillBarrier
-from ..device import LOG2E
+from ..device import LOG2E, check_register_budget, set_warpgroup_registers
 from ..kernels.dequantize import THREADS as CONVERTER_THREADS, Dequantize, DequantizeConfig, _swizzled, _thread_part
 from ..layouts.fragment import TILE_TOKENS
 from ..scheme import Scheme, params_shape
 from ..softmax import normalize, rescale_factor
 
-__all__ = ["PrefillConfig", "HopperPackedPrefill", "TILE_ROWS", "compile_prefill", "prefill_splits", "run_prefill"]
+__all__ = ["PrefillConfig", "HopperPackedPrefill", "compile_prefill", "prefill_splits", "run_prefill"]
 
-TILE_ROWS = 128  # query rows of a CTA: two consumer warpgroups of 64
+CONSUMERS = 2  # consumer warpgroups of a CTA (64 query rows each): its rows, over which a tile is dequantized once
 TILE_N = TILE_TOKENS  # keys of a ring stage: one packed tile
 STAGES = 4  # ring stages of dequantized K and V tiles
-CONSUMER_WARPGROUPS = TILE_ROWS // 64
-THREADS = CONVERTER_THREADS * (1 + CONSUMER_WARPGROUPS)
+# registers per thread with 3 consumer warpgroups (512 threads: 128 each at launch): the consumers' 144 hold their
+# accumulators without a spill
+LAUNCH_REGS, CONVERTER_REGS, CONSUMER_REGS = 128, 80, 144
 ROW_BYTES_ALIGN = 1024  # the swizzled wgmma tiles' alignment
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -65,12 +66,26 @@ class PrefillConfig:
 
     k: DequantizeConfig
     v: DequantizeConfig
+    consumers: int = CONSUMERS  # consumer warpgroups: 64 query rows each
 
     @classmethod
-    def of(cls, scheme: Scheme, dtype: str = "bfloat16", layout: str = "hopper") -> "PrefillConfig":
+    def of(cls, scheme: Scheme, dtype: str = "bfloat16", layout: str = "hopper",
+           consumers: int = CONSUMERS) -> "PrefillConfig":
         if scheme.head_dim not in (64, 128):
             raise ValueError(f"the prefill kernel takes head_dim 64 or 128, got {scheme.head_dim}")
-        return cls(DequantizeConfig.of(scheme, "k", dtype, layout), DequantizeConfig.of(scheme, "v", dtype, layout))
+        if consumers not in (2, 3):
+            raise ValueError(f"consumers must be 2 or 3 warpgroups, got {consumers}")
+        return cls(DequantizeConfig.of(scheme, "k", dtype, layout), DequantizeConfig.of(scheme, "v", dtype, layout),
+                   consumers)
+
+    @property
+    def rows(self) -> int:
+        """Query rows of a CTA."""
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return CONVERTER_THREADS * (1 + self.consumers)
 
     @property
     def head_dim(self) -> int:
@@ -127,22 +142,25 @@ class HopperPackedPrefill:
         self.cfg = cfg
         self.D = cfg.head_dim
         self.dtype = cfg.dtype
+        self.rows, self.consumers = cfg.rows, cfg.consumers
+        if cfg.consumers == 3:
+            check_register_budget("the prefill kernel", (CONVERTER_REGS,) + (CONSUMER_REGS,) * 3, LAUNCH_REGS)
 
     def layouts(self):
         """Swizzled shared-memory layouts: Q (128 rows, D), K and V stages (64 tokens, D, STAGES), all rows of D
         contiguous elements (V read as the MN-major B operand of the PV product)."""
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype,
                                                                                  self.D), self.dtype)
-        sQ = cute.tile_to_shape(atom, (TILE_ROWS, self.D), order=(0, 1))
+        sQ = cute.tile_to_shape(atom, (self.rows, self.D), order=(0, 1))
         sKV = cute.tile_to_shape(atom, (TILE_N, self.D, STAGES), order=(0, 1, 2))
         return sQ, sKV
 
     def tiled_mmas(self):
         qk = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-                                               cute.nvgpu.OperandMajorMode.K, Float32, (CONSUMER_WARPGROUPS, 1, 1),
+                                               cute.nvgpu.OperandMajorMode.K, Float32, (self.consumers, 1, 1),
                                                (64, TILE_N))
         pv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-                                               cute.nvgpu.OperandMajorMode.MN, Float32, (CONSUMER_WARPGROUPS, 1, 1),
+                                               cute.nvgpu.OperandMajorMode.MN, Float32, (self.consumers, 1, 1),
                                                (64, self.D), a_source=warpgroup.OperandSource.RMEM)
         return qk, pv
 
@@ -172,10 +190,10 @@ class HopperPackedPrefill:
         }
         SharedStorage = cute.struct(type("PrefillStorage", (), {"__annotations__": fields}))
         qk, pv = self.tiled_mmas()
-        grid = [(rows + TILE_ROWS - 1) // TILE_ROWS, kv_heads, splits]
+        grid = [(rows + self.rows - 1) // self.rows, kv_heads, splits]
         self.kernel(qk, pv, SharedStorage, sQ_layout, sKV_layout, mQ, mK, mV, mPages, mOut, mLse, tiles,
                     tiles_per_page, tiles_per_split, rows, sm_scale * Float32(LOG2E)).launch(
-            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+            grid=grid, block=[self.cfg.threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @staticmethod
     def pool(codes, params, c: DequantizeConfig, num_pages, kv_heads, page_size, tiles_per_page):
@@ -196,7 +214,7 @@ class HopperPackedPrefill:
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         ring = PipelineAsync.create(
             num_stages=STAGES, producer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS),
-            consumer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS * CONSUMER_WARPGROUPS),
+            consumer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS * self.consumers),
             barrier_storage=storage.barriers.data_ptr())
         sQ = storage.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.k.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -204,8 +222,12 @@ class HopperPackedPrefill:
         first = split * tiles_per_split
         count = cutlass.min(tiles, first + tiles_per_split) - first
         if warp < 4:
+            if const_expr(self.consumers == 3):  # 512 threads: fewer registers here leave the consumers more
+                set_warpgroup_registers(CONVERTER_REGS, LAUNCH_REGS)
             self.convert(mK, mV, mPages, storage, sK, sV, ring, head, first, count, tiles_per_page, tidx)
         else:
+            if const_expr(self.consumers == 3):
+                set_warpgroup_registers(CONSUMER_REGS, LAUNCH_REGS)
             ctidx = tidx - CONVERTER_THREADS
             self.load_q(mQ[head, None, None], sQ, row_tile, rows, ctidx)
             self.attend(qk, pv, sQ, sK, sV, ring, count, scale_log2, mOut[split, head, None, None],
@@ -241,17 +263,17 @@ class HopperPackedPrefill:
     def load_q(self, gQ: cute.Tensor, sQ: cute.Tensor, row_tile: Int32, rows: Int32, ctidx: Int32):
         """The CTA's 128 query rows into ``sQ``, 16 bytes a copy; rows past ``rows`` zero."""
         chunks = self.D // 8
-        for j in cutlass.range_constexpr(TILE_ROWS * chunks // (CONVERTER_THREADS * CONSUMER_WARPGROUPS)):
-            v = j * CONVERTER_THREADS * CONSUMER_WARPGROUPS + ctidx
+        for j in cutlass.range_constexpr(self.rows * chunks // (CONVERTER_THREADS * self.consumers)):
+            v = j * CONVERTER_THREADS * self.consumers + ctidx
             r, c = v // chunks, v % chunks
-            row = row_tile * TILE_ROWS + r
+            row = row_tile * self.rows + r
             vals = cute.make_rmem_tensor((8,), self.dtype)
             vals.fill(0.0)
             if row < rows:
                 cute.autovec_copy(cute.zipped_divide(gQ[row, None], (8,))[None, c], vals)
             cute.autovec_copy(vals, cute.zipped_divide(sQ[r, None], (8,))[None, c])
         cute.arch.fence_view_async_shared()
-        NamedBarrier(PrefillBarrier.CONSUMERS, CONVERTER_THREADS * CONSUMER_WARPGROUPS).arrive_and_wait()
+        NamedBarrier(PrefillBarrier.CONSUMERS, CONVERTER_THREADS * self.consumers).arrive_and_wait()
 
     @cute.jit
     def attend(self, qk: cute.TiledMma, pv: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
@@ -259,14 +281,14 @@ class HopperPackedPrefill:
                row_tile: Int32, rows: Int32, ctidx: Int32):
         """A consumer warpgroup: its 64 rows over the split's tiles, then their output and LSE."""
         wg = ctidx // CONVERTER_THREADS
-        wg_threads = cute.make_layout(CONSUMER_WARPGROUPS, stride=CONVERTER_THREADS)
+        wg_threads = cute.make_layout(self.consumers, stride=CONVERTER_THREADS)
         wg_qk, wg_pv = qk.get_slice(wg_threads(wg)), pv.get_slice(wg_threads(wg))
         sVt = cute.composition(sV, cute.make_ordered_layout((self.D, TILE_N, STAGES), order=(1, 0, 2)))
         # (MMA, MMA_M, MMA_K) and (MMA, MMA_N, MMA_K, STAGES)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((TILE_ROWS, self.D)), Float32)
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.rows, self.D)), Float32)
         acc_O.fill(0.0)
         # ((2 rows, MMA_M), (2 columns, N / 8, MMA_N)) views of the accumulators
         rows_per_thread = 2
@@ -277,7 +299,7 @@ class HopperPackedPrefill:
         state = make_pipeline_state(PipelineUserType.Consumer, STAGES)
         for _ in cutlass.range(count, unroll=1):
             ring.consumer_wait(state)
-            acc_S = cute.make_rmem_tensor(wg_qk.partition_shape_C((TILE_ROWS, TILE_N)), Float32)
+            acc_S = cute.make_rmem_tensor(wg_qk.partition_shape_C((self.rows, TILE_N)), Float32)
             _gemm(qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
             S = cute.make_tensor(acc_S.iterator, _acc_mn(acc_S.layout))
             O = cute.make_tensor(acc_O.iterator, _acc_mn(acc_O.layout))
@@ -312,7 +334,7 @@ class HopperPackedPrefill:
         the PV product's slice of this thread (the fragments' slices are the warpgroup's)."""
         O = cute.make_tensor(acc_O.iterator, _acc_mn(acc_O.layout))
         # (row, column) of each of this thread's accumulator elements, in the same view
-        coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, self.D)))
+        coords = thr_pv.partition_C(cute.make_identity_tensor((self.rows, self.D)))
         C = cute.make_tensor(coords.iterator, _acc_mn(coords.layout))
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
@@ -320,7 +342,7 @@ class HopperPackedPrefill:
             total += cute.arch.shuffle_sync_bfly(total, offset=1)
             total += cute.arch.shuffle_sync_bfly(total, offset=2)
             inv_l, lse = normalize(total, m_run[r])
-            row = row_tile * TILE_ROWS + C[r, 0][0]
+            row = row_tile * self.rows + C[r, 0][0]
             if row < rows:
                 for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                     gOut[row, C[r, c][1]] = (O[r, c] * inv_l).to(self.dtype)
@@ -384,9 +406,9 @@ def run_prefill(q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens: 
     if tokens <= 0 or tokens % TILE_TOKENS:
         raise ValueError(f"tokens: the prefill kernel attends whole {TILE_TOKENS}-token tiles, got {tokens}")
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q_rows.dtype]
-    cfg = PrefillConfig.of(scheme, dtype)
+    cfg = PrefillConfig.of(scheme, dtype, consumers=CONSUMERS)
     tiles, page_size = tokens // TILE_TOKENS, k_codes.shape[2] * TILE_TOKENS
-    per_split = -(-tiles // prefill_splits(-(-rows // TILE_ROWS), kv_heads, tiles, sm_count(q_rows.device)))
+    per_split = -(-tiles // prefill_splits(-(-rows // cfg.rows), kv_heads, tiles, sm_count(q_rows.device)))
     splits = -(-tiles // per_split)
     out = torch.empty(splits, kv_heads, rows, d, dtype=q_rows.dtype, device=q_rows.device)
     lse = torch.empty(splits, kv_heads, rows, dtype=torch.float32, device=q_rows.device)
