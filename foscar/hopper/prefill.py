@@ -52,9 +52,9 @@ __all__ = ["PrefillConfig", "HopperPackedPrefill", "compile_prefill", "prefill_s
 CONSUMERS = 2  # consumer warpgroups of a CTA (64 query rows each): its rows, over which a tile is dequantized once
 TILE_N = TILE_TOKENS  # keys of a ring stage: one packed tile
 STAGES = 4  # ring stages of dequantized K and V tiles
-# registers per thread with 3 consumer warpgroups (512 threads: 128 each at launch): the consumers' 144 hold their
-# accumulators without a spill
-LAUNCH_REGS, CONVERTER_REGS, CONSUMER_REGS = 128, 80, 144
+# registers per thread with 3 consumer warpgroups (512 threads: 128 each at launch): the consumers' 136 hold their
+# accumulators without a spill, the converter its prefetched tile
+LAUNCH_REGS, CONVERTER_REGS, CONSUMER_REGS = 128, 104, 136
 ROW_BYTES_ALIGN = 1024  # the swizzled wgmma tiles' alignment
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -122,11 +122,10 @@ class _Converter:
         return cls(dq, _thread_part(plan.thread_strides("t"), tidx), _thread_part(plan.thread_strides("c"), tidx),
                    _swizzled(bit0 >> 5, plan.swizzle), bit0 & 31)
 
-    def load(self, mCodes, mParams, page, head, tile_in_page, tidx):
-        """Issue the tile's words and this thread's params (registers)."""
-        words = self.dq.load_words(mCodes[page, head, tile_in_page, None], tidx)
-        params = self.dq.load_params(mParams[page, head, None, None, None], tile_in_page, self.token0, self.channel0)
-        return words, params
+    def fetch(self, mCodes, mParams, page, head, tile_in_page, tidx, words, raw):
+        """Issue a tile's words and this thread's fp16 params into the registers ``words`` and ``raw``."""
+        self.dq.load_words(mCodes[page, head, tile_in_page, None], tidx, words)
+        self.dq.fetch_params(mParams[page, head, None, None, None], tile_in_page, self.token0, self.channel0, raw)
 
     def write(self, params, sCodes, sTile):
         """``scale * code + offset`` of the staged tile into ``sTile`` (64 tokens, D), this thread's chunks."""
@@ -242,22 +241,35 @@ class HopperPackedPrefill:
         sVc = storage.v_codes.get_tensor(cute.make_layout((self.cfg.v.tile_words,)))
         staging = NamedBarrier(PrefillBarrier.CONVERTER, CONVERTER_THREADS)
         state = make_pipeline_state(PipelineUserType.Producer, STAGES)
+        # one tile's words and params in registers, fetched a tile ahead: their loads' latency hides behind the
+        # conversion of the tile before
+        k_words, v_words = kc.dq.word_registers(), vc.dq.word_registers()
+        k_raw, v_raw = kc.dq.param_registers(), vc.dq.param_registers()
+        self.fetch(kc, vc, mK, mV, mPages, head, first, tiles_per_page, tidx, k_words, v_words, k_raw, v_raw)
         for i in cutlass.range(count, unroll=1):
-            tile = first + i
-            page = mPages[tile // tiles_per_page]
-            tile_in_page = tile % tiles_per_page
-            k_words, k_params = kc.load(*mK, page, head, tile_in_page, tidx)
-            v_words, v_params = vc.load(*mV, page, head, tile_in_page, tidx)
             staging.arrive_and_wait()  # the previous tile's words are read
             kc.dq.store_words(k_words, sKc, tidx)
             vc.dq.store_words(v_words, sVc, tidx)
+            k_params, v_params = kc.dq.params_of(k_raw), vc.dq.params_of(v_raw)
             staging.arrive_and_wait()
+            # the next tile's (the last one again past the end: no branch)
+            self.fetch(kc, vc, mK, mV, mPages, head, first + cutlass.min(i + 1, count - 1), tiles_per_page, tidx,
+                       k_words, v_words, k_raw, v_raw)
             ring.producer_acquire(state)
             kc.write(k_params, sKc, sK[None, None, state.index])
             vc.write(v_params, sVc, sV[None, None, state.index])
             cute.arch.fence_view_async_shared()  # the generic-proxy stores, before wgmma's async reads
             ring.producer_commit(state)
             state.advance()
+
+    @staticmethod
+    def fetch(kc: _Converter, vc: _Converter, mK, mV, mPages: cute.Tensor, head: Int32, tile: Int32,
+              tiles_per_page: Int32, tidx: Int32, k_words, v_words, k_raw, v_raw):
+        """Issue the loads of tile ``tile``'s K and V words and params into the converter's registers."""
+        page = mPages[tile // tiles_per_page]
+        tile_in_page = tile % tiles_per_page
+        kc.fetch(*mK, page, head, tile_in_page, tidx, k_words, k_raw)
+        vc.fetch(*mV, page, head, tile_in_page, tidx, v_words, v_raw)
 
     @cute.jit
     def load_q(self, gQ: cute.Tensor, sQ: cute.Tensor, row_tile: Int32, rows: Int32, ctidx: Int32):
