@@ -447,7 +447,7 @@ def test_attend_chunk_by_the_decode_kernel_at_one_token_per_tile(gqa, rng, monke
     """gqa 9-16: ``PackedPrefix`` puts one chunk token per tile of 16 query columns, where folding q is a view; with
     the transposed q transformers passes, the kernel must still read rows densely (a strided q mixed KV heads'
     rows). Against float64, chunks crossing the sink, the window and pages."""
-    monkeypatch.setattr(foscar.cache, "DECODE_COLUMNS", 10**9)
+    take_packed_pages_by("decode", monkeypatch)
     monkeypatch.setattr(foscar.cache, "PagesDequantizer", lambda *a, **kw: pytest.fail("took the blocks path"))
     scheme = Scheme.make(2, "channel", 128, "token", 128, 128, gqa)
     cache = gpu_cache(scheme)

@@ -50,6 +50,8 @@ from ..softmax import normalize, rescale_factor
 __all__ = ["PrefillConfig", "HopperPackedPrefill", "compile_prefill", "prefill_splits", "run_prefill"]
 
 CONSUMERS = 2  # consumer warpgroups of a CTA (64 query rows each): its rows, over which a tile is dequantized once
+# (3, 192 rows, measured 6% faster at 128 INT2 chunk tokens over 100K on the H200, spills a few bytes at INT4 or FP16
+# queries; benchmarks/NOTES.md section 58)
 TILE_N = TILE_TOKENS  # keys of a ring stage: one packed tile
 STAGES = 4  # ring stages of dequantized K and V tiles
 # registers per thread with 3 consumer warpgroups (512 threads: 128 each at launch): the consumers' 136 hold their
