@@ -47,16 +47,16 @@ from ..layouts.fragment import TILE_TOKENS
 from ..scheme import Scheme, params_shape
 from ..softmax import normalize, rescale_factor
 
-__all__ = ["PrefillConfig", "HopperPackedPrefill", "compile_prefill", "prefill_splits", "run_prefill"]
+__all__ = ["PrefillConfig", "HopperPackedPrefill", "compile_prefill", "converters_for", "prefill_splits", "run_prefill"]
 
 CONSUMERS = 2  # consumer warpgroups of a CTA (64 query rows each): its rows, over which a tile is dequantized once
-# (3, 192 rows, measured 6% faster at 128 INT2 chunk tokens over 100K on the H200, spills a few bytes at INT4 or FP16
-# queries; benchmarks/NOTES.md section 58)
+CONVERTERS = None  # converter warpgroups (None: the scheme's, converters_for): two hide each other's load latency
 TILE_N = TILE_TOKENS  # keys of a ring stage: one packed tile
-STAGES = 4  # ring stages of dequantized K and V tiles
-# registers per thread with 3 consumer warpgroups (512 threads: 128 each at launch): the consumers' 136 hold their
-# accumulators without a spill, the converter its prefetched tile
-LAUNCH_REGS, CONVERTER_REGS, CONSUMER_REGS = 128, 104, 136
+STAGES = 4  # ring stages of dequantized K and V tiles, shared out among the converters' rings
+LAUNCH_REGS = 128  # registers per thread at launch with 512 threads
+# (converters, consumers) -> registers per thread of a converter's and a consumer's (None: 384 threads, no setmaxnreg):
+# the consumers hold their accumulators, the converters their prefetched tile, without a spill
+REGISTERS = {(1, 2): None, (1, 3): (104, 136), (2, 2): (104, 152)}
 ROW_BYTES_ALIGN = 1024  # the swizzled wgmma tiles' alignment
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -69,16 +69,19 @@ class PrefillConfig:
     k: DequantizeConfig
     v: DequantizeConfig
     consumers: int = CONSUMERS  # consumer warpgroups: 64 query rows each
+    converters: int = 1  # converter warpgroups: each dequantizes every ``converters``-th tile
 
     @classmethod
-    def of(cls, scheme: Scheme, dtype: str = "bfloat16", layout: str = "hopper",
-           consumers: int = CONSUMERS) -> "PrefillConfig":
+    def of(cls, scheme: Scheme, dtype: str = "bfloat16", layout: str = "hopper", consumers: int = CONSUMERS,
+           converters: int | None = None) -> "PrefillConfig":
+        converters = converters_for(scheme) if converters is None else converters
         if scheme.head_dim not in (64, 128):
             raise ValueError(f"the prefill kernel takes head_dim 64 or 128, got {scheme.head_dim}")
-        if consumers not in (2, 3):
-            raise ValueError(f"consumers must be 2 or 3 warpgroups, got {consumers}")
+        if (converters, consumers) not in REGISTERS:
+            raise ValueError(f"(converters, consumers) warpgroups must be one of {sorted(REGISTERS)}, got "
+                             f"({converters}, {consumers})")
         return cls(DequantizeConfig.of(scheme, "k", dtype, layout), DequantizeConfig.of(scheme, "v", dtype, layout),
-                   consumers)
+                   consumers, converters)
 
     @property
     def rows(self) -> int:
@@ -87,7 +90,7 @@ class PrefillConfig:
 
     @property
     def threads(self) -> int:
-        return CONVERTER_THREADS * (1 + self.consumers)
+        return CONVERTER_THREADS * (self.converters + self.consumers)
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +99,12 @@ class PrefillConfig:
     @property
     def dtype(self):
         return DTYPES[self.k.dtype]
+
+
+def converters_for(scheme: Scheme) -> int:
+    """Two converter warpgroups where a converter holds its prefetched tile in the 104 registers that leave two
+    consumer warpgroups 152 (codes of at most 2 bits; INT4's words and params spill there), else one."""
+    return 2 if max(scheme.k.bits, scheme.v.bits) <= 2 else 1
 
 
 def prefill_splits(row_tiles: int, kv_heads: int, tiles: int, sms: int) -> int:
@@ -144,8 +153,11 @@ class HopperPackedPrefill:
         self.D = cfg.head_dim
         self.dtype = cfg.dtype
         self.rows, self.consumers = cfg.rows, cfg.consumers
-        if cfg.consumers == 3:
-            check_register_budget("the prefill kernel", (CONVERTER_REGS,) + (CONSUMER_REGS,) * 3, LAUNCH_REGS)
+        self.converters, self.regs = cfg.converters, REGISTERS[cfg.converters, cfg.consumers]
+        self.per_ring = STAGES // cfg.converters  # stages of each converter's ring
+        if self.regs is not None:
+            check_register_budget("the prefill kernel", (self.regs[0],) * self.converters
+                                  + (self.regs[1],) * self.consumers, LAUNCH_REGS)
 
     def layouts(self):
         """Swizzled shared-memory layouts: Q (128 rows, D), K and V stages (64 tokens, D, STAGES), all rows of D
@@ -182,9 +194,9 @@ class HopperPackedPrefill:
         mLse = cute.make_tensor(lse, cute.make_ordered_layout((splits, kv_heads, rows), (2, 1, 0)))
         sQ_layout, sKV_layout = self.layouts()
         fields = {
-            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * STAGES],  # the ring: full, then empty
-            "k_codes": cute.struct.Align[cute.struct.MemRange[Int32, cfg.k.tile_words], 16],
-            "v_codes": cute.struct.Align[cute.struct.MemRange[Int32, cfg.v.tile_words], 16],
+            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * STAGES],  # per converter's ring: full, then empty
+            "k_codes": cute.struct.Align[cute.struct.MemRange[Int32, cfg.k.tile_words * cfg.converters], 16],
+            "v_codes": cute.struct.Align[cute.struct.MemRange[Int32, cfg.v.tile_words * cfg.converters], 16],
             "q": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], ROW_BYTES_ALIGN],
             "k": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], ROW_BYTES_ALIGN],
             "v": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], ROW_BYTES_ALIGN],
@@ -213,53 +225,62 @@ class HopperPackedPrefill:
         row_tile, head, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        ring = PipelineAsync.create(
-            num_stages=STAGES, producer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS),
+        # one ring per converter warpgroup, of per_ring stages: tile i of a split is ring i % converters'
+        rings = [PipelineAsync.create(
+            num_stages=self.per_ring, producer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS),
             consumer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS * self.consumers),
-            barrier_storage=storage.barriers.data_ptr())
+            barrier_storage=storage.barriers.data_ptr() + 2 * self.per_ring * c) for c in range(self.converters)]
         sQ = storage.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.k.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.v.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         first = split * tiles_per_split
         count = cutlass.min(tiles, first + tiles_per_split) - first
-        if warp < 4:
-            if const_expr(self.consumers == 3):  # 512 threads: fewer registers here leave the consumers more
-                set_warpgroup_registers(CONVERTER_REGS, LAUNCH_REGS)
-            self.convert(mK, mV, mPages, storage, sK, sV, ring, head, first, count, tiles_per_page, tidx)
+        if warp < 4 * self.converters:
+            if const_expr(self.regs is not None):  # 512 threads: registers moved from the converters
+                set_warpgroup_registers(self.regs[0], LAUNCH_REGS)
+            for c in cutlass.range_constexpr(self.converters):
+                if warp // 4 == c:
+                    self.convert(mK, mV, mPages, storage, sK, sV, rings[c], c, head, first, count, tiles_per_page,
+                                 tidx - c * CONVERTER_THREADS)
         else:
-            if const_expr(self.consumers == 3):
-                set_warpgroup_registers(CONSUMER_REGS, LAUNCH_REGS)
-            ctidx = tidx - CONVERTER_THREADS
+            if const_expr(self.regs is not None):
+                set_warpgroup_registers(self.regs[1], LAUNCH_REGS)
+            ctidx = tidx - CONVERTER_THREADS * self.converters
             self.load_q(mQ[head, None, None], sQ, row_tile, rows, ctidx)
-            self.attend(qk, pv, sQ, sK, sV, ring, count, scale_log2, mOut[split, head, None, None],
+            self.attend(qk, pv, sQ, sK, sV, rings, count, scale_log2, mOut[split, head, None, None],
                         mLse[split, head, None], row_tile, rows, ctidx)
 
     @cute.jit
     def convert(self, mK, mV, mPages: cute.Tensor, storage, sK: cute.Tensor, sV: cute.Tensor, ring: PipelineAsync,
-                head: Int32, first: Int32, count: Int32, tiles_per_page: Int32, tidx: Int32):
-        """The converter warpgroup: each tile of the split dequantized into a ring stage (the module docstring)."""
+                c: int, head: Int32, first: Int32, count: Int32, tiles_per_page: Int32, tidx: Int32):
+        """Converter warpgroup ``c``: the split's tiles ``c, c + converters, ...`` dequantized into its ring's stages
+        (the module docstring)."""
         kc, vc = _Converter.of(self.cfg.k, tidx), _Converter.of(self.cfg.v, tidx)
-        sKc = storage.k_codes.get_tensor(cute.make_layout((self.cfg.k.tile_words,)))
-        sVc = storage.v_codes.get_tensor(cute.make_layout((self.cfg.v.tile_words,)))
-        staging = NamedBarrier(PrefillBarrier.CONVERTER, CONVERTER_THREADS)
-        state = make_pipeline_state(PipelineUserType.Producer, STAGES)
+        words_k, words_v = self.cfg.k.tile_words, self.cfg.v.tile_words
+        # (tile words) of this converter's staged words
+        sKc = cute.make_tensor(storage.k_codes.data_ptr() + c * words_k, cute.make_layout((words_k,)))
+        sVc = cute.make_tensor(storage.v_codes.data_ptr() + c * words_v, cute.make_layout((words_v,)))
+        staging = NamedBarrier((PrefillBarrier.CONVERTER, PrefillBarrier.SECOND_CONVERTER)[c], CONVERTER_THREADS)
+        state = make_pipeline_state(PipelineUserType.Producer, self.per_ring)
+        mine = (count - c + self.converters - 1) // self.converters  # tiles c, c + converters, ...
         # one tile's words and params in registers, fetched a tile ahead: their loads' latency hides behind the
         # conversion of the tile before
         k_words, v_words = kc.dq.word_registers(), vc.dq.word_registers()
         k_raw, v_raw = kc.dq.param_registers(), vc.dq.param_registers()
-        self.fetch(kc, vc, mK, mV, mPages, head, first, tiles_per_page, tidx, k_words, v_words, k_raw, v_raw)
-        for i in cutlass.range(count, unroll=1):
+        self.fetch(kc, vc, mK, mV, mPages, head, first + c, tiles_per_page, tidx, k_words, v_words, k_raw, v_raw)
+        for i in cutlass.range(mine, unroll=1):
             staging.arrive_and_wait()  # the previous tile's words are read
             kc.dq.store_words(k_words, sKc, tidx)
             vc.dq.store_words(v_words, sVc, tidx)
             k_params, v_params = kc.dq.params_of(k_raw), vc.dq.params_of(v_raw)
             staging.arrive_and_wait()
             # the next tile's (the last one again past the end: no branch)
-            self.fetch(kc, vc, mK, mV, mPages, head, first + cutlass.min(i + 1, count - 1), tiles_per_page, tidx,
-                       k_words, v_words, k_raw, v_raw)
+            following = first + c + cutlass.min(i + 1, mine - 1) * self.converters
+            self.fetch(kc, vc, mK, mV, mPages, head, following, tiles_per_page, tidx, k_words, v_words, k_raw, v_raw)
             ring.producer_acquire(state)
-            kc.write(k_params, sKc, sK[None, None, state.index])
-            vc.write(v_params, sVc, sV[None, None, state.index])
+            stage = c * self.per_ring + state.index
+            kc.write(k_params, sKc, sK[None, None, stage])
+            vc.write(v_params, sVc, sV[None, None, stage])
             cute.arch.fence_view_async_shared()  # the generic-proxy stores, before wgmma's async reads
             ring.producer_commit(state)
             state.advance()
@@ -291,9 +312,10 @@ class HopperPackedPrefill:
 
     @cute.jit
     def attend(self, qk: cute.TiledMma, pv: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-               ring: PipelineAsync, count: Int32, scale_log2: Float32, gOut: cute.Tensor, gLse: cute.Tensor,
-               row_tile: Int32, rows: Int32, ctidx: Int32):
-        """A consumer warpgroup: its 64 rows over the split's tiles, then their output and LSE."""
+               rings, count: Int32, scale_log2: Float32, gOut: cute.Tensor, gLse: cute.Tensor, row_tile: Int32,
+               rows: Int32, ctidx: Int32):
+        """A consumer warpgroup: its 64 rows over the split's tiles (tile i from ring i % converters), then their
+        output and LSE."""
         wg = ctidx // CONVERTER_THREADS
         wg_threads = cute.make_layout(self.consumers, stride=CONVERTER_THREADS)
         wg_qk, wg_pv = qk.get_slice(wg_threads(wg)), pv.get_slice(wg_threads(wg))
@@ -304,42 +326,58 @@ class HopperPackedPrefill:
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.rows, self.D)), Float32)
         acc_O.fill(0.0)
-        # ((2 rows, MMA_M), (2 columns, N / 8, MMA_N)) views of the accumulators
-        rows_per_thread = 2
-        m_run = cute.make_rmem_tensor((rows_per_thread,), Float32)
-        l_run = cute.make_rmem_tensor((rows_per_thread,), Float32)
+        # a thread's 2 rows of the ((2 rows, MMA_M), (2 columns, N / 8, MMA_N)) accumulator views
+        m_run = cute.make_rmem_tensor((2,), Float32)
+        l_run = cute.make_rmem_tensor((2,), Float32)
         m_run.fill(-Float32.inf)
         l_run.fill(0.0)
-        state = make_pipeline_state(PipelineUserType.Consumer, STAGES)
-        for _ in cutlass.range(count, unroll=1):
-            ring.consumer_wait(state)
-            acc_S = cute.make_rmem_tensor(wg_qk.partition_shape_C((self.rows, TILE_N)), Float32)
-            _gemm(qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
-            S = cute.make_tensor(acc_S.iterator, _acc_mn(acc_S.layout))
-            O = cute.make_tensor(acc_O.iterator, _acc_mn(acc_O.layout))
-            for r in cutlass.range_constexpr(rows_per_thread):
-                row_max = S[r, 0]
-                for c in cutlass.range_constexpr(1, cute.size(S, mode=[1])):
-                    row_max = cute.arch.fmax(row_max, S[r, c])
-                row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
-                row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
-                m_new = cute.arch.fmax(m_run[r], row_max * scale_log2)
-                alpha = rescale_factor(m_run[r], m_new)
-                m_run[r] = m_new
-                tile_sum = Float32(0.0)
-                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    p = cute.math.exp2(S[r, c] * scale_log2 - m_new, fastmath=True)
-                    S[r, c] = p
-                    tile_sum += p
-                l_run[r] = l_run[r] * alpha + tile_sum
-                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                    O[r, c] = O[r, c] * alpha
-            tOrP = cute.make_rmem_tensor_like(cute.make_tensor(acc_S.iterator, _acc_frg_a(acc_S.layout)), self.dtype)
-            tOrP.store(cute.make_tensor(acc_S.iterator, _acc_frg_a(acc_S.layout)).load().to(self.dtype))
-            _gemm(pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
-            ring.consumer_release(state)
-            state.advance()
+        tile = (qk, pv, wg_qk, tSrQ, tSrK, tOrVt, acc_O, m_run, l_run, scale_log2)
+        first = make_pipeline_state(PipelineUserType.Consumer, self.per_ring)
+        second = make_pipeline_state(PipelineUserType.Consumer, self.per_ring)
+        for _ in cutlass.range(count // self.converters, unroll=1):
+            first = self.consume(rings[0], first, 0, *tile)
+            if const_expr(self.converters == 2):
+                second = self.consume(rings[1], second, self.per_ring, *tile)
+        if const_expr(self.converters == 2):
+            if count % 2 == 1:
+                first = self.consume(rings[0], first, 0, *tile)
         self.store(pv.get_slice(ctidx), acc_O, m_run, l_run, gOut, gLse, row_tile, rows)
+
+    @cute.jit
+    def consume(self, ring: PipelineAsync, state, stage0: int, qk: cute.TiledMma, pv: cute.TiledMma, wg_qk,
+                tSrQ: cute.Tensor, tSrK: cute.Tensor, tOrVt: cute.Tensor, acc_O: cute.Tensor, m_run: cute.Tensor,
+                l_run: cute.Tensor, scale_log2: Float32):
+        """One tile from ``ring`` (its stages from ``stage0`` on): S = Q K^T, the online softmax, O += P V; returns the
+        advanced ring state."""
+        ring.consumer_wait(state)
+        stage = stage0 + state.index
+        acc_S = cute.make_rmem_tensor(wg_qk.partition_shape_C((self.rows, TILE_N)), Float32)
+        _gemm(qk, acc_S, tSrQ, tSrK[None, None, None, stage], zero_init=True)
+        S = cute.make_tensor(acc_S.iterator, _acc_mn(acc_S.layout))
+        O = cute.make_tensor(acc_O.iterator, _acc_mn(acc_O.layout))
+        for r in cutlass.range_constexpr(2):
+            row_max = S[r, 0]
+            for c in cutlass.range_constexpr(1, cute.size(S, mode=[1])):
+                row_max = cute.arch.fmax(row_max, S[r, c])
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+            m_new = cute.arch.fmax(m_run[r], row_max * scale_log2)
+            alpha = rescale_factor(m_run[r], m_new)
+            m_run[r] = m_new
+            tile_sum = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                p = cute.math.exp2(S[r, c] * scale_log2 - m_new, fastmath=True)
+                S[r, c] = p
+                tile_sum += p
+            l_run[r] = l_run[r] * alpha + tile_sum
+            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[r, c] = O[r, c] * alpha
+        tOrP = cute.make_rmem_tensor_like(cute.make_tensor(acc_S.iterator, _acc_frg_a(acc_S.layout)), self.dtype)
+        tOrP.store(cute.make_tensor(acc_S.iterator, _acc_frg_a(acc_S.layout)).load().to(self.dtype))
+        _gemm(pv, acc_O, tOrP, tOrVt[None, None, None, stage], zero_init=False)
+        ring.consumer_release(state)
+        state.advance()
+        return state
 
     @cute.jit
     def store(self, thr_pv, acc_O: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, gOut: cute.Tensor,
@@ -420,7 +458,7 @@ def run_prefill(q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens: 
     if tokens <= 0 or tokens % TILE_TOKENS:
         raise ValueError(f"tokens: the prefill kernel attends whole {TILE_TOKENS}-token tiles, got {tokens}")
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q_rows.dtype]
-    cfg = PrefillConfig.of(scheme, dtype, consumers=CONSUMERS)
+    cfg = PrefillConfig.of(scheme, dtype, consumers=CONSUMERS, converters=CONVERTERS)  # (read now: knobs)
     tiles, page_size = tokens // TILE_TOKENS, k_codes.shape[2] * TILE_TOKENS
     per_split = -(-tiles // prefill_splits(-(-rows // cfg.rows), kv_heads, tiles, sm_count(q_rows.device)))
     splits = -(-tiles // per_split)
