@@ -8,14 +8,16 @@ query rows are the M side of warpgroup MMAs (``wgmma``, 64 rows per consumer war
 64-token tile is dequantized once per CTA into shared memory, where both consumer warpgroups read it: the
 construction is paid once per 128 query rows, not once per 16.
 
-Roles (384 threads):
+Roles (384 or 512 threads; ``PrefillConfig``):
 
-* warpgroup 0, the converter: loads a tile's packed words and (scale, offset) params (the dequantize kernel's
-  plan, ``foscar.kernels.dequantize.TilePlan``: each word read once), writes ``scale * code + offset`` in q's dtype
-  into a ring stage as the swizzled K and V tiles ``wgmma`` reads, then fences them for the async proxy and
-  arrives on the stage's ``full`` barrier;
-* warpgroups 1 and 2, the consumers: ``S = Q K^T`` (both operands in shared memory), the online softmax in
-  registers, ``O += P V`` (P from registers), releasing the stage on its ``empty`` barrier.
+* the converters (one warpgroup, or two for INT2, ``converters_for``: each takes every other tile on a ring of its
+  own): load a tile's packed words and (scale, offset) params (the dequantize kernel's plan,
+  ``foscar.kernels.dequantize.TilePlan``: each word read once) a tile ahead into registers, stage the words, write
+  ``scale * code + offset`` in q's dtype into a ring stage as the swizzled K and V tiles ``wgmma`` reads, then
+  fence them for the async proxy and arrive on the stage's ``full`` barrier;
+* the consumers (two warpgroups, or three on request: 64 query rows each): ``S = Q K^T`` (both operands in shared
+  memory), the online softmax in registers, ``O += P V`` (P from registers), releasing the stage on its ``empty``
+  barrier. With 512 threads, setmaxnreg moves registers from the converters to them (``REGISTERS``).
 
 The values are the dequantize-then-attend algebra's, rounded as a BF16 (FP16) computation rounds them: each K/V
 value is the dequantize kernel's (one FP32 FMA, then the dtype), P is rounded to the dtype for the PV product, S
