@@ -269,7 +269,9 @@ class HopperPackedPrefill:
         # conversion of the tile before
         k_words, v_words = kc.dq.word_registers(), vc.dq.word_registers()
         k_raw, v_raw = kc.dq.param_registers(), vc.dq.param_registers()
-        self.fetch(kc, vc, mK, mV, mPages, head, first + c, tiles_per_page, tidx, k_words, v_words, k_raw, v_raw)
+        # (a split of one tile leaves the second converter none: it fetches the first tile, never used)
+        self.fetch(kc, vc, mK, mV, mPages, head, first + cutlass.min(c, count - 1), tiles_per_page, tidx, k_words,
+                   v_words, k_raw, v_raw)
         for i in cutlass.range(mine, unroll=1):
             staging.arrive_and_wait()  # the previous tile's words are read
             kc.dq.store_words(k_words, sKc, tidx)
