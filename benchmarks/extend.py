@@ -168,21 +168,17 @@ def flashinfer_ragged(flashinfer, workspace, n, chunk, q_heads, kv_heads, d):
 
 @contextlib.contextmanager
 def packed_path(path: str):
-    """``attend_chunk`` with its packed pages taken one way: "prefill" or "prefill-<C>x<N>" (``foscar.cache.
-    PREFILL_COLUMNS`` unbounded; C converter and N consumer warpgroups, else the kernel's own), "decode"
-    (``DECODE_COLUMNS`` unbounded, no prefill) or "blocks" (neither)."""
+    """``attend_chunk`` with its packed pages taken one way: "prefill" (``foscar.cache.PREFILL_COLUMNS`` unbounded),
+    "decode" (``DECODE_COLUMNS`` unbounded, no prefill) or "blocks" (neither)."""
     import foscar.cache
-    import foscar.hopper.prefill as prefill
 
-    kept = foscar.cache.PREFILL_COLUMNS, foscar.cache.DECODE_COLUMNS, prefill.CONVERTERS, prefill.CONSUMERS
-    foscar.cache.PREFILL_COLUMNS = 1 << 62 if path.startswith("prefill") else 0
+    kept = foscar.cache.PREFILL_COLUMNS, foscar.cache.DECODE_COLUMNS
+    foscar.cache.PREFILL_COLUMNS = 1 << 62 if path == "prefill" else 0
     foscar.cache.DECODE_COLUMNS = 1 << 62 if path == "decode" else 0
-    if path.startswith("prefill-"):
-        prefill.CONVERTERS, prefill.CONSUMERS = map(int, path.removeprefix("prefill-").split("x"))
     try:
         yield
     finally:
-        foscar.cache.PREFILL_COLUMNS, foscar.cache.DECODE_COLUMNS, prefill.CONVERTERS, prefill.CONSUMERS = kept
+        foscar.cache.PREFILL_COLUMNS, foscar.cache.DECODE_COLUMNS = kept
 
 
 def measure(method: str, prefix: int, chunks, reps: int, decode_up_to: int):
@@ -221,7 +217,7 @@ def measure(method: str, prefix: int, chunks, reps: int, decode_up_to: int):
                     return foscar()
             return call
 
-        paths = ("prefill-1x2", "prefill-2x2", "prefill-1x3", "blocks", *(("decode",) if chunk <= decode_up_to else ()))
+        paths = ("prefill", "blocks", *(("decode",) if chunk <= decode_up_to else ()))
         for name, fn in (("flashinfer-bf16", bf16), ("dequant+flashinfer", oscar),
                          *((f"foscar-attend-chunk, {p}", packed_by(p)) for p in paths)):
             us, extra, first, host, gpu = timed(fn, reps)

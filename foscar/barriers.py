@@ -19,9 +19,8 @@ class HopperDecodeBarrier(enum.IntEnum):
 class PrefillBarrier(enum.IntEnum):
     """``foscar.hopper.prefill``."""
 
-    CONVERTER = 1  # the (first) converter warpgroup: a tile's packed words staged, then read
-    CONSUMERS = 2  # the consumer warpgroups: the query rows in shared memory
-    SECOND_CONVERTER = 3  # the second converter warpgroup, as CONVERTER
+    CONVERTER = 1  # the converter warpgroup: a tile's packed words staged, then read
+    CONSUMERS = 2  # both consumer warpgroups: the query rows in shared memory
 
 
 class WindowBarrier(enum.IntEnum):

@@ -52,8 +52,9 @@ PIECE_CTAS_PER_SM = 2  # pieces are added while the grid stays within this many 
 DECODE_COLUMNS = 512  # query columns per KV head (tiles of 16, one pass over the pages each) up to which the decode
 # kernel attends the packed pages (PackedPrefix) rather than dequantized blocks, which read them once in all
 PREFILL_COLUMNS = 512  # query columns per KV head up to which the arch's prefill kernel attends the packed pages
-# (PackedPrefill), where it has one (Hopper), before the decode kernel's and the blocks' limits are asked: at 128
-# tokens (gqa 4) over 100K it beat both (H200, benchmarks/NOTES.md section 58); at 1K the blocks' cuDNN was faster
+# (PackedPrefill), where it has one (Hopper), before the decode kernel's and the blocks' limits are asked: over 100K
+# INT2 tokens on the H200 it took 993 us at 128 tokens (gqa 4; decode kernel 1392, blocks 1633) and tied the decode
+# kernel at 16 (769 / 785); at 1K the blocks were twice as fast (2960 / 6028; benchmarks/NOTES.md section 58)
 HELD_BYTES = 64 << 20  # FP32 bytes of partial outputs Merged holds before it merges them (its working memory)
 HELD_PART_BYTES = 256 << 20  # bytes of partials (their own dtype) MergedParts holds before it merges them
 

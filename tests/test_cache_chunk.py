@@ -422,18 +422,11 @@ def test_attend_chunk_on_a_kernel_cache(scheme, rotate, packed_by, rng, monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("converters, consumers", [(1, 2), (2, 2), (1, 3)])
 @pytest.mark.parametrize("scheme", GPU_SCHEMES, ids=lambda s: s.name)
-def test_the_prefill_kernel_over_a_long_prefix_in_splits(scheme, converters, consumers, rng, monkeypatch):
-    """The prefill kernel (1 or 2 converter warpgroups, the second one's tiles on its own ring; 2 or 3 consumer
-    warpgroups: 128 or 192 query rows a CTA) over prefixes of many tiles and pages, an odd number of tiles to a
-    split at times, cut into splits (each a partial merged by its LSE), with one row tile part-filled and with
-    several: against float64, the cache unchanged."""
-    import foscar.hopper.prefill
-
+def test_the_prefill_kernel_over_a_long_prefix_in_splits(scheme, rng, monkeypatch):
+    """The prefill kernel over prefixes of many tiles and pages, cut into splits (each a partial merged by its LSE),
+    with one row tile part-filled and with several: against float64, the cache unchanged."""
     prefilled = take_packed_pages_by("prefill", monkeypatch)
-    monkeypatch.setattr(foscar.hopper.prefill, "CONSUMERS", consumers)
-    monkeypatch.setattr(foscar.hopper.prefill, "CONVERTERS", converters)
     cache = foscar.cache.PagedKVCache(scheme, 1, 2, 96, 2, 8192, sink=64, window=256, device="cuda")
     ids = [cache.allocate() for _ in range(2)]
     k0, v0 = kv(rng, scheme, 2, 5000)

@@ -16,27 +16,18 @@ from foscar.inspect import artifacts
 COMPILED = [Scheme.make(2, "channel", 128, "token", 128, 128, 4),
             Scheme.make(4, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16),
             Scheme.make(k_bits=4, v_bits=2, head_dim=64, gqa_ratio=8)]
-INT2_FP16 = [Scheme.make(2, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16)]
 
 
-@pytest.mark.parametrize("scheme, converters, consumers",
-                         [(s, None, 2) for s in COMPILED + INT2_FP16] + [(COMPILED[0], 1, 3), (COMPILED[0], 1, 2)],
-                         ids=lambda x: getattr(x, "name", x))
-def test_the_prefill_kernel_compiles_without_spills(scheme, converters, consumers):
-    """Each role's loop (two converter warpgroups for INT2, ``converters_for``; 3 consumer warpgroups on request;
-    setmaxnreg moves registers where 512 threads run): the consumers issue ``D/16`` QK and 4 PV warpgroup MMAs per
-    64-token tile, and nothing spills; shared memory is stored whole vectors at a time (8 values of a chunk in the
-    swizzled tiles: 16 bytes; the packed words staged: 8 or 16), never element by element. (INT4 at 3 consumer
-    warpgroups, or with two converters, spills a few bytes: the defaults avoid both.)"""
+@pytest.mark.parametrize("scheme", COMPILED, ids=lambda s: s.name)
+def test_the_prefill_kernel_compiles_without_spills(scheme):
+    """Both roles' loops: the consumers issue ``D/16`` QK and 4 PV warpgroup MMAs per 64-token tile and nothing
+    spills; shared memory is stored whole vectors at a time (8 values of a chunk in the swizzled tiles: 16 bytes; the
+    packed words staged: 8 or 16), never element by element."""
     dtype = "float16" if scheme.q_dtype == torch.float16 else "bfloat16"
-    cfg = PrefillConfig.of(scheme, dtype, consumers=consumers, converters=converters)
-    assert cfg.converters == (converters or (2 if max(scheme.k.bits, scheme.v.bits) <= 2 else 1))
-    found = artifacts(compile_prefill(cfg))
+    found = artifacts(compile_prefill(PrefillConfig.of(scheme, dtype)))
     assert found.resources().local_bytes == 0
     mma_loops = [loop for loop in found.loops() if loop.mma]
-    per_tile = scheme.head_dim // 16 + TILE_N // 16  # (the consumer loop takes a tile from each converter's ring)
-    assert [loop.mma for loop in mma_loops] == [per_tile * cfg.converters]
-    assert sum(loop.role == "operands" for loop in found.loops()) == cfg.converters
+    assert [loop.mma for loop in mma_loops] == [scheme.head_dim // 16 + TILE_N // 16]
     stores = set(re.findall(r"\bSTS(\.\S+)?", found.sass))
     assert ".128" in stores and stores <= {".128", ".64"}, stores
 
@@ -47,8 +38,6 @@ def test_what_the_prefill_kernel_takes():
     assert not HOPPER.takes_prefill(wide)
     with pytest.raises(ValueError, match="head_dim"):
         PrefillConfig.of(wide)
-    with pytest.raises(ValueError, match="converters, consumers"):
-        PrefillConfig.of(COMPILED[0], consumers=3, converters=2)
     with pytest.raises(NotImplementedError, match="sm_100a"):
         BLACKWELL.run_prefill(None, None, None, None, None, None, 64, 0.1, COMPILED[0])
 

@@ -8,16 +8,14 @@ query rows are the M side of warpgroup MMAs (``wgmma``, 64 rows per consumer war
 64-token tile is dequantized once per CTA into shared memory, where both consumer warpgroups read it: the
 construction is paid once per 128 query rows, not once per 16.
 
-Roles (384 or 512 threads; ``PrefillConfig``):
+Roles (384 threads):
 
-* the converters (one warpgroup, or two for INT2, ``converters_for``: each takes every other tile on a ring of its
-  own): load a tile's packed words and (scale, offset) params (the dequantize kernel's plan,
-  ``foscar.kernels.dequantize.TilePlan``: each word read once) a tile ahead into registers, stage the words, write
-  ``scale * code + offset`` in q's dtype into a ring stage as the swizzled K and V tiles ``wgmma`` reads, then
-  fence them for the async proxy and arrive on the stage's ``full`` barrier;
-* the consumers (two warpgroups, or three on request: 64 query rows each): ``S = Q K^T`` (both operands in shared
-  memory), the online softmax in registers, ``O += P V`` (P from registers), releasing the stage on its ``empty``
-  barrier. With 512 threads, setmaxnreg moves registers from the converters to them (``REGISTERS``).
+* warpgroup 0, the converter: loads a tile's packed words and (scale, offset) params (the dequantize kernel's
+  plan, ``foscar.kernels.dequantize.TilePlan``: each word read once), writes ``scale * code + offset`` in q's dtype
+  into a ring stage as the swizzled K and V tiles ``wgmma`` reads, then fences them for the async proxy and
+  arrives on the stage's ``full`` barrier;
+* warpgroups 1 and 2, the consumers: ``S = Q K^T`` (both operands in shared memory), the online softmax in
+  registers, ``O += P V`` (P from registers), releasing the stage on its ``empty`` barrier.
 
 The values are the dequantize-then-attend algebra's, rounded as a BF16 (FP16) computation rounds them: each K/V
 value is the dequantize kernel's (one FP32 FMA, then the dtype), P is rounded to the dtype for the PV product, S
@@ -26,6 +24,12 @@ and O accumulate in FP32. Extra memory is the partial outputs: ``splits x kv_hea
 Work: a CTA takes 128 query rows of one KV head over one split, a run of whole 64-token tiles (every tile full:
 a cache quantizes whole tiles); it writes the rows' normalized output and natural-log LSE, merged with the other
 splits and the 16-bit parts by ``foscar.chunk_attention``.
+
+Speed (H200, ``benchmarks/NOTES.md`` section 58): ~1.7 us per tile per CTA, about twice what the SM's instruction
+issue allows; the likely bound is the one converter warpgroup, which loads a tile's words and params, waits for
+them, then converts (686 SASS instructions a warp) with nothing to overlap the load's latency. Up to 512 query
+columns per KV head that beats the decode kernel and the dequantized blocks
+(``foscar.chunk_attention.PREFILL_COLUMNS``); longer chunks take the blocks.
 """
 
 from __future__ import annotations
@@ -36,29 +40,26 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.pipeline import (Agent, CooperativeGroup, NamedBarrier, PipelineAsync, PipelineUserType,
                               make_pipeline_state)
 from cutlass.utils import LayoutEnum
 
 from ..barriers import PrefillBarrier
-from ..device import LOG2E, check_register_budget, set_warpgroup_registers
+from ..device import LOG2E
 from ..kernels.dequantize import THREADS as CONVERTER_THREADS, Dequantize, DequantizeConfig, _swizzled, _thread_part
 from ..layouts.fragment import TILE_TOKENS
 from ..scheme import Scheme, params_shape
 from ..softmax import normalize, rescale_factor
 
-__all__ = ["PrefillConfig", "HopperPackedPrefill", "compile_prefill", "converters_for", "prefill_splits", "run_prefill"]
+__all__ = ["PrefillConfig", "HopperPackedPrefill", "TILE_ROWS", "compile_prefill", "prefill_splits", "run_prefill"]
 
-CONSUMERS = 2  # consumer warpgroups of a CTA (64 query rows each): its rows, over which a tile is dequantized once
-CONVERTERS = None  # converter warpgroups (None: the scheme's, converters_for): two hide each other's load latency
+TILE_ROWS = 128  # query rows of a CTA: two consumer warpgroups of 64
 TILE_N = TILE_TOKENS  # keys of a ring stage: one packed tile
-STAGES = 4  # ring stages of dequantized K and V tiles, shared out among the converters' rings
-LAUNCH_REGS = 128  # registers per thread at launch with 512 threads
-# (converters, consumers) -> registers per thread of a converter's and a consumer's (None: 384 threads, no setmaxnreg):
-# the consumers hold their accumulators, the converters their prefetched tile, without a spill
-REGISTERS = {(1, 2): None, (1, 3): (104, 136), (2, 2): (104, 152)}
+STAGES = 4  # ring stages of dequantized K and V tiles
+CONSUMER_WARPGROUPS = TILE_ROWS // 64
+THREADS = CONVERTER_THREADS * (1 + CONSUMER_WARPGROUPS)
 ROW_BYTES_ALIGN = 1024  # the swizzled wgmma tiles' alignment
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -70,29 +71,12 @@ class PrefillConfig:
 
     k: DequantizeConfig
     v: DequantizeConfig
-    consumers: int = CONSUMERS  # consumer warpgroups: 64 query rows each
-    converters: int = 1  # converter warpgroups: each dequantizes every ``converters``-th tile
 
     @classmethod
-    def of(cls, scheme: Scheme, dtype: str = "bfloat16", layout: str = "hopper", consumers: int = CONSUMERS,
-           converters: int | None = None) -> "PrefillConfig":
-        converters = converters_for(scheme) if converters is None else converters
+    def of(cls, scheme: Scheme, dtype: str = "bfloat16", layout: str = "hopper") -> "PrefillConfig":
         if scheme.head_dim not in (64, 128):
             raise ValueError(f"the prefill kernel takes head_dim 64 or 128, got {scheme.head_dim}")
-        if (converters, consumers) not in REGISTERS:
-            raise ValueError(f"(converters, consumers) warpgroups must be one of {sorted(REGISTERS)}, got "
-                             f"({converters}, {consumers})")
-        return cls(DequantizeConfig.of(scheme, "k", dtype, layout), DequantizeConfig.of(scheme, "v", dtype, layout),
-                   consumers, converters)
-
-    @property
-    def rows(self) -> int:
-        """Query rows of a CTA."""
-        return 64 * self.consumers
-
-    @property
-    def threads(self) -> int:
-        return CONVERTER_THREADS * (self.converters + self.consumers)
+        return cls(DequantizeConfig.of(scheme, "k", dtype, layout), DequantizeConfig.of(scheme, "v", dtype, layout))
 
     @property
     def head_dim(self) -> int:
@@ -101,12 +85,6 @@ class PrefillConfig:
     @property
     def dtype(self):
         return DTYPES[self.k.dtype]
-
-
-def converters_for(scheme: Scheme) -> int:
-    """Two converter warpgroups where a converter holds its prefetched tile in the 104 registers that leave two
-    consumer warpgroups 152 (codes of at most 2 bits; INT4's words and params spill there), else one."""
-    return 2 if max(scheme.k.bits, scheme.v.bits) <= 2 else 1
 
 
 def prefill_splits(row_tiles: int, kv_heads: int, tiles: int, sms: int) -> int:
@@ -135,10 +113,11 @@ class _Converter:
         return cls(dq, _thread_part(plan.thread_strides("t"), tidx), _thread_part(plan.thread_strides("c"), tidx),
                    _swizzled(bit0 >> 5, plan.swizzle), bit0 & 31)
 
-    def fetch(self, mCodes, mParams, page, head, tile_in_page, tidx, words, raw):
-        """Issue a tile's words and this thread's fp16 params into the registers ``words`` and ``raw``."""
-        self.dq.load_words(mCodes[page, head, tile_in_page, None], tidx, words)
-        self.dq.fetch_params(mParams[page, head, None, None, None], tile_in_page, self.token0, self.channel0, raw)
+    def load(self, mCodes, mParams, page, head, tile_in_page, tidx):
+        """Issue the tile's words and this thread's params (registers)."""
+        words = self.dq.load_words(mCodes[page, head, tile_in_page, None], tidx)
+        params = self.dq.load_params(mParams[page, head, None, None, None], tile_in_page, self.token0, self.channel0)
+        return words, params
 
     def write(self, params, sCodes, sTile):
         """``scale * code + offset`` of the staged tile into ``sTile`` (64 tokens, D), this thread's chunks."""
@@ -154,28 +133,22 @@ class HopperPackedPrefill:
         self.cfg = cfg
         self.D = cfg.head_dim
         self.dtype = cfg.dtype
-        self.rows, self.consumers = cfg.rows, cfg.consumers
-        self.converters, self.regs = cfg.converters, REGISTERS[cfg.converters, cfg.consumers]
-        self.per_ring = STAGES // cfg.converters  # stages of each converter's ring
-        if self.regs is not None:
-            check_register_budget("the prefill kernel", (self.regs[0],) * self.converters
-                                  + (self.regs[1],) * self.consumers, LAUNCH_REGS)
 
     def layouts(self):
         """Swizzled shared-memory layouts: Q (128 rows, D), K and V stages (64 tokens, D, STAGES), all rows of D
         contiguous elements (V read as the MN-major B operand of the PV product)."""
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype,
                                                                                  self.D), self.dtype)
-        sQ = cute.tile_to_shape(atom, (self.rows, self.D), order=(0, 1))
+        sQ = cute.tile_to_shape(atom, (TILE_ROWS, self.D), order=(0, 1))
         sKV = cute.tile_to_shape(atom, (TILE_N, self.D, STAGES), order=(0, 1, 2))
         return sQ, sKV
 
     def tiled_mmas(self):
         qk = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-                                               cute.nvgpu.OperandMajorMode.K, Float32, (self.consumers, 1, 1),
+                                               cute.nvgpu.OperandMajorMode.K, Float32, (CONSUMER_WARPGROUPS, 1, 1),
                                                (64, TILE_N))
         pv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-                                               cute.nvgpu.OperandMajorMode.MN, Float32, (self.consumers, 1, 1),
+                                               cute.nvgpu.OperandMajorMode.MN, Float32, (CONSUMER_WARPGROUPS, 1, 1),
                                                (64, self.D), a_source=warpgroup.OperandSource.RMEM)
         return qk, pv
 
@@ -196,19 +169,19 @@ class HopperPackedPrefill:
         mLse = cute.make_tensor(lse, cute.make_ordered_layout((splits, kv_heads, rows), (2, 1, 0)))
         sQ_layout, sKV_layout = self.layouts()
         fields = {
-            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * STAGES],  # per converter's ring: full, then empty
-            "k_codes": cute.struct.Align[cute.struct.MemRange[Int32, cfg.k.tile_words * cfg.converters], 16],
-            "v_codes": cute.struct.Align[cute.struct.MemRange[Int32, cfg.v.tile_words * cfg.converters], 16],
+            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * STAGES],  # the ring: full, then empty
+            "k_codes": cute.struct.Align[cute.struct.MemRange[Int32, cfg.k.tile_words], 16],
+            "v_codes": cute.struct.Align[cute.struct.MemRange[Int32, cfg.v.tile_words], 16],
             "q": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], ROW_BYTES_ALIGN],
             "k": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], ROW_BYTES_ALIGN],
             "v": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], ROW_BYTES_ALIGN],
         }
         SharedStorage = cute.struct(type("PrefillStorage", (), {"__annotations__": fields}))
         qk, pv = self.tiled_mmas()
-        grid = [(rows + self.rows - 1) // self.rows, kv_heads, splits]
+        grid = [(rows + TILE_ROWS - 1) // TILE_ROWS, kv_heads, splits]
         self.kernel(qk, pv, SharedStorage, sQ_layout, sKV_layout, mQ, mK, mV, mPages, mOut, mLse, tiles,
                     tiles_per_page, tiles_per_split, rows, sm_scale * Float32(LOG2E)).launch(
-            grid=grid, block=[self.cfg.threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+            grid=grid, block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @staticmethod
     def pool(codes, params, c: DequantizeConfig, num_pages, kv_heads, page_size, tiles_per_page):
@@ -227,161 +200,116 @@ class HopperPackedPrefill:
         row_tile, head, split = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        # one ring per converter warpgroup, of per_ring stages: tile i of a split is ring i % converters'
-        rings = [PipelineAsync.create(
-            num_stages=self.per_ring, producer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS),
-            consumer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS * self.consumers),
-            barrier_storage=storage.barriers.data_ptr() + 2 * self.per_ring * c) for c in range(self.converters)]
+        ring = PipelineAsync.create(
+            num_stages=STAGES, producer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS),
+            consumer_group=CooperativeGroup(Agent.Thread, CONVERTER_THREADS * CONSUMER_WARPGROUPS),
+            barrier_storage=storage.barriers.data_ptr())
         sQ = storage.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.k.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.v.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         first = split * tiles_per_split
         count = cutlass.min(tiles, first + tiles_per_split) - first
-        if warp < 4 * self.converters:
-            if const_expr(self.regs is not None):  # 512 threads: registers moved from the converters
-                set_warpgroup_registers(self.regs[0], LAUNCH_REGS)
-            for c in cutlass.range_constexpr(self.converters):
-                if warp // 4 == c:
-                    self.convert(mK, mV, mPages, storage, sK, sV, rings[c], c, head, first, count, tiles_per_page,
-                                 tidx - c * CONVERTER_THREADS)
+        if warp < 4:
+            self.convert(mK, mV, mPages, storage, sK, sV, ring, head, first, count, tiles_per_page, tidx)
         else:
-            if const_expr(self.regs is not None):
-                set_warpgroup_registers(self.regs[1], LAUNCH_REGS)
-            ctidx = tidx - CONVERTER_THREADS * self.converters
+            ctidx = tidx - CONVERTER_THREADS
             self.load_q(mQ[head, None, None], sQ, row_tile, rows, ctidx)
-            self.attend(qk, pv, sQ, sK, sV, rings, count, scale_log2, mOut[split, head, None, None],
+            self.attend(qk, pv, sQ, sK, sV, ring, count, scale_log2, mOut[split, head, None, None],
                         mLse[split, head, None], row_tile, rows, ctidx)
 
     @cute.jit
     def convert(self, mK, mV, mPages: cute.Tensor, storage, sK: cute.Tensor, sV: cute.Tensor, ring: PipelineAsync,
-                c: int, head: Int32, first: Int32, count: Int32, tiles_per_page: Int32, tidx: Int32):
-        """Converter warpgroup ``c``: the split's tiles ``c, c + converters, ...`` dequantized into its ring's stages
-        (the module docstring)."""
+                head: Int32, first: Int32, count: Int32, tiles_per_page: Int32, tidx: Int32):
+        """The converter warpgroup: each tile of the split dequantized into a ring stage (the module docstring)."""
         kc, vc = _Converter.of(self.cfg.k, tidx), _Converter.of(self.cfg.v, tidx)
-        words_k, words_v = self.cfg.k.tile_words, self.cfg.v.tile_words
-        # (tile words) of this converter's staged words
-        sKc = cute.make_tensor(storage.k_codes.data_ptr() + c * words_k, cute.make_layout((words_k,)))
-        sVc = cute.make_tensor(storage.v_codes.data_ptr() + c * words_v, cute.make_layout((words_v,)))
-        staging = NamedBarrier((PrefillBarrier.CONVERTER, PrefillBarrier.SECOND_CONVERTER)[c], CONVERTER_THREADS)
-        state = make_pipeline_state(PipelineUserType.Producer, self.per_ring)
-        mine = (count - c + self.converters - 1) // self.converters  # tiles c, c + converters, ...
-        # one tile's words and params in registers, fetched a tile ahead: their loads' latency hides behind the
-        # conversion of the tile before
-        k_words, v_words = kc.dq.word_registers(), vc.dq.word_registers()
-        k_raw, v_raw = kc.dq.param_registers(), vc.dq.param_registers()
-        # (a split of one tile leaves the second converter none: it fetches the first tile, never used)
-        self.fetch(kc, vc, mK, mV, mPages, head, first + cutlass.min(c, count - 1), tiles_per_page, tidx, k_words,
-                   v_words, k_raw, v_raw)
-        for i in cutlass.range(mine, unroll=1):
+        sKc = storage.k_codes.get_tensor(cute.make_layout((self.cfg.k.tile_words,)))
+        sVc = storage.v_codes.get_tensor(cute.make_layout((self.cfg.v.tile_words,)))
+        staging = NamedBarrier(PrefillBarrier.CONVERTER, CONVERTER_THREADS)
+        state = make_pipeline_state(PipelineUserType.Producer, STAGES)
+        for i in cutlass.range(count, unroll=1):
+            tile = first + i
+            page = mPages[tile // tiles_per_page]
+            tile_in_page = tile % tiles_per_page
+            k_words, k_params = kc.load(*mK, page, head, tile_in_page, tidx)
+            v_words, v_params = vc.load(*mV, page, head, tile_in_page, tidx)
             staging.arrive_and_wait()  # the previous tile's words are read
             kc.dq.store_words(k_words, sKc, tidx)
             vc.dq.store_words(v_words, sVc, tidx)
-            k_params, v_params = kc.dq.params_of(k_raw), vc.dq.params_of(v_raw)
             staging.arrive_and_wait()
-            # the next tile's (the last one again past the end: no branch)
-            following = first + c + cutlass.min(i + 1, mine - 1) * self.converters
-            self.fetch(kc, vc, mK, mV, mPages, head, following, tiles_per_page, tidx, k_words, v_words, k_raw, v_raw)
             ring.producer_acquire(state)
-            stage = c * self.per_ring + state.index
-            kc.write(k_params, sKc, sK[None, None, stage])
-            vc.write(v_params, sVc, sV[None, None, stage])
+            kc.write(k_params, sKc, sK[None, None, state.index])
+            vc.write(v_params, sVc, sV[None, None, state.index])
             cute.arch.fence_view_async_shared()  # the generic-proxy stores, before wgmma's async reads
             ring.producer_commit(state)
             state.advance()
-
-    @staticmethod
-    def fetch(kc: _Converter, vc: _Converter, mK, mV, mPages: cute.Tensor, head: Int32, tile: Int32,
-              tiles_per_page: Int32, tidx: Int32, k_words, v_words, k_raw, v_raw):
-        """Issue the loads of tile ``tile``'s K and V words and params into the converter's registers."""
-        page = mPages[tile // tiles_per_page]
-        tile_in_page = tile % tiles_per_page
-        kc.fetch(*mK, page, head, tile_in_page, tidx, k_words, k_raw)
-        vc.fetch(*mV, page, head, tile_in_page, tidx, v_words, v_raw)
 
     @cute.jit
     def load_q(self, gQ: cute.Tensor, sQ: cute.Tensor, row_tile: Int32, rows: Int32, ctidx: Int32):
         """The CTA's 128 query rows into ``sQ``, 16 bytes a copy; rows past ``rows`` zero."""
         chunks = self.D // 8
-        for j in cutlass.range_constexpr(self.rows * chunks // (CONVERTER_THREADS * self.consumers)):
-            v = j * CONVERTER_THREADS * self.consumers + ctidx
+        for j in cutlass.range_constexpr(TILE_ROWS * chunks // (CONVERTER_THREADS * CONSUMER_WARPGROUPS)):
+            v = j * CONVERTER_THREADS * CONSUMER_WARPGROUPS + ctidx
             r, c = v // chunks, v % chunks
-            row = row_tile * self.rows + r
+            row = row_tile * TILE_ROWS + r
             vals = cute.make_rmem_tensor((8,), self.dtype)
             vals.fill(0.0)
             if row < rows:
                 cute.autovec_copy(cute.zipped_divide(gQ[row, None], (8,))[None, c], vals)
             cute.autovec_copy(vals, cute.zipped_divide(sQ[r, None], (8,))[None, c])
         cute.arch.fence_view_async_shared()
-        NamedBarrier(PrefillBarrier.CONSUMERS, CONVERTER_THREADS * self.consumers).arrive_and_wait()
+        NamedBarrier(PrefillBarrier.CONSUMERS, CONVERTER_THREADS * CONSUMER_WARPGROUPS).arrive_and_wait()
 
     @cute.jit
     def attend(self, qk: cute.TiledMma, pv: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-               rings, count: Int32, scale_log2: Float32, gOut: cute.Tensor, gLse: cute.Tensor, row_tile: Int32,
-               rows: Int32, ctidx: Int32):
-        """A consumer warpgroup: its 64 rows over the split's tiles (tile i from ring i % converters), then their
-        output and LSE."""
+               ring: PipelineAsync, count: Int32, scale_log2: Float32, gOut: cute.Tensor, gLse: cute.Tensor,
+               row_tile: Int32, rows: Int32, ctidx: Int32):
+        """A consumer warpgroup: its 64 rows over the split's tiles, then their output and LSE."""
         wg = ctidx // CONVERTER_THREADS
-        wg_threads = cute.make_layout(self.consumers, stride=CONVERTER_THREADS)
+        wg_threads = cute.make_layout(CONSUMER_WARPGROUPS, stride=CONVERTER_THREADS)
         wg_qk, wg_pv = qk.get_slice(wg_threads(wg)), pv.get_slice(wg_threads(wg))
         sVt = cute.composition(sV, cute.make_ordered_layout((self.D, TILE_N, STAGES), order=(1, 0, 2)))
         # (MMA, MMA_M, MMA_K) and (MMA, MMA_N, MMA_K, STAGES)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.rows, self.D)), Float32)
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((TILE_ROWS, self.D)), Float32)
         acc_O.fill(0.0)
-        # a thread's 2 rows of the ((2 rows, MMA_M), (2 columns, N / 8, MMA_N)) accumulator views
-        m_run = cute.make_rmem_tensor((2,), Float32)
-        l_run = cute.make_rmem_tensor((2,), Float32)
+        # ((2 rows, MMA_M), (2 columns, N / 8, MMA_N)) views of the accumulators
+        rows_per_thread = 2
+        m_run = cute.make_rmem_tensor((rows_per_thread,), Float32)
+        l_run = cute.make_rmem_tensor((rows_per_thread,), Float32)
         m_run.fill(-Float32.inf)
         l_run.fill(0.0)
-        tile = (qk, pv, wg_qk, tSrQ, tSrK, tOrVt, acc_O, m_run, l_run, scale_log2)
-        first = make_pipeline_state(PipelineUserType.Consumer, self.per_ring)
-        second = make_pipeline_state(PipelineUserType.Consumer, self.per_ring)
-        for _ in cutlass.range(count // self.converters, unroll=1):
-            first = self.consume(rings[0], first, 0, *tile)
-            if const_expr(self.converters == 2):
-                second = self.consume(rings[1], second, self.per_ring, *tile)
-        if const_expr(self.converters == 2):
-            if count % 2 == 1:
-                first = self.consume(rings[0], first, 0, *tile)
+        state = make_pipeline_state(PipelineUserType.Consumer, STAGES)
+        for _ in cutlass.range(count, unroll=1):
+            ring.consumer_wait(state)
+            acc_S = cute.make_rmem_tensor(wg_qk.partition_shape_C((TILE_ROWS, TILE_N)), Float32)
+            _gemm(qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+            S = cute.make_tensor(acc_S.iterator, _acc_mn(acc_S.layout))
+            O = cute.make_tensor(acc_O.iterator, _acc_mn(acc_O.layout))
+            for r in cutlass.range_constexpr(rows_per_thread):
+                row_max = S[r, 0]
+                for c in cutlass.range_constexpr(1, cute.size(S, mode=[1])):
+                    row_max = cute.arch.fmax(row_max, S[r, c])
+                row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+                row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+                m_new = cute.arch.fmax(m_run[r], row_max * scale_log2)
+                alpha = rescale_factor(m_run[r], m_new)
+                m_run[r] = m_new
+                tile_sum = Float32(0.0)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    p = cute.math.exp2(S[r, c] * scale_log2 - m_new, fastmath=True)
+                    S[r, c] = p
+                    tile_sum += p
+                l_run[r] = l_run[r] * alpha + tile_sum
+                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    O[r, c] = O[r, c] * alpha
+            tOrP = cute.make_rmem_tensor_like(cute.make_tensor(acc_S.iterator, _acc_frg_a(acc_S.layout)), self.dtype)
+            tOrP.store(cute.make_tensor(acc_S.iterator, _acc_frg_a(acc_S.layout)).load().to(self.dtype))
+            _gemm(pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
+            ring.consumer_release(state)
+            state.advance()
         self.store(pv.get_slice(ctidx), acc_O, m_run, l_run, gOut, gLse, row_tile, rows)
-
-    @cute.jit
-    def consume(self, ring: PipelineAsync, state, stage0: int, qk: cute.TiledMma, pv: cute.TiledMma, wg_qk,
-                tSrQ: cute.Tensor, tSrK: cute.Tensor, tOrVt: cute.Tensor, acc_O: cute.Tensor, m_run: cute.Tensor,
-                l_run: cute.Tensor, scale_log2: Float32):
-        """One tile from ``ring`` (its stages from ``stage0`` on): S = Q K^T, the online softmax, O += P V; returns the
-        advanced ring state."""
-        ring.consumer_wait(state)
-        stage = stage0 + state.index
-        acc_S = cute.make_rmem_tensor(wg_qk.partition_shape_C((self.rows, TILE_N)), Float32)
-        _gemm(qk, acc_S, tSrQ, tSrK[None, None, None, stage], zero_init=True)
-        S = cute.make_tensor(acc_S.iterator, _acc_mn(acc_S.layout))
-        O = cute.make_tensor(acc_O.iterator, _acc_mn(acc_O.layout))
-        for r in cutlass.range_constexpr(2):
-            row_max = S[r, 0]
-            for c in cutlass.range_constexpr(1, cute.size(S, mode=[1])):
-                row_max = cute.arch.fmax(row_max, S[r, c])
-            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
-            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
-            m_new = cute.arch.fmax(m_run[r], row_max * scale_log2)
-            alpha = rescale_factor(m_run[r], m_new)
-            m_run[r] = m_new
-            tile_sum = Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                p = cute.math.exp2(S[r, c] * scale_log2 - m_new, fastmath=True)
-                S[r, c] = p
-                tile_sum += p
-            l_run[r] = l_run[r] * alpha + tile_sum
-            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                O[r, c] = O[r, c] * alpha
-        tOrP = cute.make_rmem_tensor_like(cute.make_tensor(acc_S.iterator, _acc_frg_a(acc_S.layout)), self.dtype)
-        tOrP.store(cute.make_tensor(acc_S.iterator, _acc_frg_a(acc_S.layout)).load().to(self.dtype))
-        _gemm(pv, acc_O, tOrP, tOrVt[None, None, None, stage], zero_init=False)
-        ring.consumer_release(state)
-        state.advance()
-        return state
 
     @cute.jit
     def store(self, thr_pv, acc_O: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, gOut: cute.Tensor,
@@ -390,7 +318,7 @@ class HopperPackedPrefill:
         the PV product's slice of this thread (the fragments' slices are the warpgroup's)."""
         O = cute.make_tensor(acc_O.iterator, _acc_mn(acc_O.layout))
         # (row, column) of each of this thread's accumulator elements, in the same view
-        coords = thr_pv.partition_C(cute.make_identity_tensor((self.rows, self.D)))
+        coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, self.D)))
         C = cute.make_tensor(coords.iterator, _acc_mn(coords.layout))
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
@@ -398,7 +326,7 @@ class HopperPackedPrefill:
             total += cute.arch.shuffle_sync_bfly(total, offset=1)
             total += cute.arch.shuffle_sync_bfly(total, offset=2)
             inv_l, lse = normalize(total, m_run[r])
-            row = row_tile * self.rows + C[r, 0][0]
+            row = row_tile * TILE_ROWS + C[r, 0][0]
             if row < rows:
                 for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                     gOut[row, C[r, c][1]] = (O[r, c] * inv_l).to(self.dtype)
@@ -462,9 +390,9 @@ def run_prefill(q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens: 
     if tokens <= 0 or tokens % TILE_TOKENS:
         raise ValueError(f"tokens: the prefill kernel attends whole {TILE_TOKENS}-token tiles, got {tokens}")
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q_rows.dtype]
-    cfg = PrefillConfig.of(scheme, dtype, consumers=CONSUMERS, converters=CONVERTERS)  # (read now: knobs)
+    cfg = PrefillConfig.of(scheme, dtype)
     tiles, page_size = tokens // TILE_TOKENS, k_codes.shape[2] * TILE_TOKENS
-    per_split = -(-tiles // prefill_splits(-(-rows // cfg.rows), kv_heads, tiles, sm_count(q_rows.device)))
+    per_split = -(-tiles // prefill_splits(-(-rows // TILE_ROWS), kv_heads, tiles, sm_count(q_rows.device)))
     splits = -(-tiles // per_split)
     out = torch.empty(splits, kv_heads, rows, d, dtype=q_rows.dtype, device=q_rows.device)
     lse = torch.empty(splits, kv_heads, rows, dtype=torch.float32, device=q_rows.device)

@@ -432,19 +432,16 @@ class Dequantize:
 
     # ---- 1. loads ---------------------------------------------------------------------------------
 
-    def load_words(self, gWords: cute.Tensor, tidx, staged=None):
-        """Issue the tile's packed words, ``vec`` consecutive words per thread and load (coalesced), into
-        ``staged`` (registers of :meth:`word_registers`) or new registers."""
+    def load_words(self, gWords: cute.Tensor, tidx):
+        """Issue the tile's packed words, ``vec`` consecutive words per thread and load (coalesced)."""
         # ((vec), (words / vec)): vector v of the tile
         gWordsV = cute.zipped_divide(gWords, (self.vec,))
-        staged = self.word_registers() if staged is None else staged
-        for st, regs in enumerate(staged):
+        staged = []
+        for st in range(self.stage_steps):
+            regs = cute.make_rmem_tensor((self.vec,), cutlass.Int32)
             cute.autovec_copy(gWordsV[None, st * THREADS + tidx], regs)
+            staged.append(regs)
         return staged
-
-    def word_registers(self):
-        """Registers for one tile's words of a thread (:meth:`load_words`)."""
-        return [cute.make_rmem_tensor((self.vec,), cutlass.Int32) for _ in range(self.stage_steps)]
 
     def store_words(self, staged, sCodes: cute.Tensor, tidx):
         """Stage the words in shared memory at their swizzled index (the swizzle keeps a vector whole)."""
@@ -454,50 +451,29 @@ class Dequantize:
             word = (st * THREADS + tidx) * self.vec
             cute.autovec_copy(regs, sWordsV[None, _swizzled(word, self.plan.swizzle) // self.vec])
 
-    def load_params(self, gParams: cute.Tensor, tile_in_page, token0, channel0, raw=None):
+    def load_params(self, gParams: cute.Tensor, tile_in_page, token0, channel0):
         """This thread's groups' (scale, offset) in FP32, each loaded and converted once, keyed by what
         selects them among the thread's elements: its token offset (token-wise: one pair per token, the
-        group of its chunk) or its group-row offset (channel-wise: 8 pairs, one per chunk channel).
-        ``raw``: the fp16 loads go into these registers (:meth:`param_registers`), else new ones."""
-        return self.params_of(self.fetch_params(gParams, tile_in_page, token0, channel0, raw))
-
-    def param_keys(self):
-        """The keys of a thread's params (:meth:`load_params`), in load order."""
-        keys = []
-        for s in range(self.plan.steps):
-            for k in range(self.plan.inner_tokens):
-                key = self.param_key(self.plan.element(s, k, 0)[0])
-                if key not in keys:
-                    keys.append(key)
-        return keys
-
-    def param_registers(self):
-        """Registers for a thread's raw fp16 params of one tile: per key, one group's (token-wise) or 8 (channel-wise)."""
-        groups = 1 if self.cfg.axis is Axis.TOKEN else CHUNK
-        return {key: [cute.make_rmem_tensor((self.cfg.param_fields,), cutlass.Float16) for _ in range(groups)]
-                for key in self.param_keys()}
-
-    def fetch_params(self, gParams: cute.Tensor, tile_in_page, token0, channel0, raw=None):
-        """Issue the loads of :meth:`load_params` into ``raw`` (or new registers); returns them."""
-        cfg = self.cfg
-        raw = self.param_registers() if raw is None else raw
+        group of its chunk) or its group-row offset (channel-wise: 8 pairs, one per chunk channel)."""
+        cfg, plan = self.cfg, self.plan
         slot0 = tile_in_page * TILE_TOKENS + token0
-        for key, regs in raw.items():
-            if cutlass.const_expr(cfg.axis is Axis.TOKEN):
-                # (F): the params of (slot0 + token, the chunk's group); the key is the token offset
-                cute.autovec_copy(gParams[slot0 + key, channel0 // cfg.group, None], regs[0])
-            else:
-                # 8 x (F): the params of the chunk's channels in one group row; slot0 | token: disjoint bits
-                row = ((tile_in_page * TILE_TOKENS) >> self.group_shift) + key
-                if cutlass.const_expr(self.group_shift < 6):  # groups shorter than a tile
-                    row = row + (token0 >> self.group_shift)
-                for e in range(CHUNK):
-                    cute.autovec_copy(gParams[row, channel0 + e, None], regs[e])
-        return raw
-
-    def params_of(self, raw):
-        """The FP32 (scale, offset) pairs of fetched params (:meth:`fetch_params`)."""
-        return {key: [_group_params(r, self.cfg) for r in regs] for key, regs in raw.items()}
+        pairs = {}
+        for s in range(plan.steps):
+            for k in range(plan.inner_tokens):
+                token = plan.element(s, k, 0)[0]
+                key = self.param_key(token)
+                if key in pairs:
+                    continue
+                if cutlass.const_expr(cfg.axis is Axis.TOKEN):
+                    # (F): the params of (slot0 + token, the chunk's group)
+                    pairs[key] = [_load_group(gParams[slot0 + token, channel0 // cfg.group, None], cfg)]
+                else:
+                    # 8 x (F): the params of the chunk's channels in one group row; slot0 | token: disjoint bits
+                    row = ((tile_in_page * TILE_TOKENS) >> self.group_shift) + key
+                    if cutlass.const_expr(self.group_shift < 6):  # groups shorter than a tile
+                        row = row + (token0 >> self.group_shift)
+                    pairs[key] = [_load_group(gParams[row, channel0 + e, None], cfg) for e in range(CHUNK)]
+        return pairs
 
     # ---- 3. dequantize ----------------------------------------------------------------------------
 
@@ -542,9 +518,11 @@ class Dequantize:
         return word >> cutlass.Uint32(shift0) if cutlass.const_expr(plan.dynamic_shift) else word
 
 
-def _group_params(raw: cute.Tensor, cfg: DequantizeConfig):
-    """(scale, offset) in FP32 of a group's loaded (param_fields) fp16 registers: the stored offset, or
+def _load_group(src: cute.Tensor, cfg: DequantizeConfig):
+    """(scale, offset) in FP32 of a group's (param_fields) fp16 tensor: one load; the stored offset, or
     ``offset_per_scale * scale`` (a trace-time constant)."""
+    raw = cute.make_rmem_tensor((cfg.param_fields,), cutlass.Float16)
+    cute.autovec_copy(src, raw)
     if cfg.offset_per_scale is None:
         return raw[0].to(cutlass.Float32), raw[1].to(cutlass.Float32)
     scale = raw[0].to(cutlass.Float32)
