@@ -138,7 +138,7 @@ class Arch:
 
     def takes_prefill(self, scheme: Scheme) -> bool:
         """Whether this arch has a prefill kernel that builds ``scheme`` (``foscar.hopper.prefill.PrefillConfig``:
-        head_dim 64 or 128, formats the dequantize kernel reads); compiles nothing."""
+        head_dim 128, formats the dequantize kernel reads); compiles nothing."""
         if not self.prefill:
             return False
         from .hopper.prefill import PrefillConfig

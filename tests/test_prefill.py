@@ -15,7 +15,7 @@ from foscar.inspect import artifacts
 
 COMPILED = [Scheme.make(2, "channel", 128, "token", 128, 128, 4),
             Scheme.make(4, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16),
-            Scheme.make(k_bits=4, v_bits=2, head_dim=64, gqa_ratio=8)]
+            Scheme.make(k_bits=4, v_bits=2, head_dim=128, gqa_ratio=8)]
 
 
 @pytest.mark.parametrize("scheme", COMPILED, ids=lambda s: s.name)
@@ -34,10 +34,11 @@ def test_the_prefill_kernel_compiles_without_spills(scheme):
 
 def test_what_the_prefill_kernel_takes():
     assert HOPPER.takes_prefill(COMPILED[0]) and not BLACKWELL.takes_prefill(COMPILED[0])
-    wide = Scheme.make(2, "token", 128, "token", 128, 256, 4)
-    assert not HOPPER.takes_prefill(wide)
-    with pytest.raises(ValueError, match="head_dim"):
-        PrefillConfig.of(wide)
+    for head_dim in (64, 256):
+        other = Scheme.make(2, "token", 64, "token", 64, head_dim, 4)
+        assert not HOPPER.takes_prefill(other)
+        with pytest.raises(ValueError, match="head_dim"):
+            PrefillConfig.of(other)
     with pytest.raises(NotImplementedError, match="sm_100a"):
         BLACKWELL.run_prefill(None, None, None, None, None, None, 64, 0.1, COMPILED[0])
 
