@@ -28,10 +28,12 @@ The blocks are the dequantize-then-attend algebra with a bounded working set, no
 block are written once and read back. They round the dequantized values, and each block's output, to the query's
 dtype, as a BF16 (FP16) PyTorch computation on the same cache rounds its values and P.
 
-A short chunk (tiles of ``DECODE_COLUMNS`` query columns per KV head at most, in all) skips the blocks: the packed
-pages go to the folded decode kernel with the chunk's tokens as more query heads (:class:`PackedPrefix`), which
-reads them once per tile of 16 columns and never writes them in 16 bits; the fused attention then takes only the
-16-bit slots and the chunk.
+A short chunk skips the blocks: on Hopper (at most ``PREFILL_COLUMNS`` query columns per KV head) the packed pages
+go to the prefill kernel (:class:`PackedPrefill`, ``foscar.hopper.prefill``: the query rows 128 to a CTA, each
+packed tile dequantized once per CTA in shared memory), elsewhere (at most ``DECODE_COLUMNS``) to the folded decode
+kernel with the chunk's tokens as more query heads (:class:`PackedPrefix`), which reads them once per tile of 16
+columns; neither writes them in 16 bits in global memory, and the fused attention then takes only the 16-bit slots
+and the chunk.
 """
 
 from __future__ import annotations
