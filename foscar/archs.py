@@ -34,7 +34,7 @@ class Arch:
     layout: str  # bit order inside a packed 64-token tile (foscar.layouts.PACKERS)
     kernel_module: str  # module whose KERNELS (a foscar.launch.KernelSet) are this arch's decode kernels
     cache_decode: bool  # has PagedKVCache's decode (packed pages + 16-bit sink + window, splits merged in-launch)
-    prefill: bool = False  # has the prefill kernel of many query rows over packed pages (foscar.hopper.prefill)
+    prefill_module: str | None = None  # module of its prefill kernel (many query rows over packed pages), if any
 
     def construction(self, fmt) -> Construction:
         """How this arch's kernel turns codes of ``fmt`` (a Format, a registered name or a bit width)
@@ -137,30 +137,27 @@ class Arch:
 
 
     def takes_prefill(self, scheme: Scheme) -> bool:
-        """Whether this arch has a prefill kernel that builds ``scheme`` (``foscar.hopper.prefill.PrefillConfig``:
-        head_dim 128, formats the dequantize kernel reads); compiles nothing."""
-        if not self.prefill:
+        """Whether this arch has a prefill kernel that builds ``scheme`` (Hopper's ``foscar.hopper.prefill``: head_dim
+        128, formats the dequantize kernel reads); compiles nothing."""
+        if self.prefill_module is None:
             return False
-        from .hopper.prefill import PrefillConfig
-
         try:
-            PrefillConfig.of(scheme, "bfloat16", self.layout)
+            importlib.import_module(self.prefill_module).prefill_config(scheme, "bfloat16", self.layout)
         except ValueError:
             return False
         return True
 
     def run_prefill(self, q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens: int, sm_scale: float,
                     scheme: Scheme):
-        """Many query rows over the first ``tokens`` packed tokens of one sequence's pages
-        (``foscar.hopper.prefill.run_prefill``: the cache checks the tensors); returns the splits' ``(out, lse)``."""
-        if not self.prefill:
+        """Many query rows over the first ``tokens`` packed tokens of one sequence's pages (the module's
+        ``run_prefill``: the cache checks the tensors); returns the splits' ``(out, lse)``."""
+        if self.prefill_module is None:
             raise NotImplementedError(f"the {self.name} kernels have no prefill kernel")
-        from .hopper.prefill import run_prefill
+        return importlib.import_module(self.prefill_module).run_prefill(
+            q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens, sm_scale, scheme, self.layout)
 
-        return run_prefill(q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens, sm_scale, scheme)
 
-
-HOPPER = Arch("sm_90a", "hopper", "foscar.hopper.decode", cache_decode=True, prefill=True)
+HOPPER = Arch("sm_90a", "hopper", "foscar.hopper.decode", cache_decode=True, prefill_module="foscar.hopper.prefill")
 BLACKWELL = Arch("sm_100a", "blackwell", "foscar.blackwell.decode", cache_decode=True)
 ARCHS: dict[str, Arch] = {arch.name: arch for arch in (HOPPER, BLACKWELL)}
 if tuple(ARCHS) != TARGETS:  # the compile layer names the same targets (foscar.targets)

@@ -367,16 +367,25 @@ GPU_SCHEMES = [Scheme.make(2, "channel", 128, "token", 128, 128, 4), Scheme.make
 
 def take_packed_pages_by(path: str, monkeypatch) -> list:
     """Route ``attend_chunk``'s packed pages one way: "prefill" (the prefill kernel), "decode" (the decode kernel)
-    or "blocks" (dequantized blocks). Returns the list the prefill kernel's launches are counted in."""
+    or "blocks" (dequantized blocks). Returns the list the prefill kernel's launches are counted in. The kernel's
+    partial outputs are allocated NaN-poisoned, and every element must come back written (finite)."""
     import foscar.hopper.prefill
 
     monkeypatch.setattr(foscar.cache, "PREFILL_COLUMNS", 10**9 if path == "prefill" else 0)
     monkeypatch.setattr(foscar.cache, "DECODE_COLUMNS", 10**9 if path == "decode" else 0)
-    launched, run = [], foscar.hopper.prefill.run_prefill
+    launched, run, empty = [], foscar.hopper.prefill.run_prefill, torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
 
     def counted(q_rows, *args):
         launched.append(tuple(q_rows.shape))
-        return run(q_rows, *args)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "empty", poisoned)
+            out, lse = run(q_rows, *args)
+        assert bool(out.isfinite().all()) and bool(lse.isfinite().all()), "a partial the kernel did not write"
+        return out, lse
 
     monkeypatch.setattr(foscar.hopper.prefill, "run_prefill", counted)
     return launched

@@ -34,6 +34,7 @@ columns per KV head that beats the decode kernel and the dequantized blocks
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -53,7 +54,8 @@ from ..layouts.fragment import TILE_TOKENS
 from ..scheme import Scheme, params_shape
 from ..softmax import normalize, rescale_factor
 
-__all__ = ["PrefillConfig", "HopperPackedPrefill", "TILE_ROWS", "compile_prefill", "prefill_splits", "run_prefill"]
+__all__ = ["PrefillConfig", "HopperPackedPrefill", "TILE_ROWS", "compile_prefill", "prefill_config", "prefill_splits",
+           "run_prefill"]
 
 TILE_ROWS = 128  # query rows of a CTA: two consumer warpgroups of 64
 TILE_N = TILE_TOKENS  # keys of a ring stage: one packed tile
@@ -85,6 +87,13 @@ class PrefillConfig:
     @property
     def dtype(self):
         return DTYPES[self.k.dtype]
+
+
+@functools.cache
+def prefill_config(scheme: Scheme, dtype: str = "bfloat16", layout: str = "hopper") -> PrefillConfig:
+    """``PrefillConfig.of``, kept per (scheme, dtype, layout): a chunk's route asks for it at every call of every
+    sequence (~9 us each to build, on a call bound by its host work)."""
+    return PrefillConfig.of(scheme, dtype, layout)
 
 
 def prefill_splits(row_tiles: int, kv_heads: int, tiles: int, sms: int) -> int:
@@ -377,7 +386,8 @@ def compile_prefill(cfg: PrefillConfig, arch: str = "sm_90a"):
                        fake_ptr(Float32), i32, i32, i32, i32, i32, i32, i32, Float32(1.0), cuda.CUstream(0))
 
 
-def run_prefill(q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens: int, sm_scale: float, scheme: Scheme):
+def run_prefill(q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens: int, sm_scale: float, scheme: Scheme,
+                layout: str = "hopper"):
     """Launch on checked CUDA tensors of a cache layer (``PagedKVCache`` checks them): ``q_rows [kv_heads, rows, D]``
     (contiguous, bf16 or fp16: row ``g * L + t`` of a KV head) over the first ``tokens`` (a positive multiple of 64)
     tokens of the pages ``page_row [pages]`` (int32, contiguous). Returns the splits' ``(out [splits, kv_heads,
@@ -390,7 +400,7 @@ def run_prefill(q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens: 
     if tokens <= 0 or tokens % TILE_TOKENS:
         raise ValueError(f"tokens: the prefill kernel attends whole {TILE_TOKENS}-token tiles, got {tokens}")
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q_rows.dtype]
-    cfg = PrefillConfig.of(scheme, dtype)
+    cfg = prefill_config(scheme, dtype, layout)
     tiles, page_size = tokens // TILE_TOKENS, k_codes.shape[2] * TILE_TOKENS
     per_split = -(-tiles // prefill_splits(-(-rows // TILE_ROWS), kv_heads, tiles, sm_count(q_rows.device)))
     splits = -(-tiles // per_split)
