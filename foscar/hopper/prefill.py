@@ -45,7 +45,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.pipeline import (Agent, CooperativeGroup, NamedBarrier, PipelineAsync, PipelineUserType,
                               make_pipeline_state)
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from ..barriers import PrefillBarrier
 from ..device import LOG2E
