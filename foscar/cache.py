@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -752,9 +753,9 @@ class PagedKVCache:
         page = self.page_table[index, column]
         page = torch.where(q1 > q0, page, -1).to(torch.int32)
         slot_in_page = (q0 % self.page_size).to(torch.int32)
-        for role, bf16 in (("k", self.k_bf16), ("v", self.v_bf16)):
-            src = bf16[layer][index[:, None], :, ring].permute(0, 2, 1, 3).contiguous()  # [B, kvh, T, D]
-            self._quantize(layer, role, src, page, slot_in_page)
+        k_src, v_src = (bf16[layer][index[:, None], :, ring].permute(0, 2, 1, 3).contiguous()  # [B, kvh, T, D]
+                        for bf16 in (self.k_bf16, self.v_bf16))
+        self._quantize(layer, k_src, v_src, page, slot_in_page)
 
     def _append_bulk(self, layer, ids, index, k, v):
         srcs, pages, slots = {"k": [], "v": []}, [], []
@@ -789,8 +790,7 @@ class PagedKVCache:
         if pages:
             page = torch.tensor(pages, dtype=torch.int32).to(self.device)
             slot = torch.tensor(slots, dtype=torch.int32).to(self.device)
-            for role in ("k", "v"):
-                self._quantize(layer, role, torch.cat(srcs[role]).contiguous(), page, slot)
+            self._quantize(layer, *(torch.cat(srcs[role]).contiguous() for role in "kv"), page, slot)
         # the slots after the quantize step: its sources were copied out of the ring, and a quantizer's refusal
         # (torch path) leaves the cache as it was
         for where, k_sink, v_sink in sink_writes:
@@ -812,15 +812,22 @@ class PagedKVCache:
             if self._slots_fp32 is not None:
                 self._slots_fp32[role][layer][where] = x.float()
 
-    def _quantize(self, layer, role, src, page, slot):
-        """Quantize granules ``src [N, kvh, T, D]`` into ``page`` (< 0: skip) at token ``slot``."""
+    def _quantize(self, layer, k_src, v_src, page, slot):
+        """Quantize granules ``k_src``, ``v_src [N, kvh, T, D]`` into ``page`` (< 0: skip) at token ``slot``: both
+        roles' quantizers run before either writes, so that a format's refusal of v leaves k's pages as they were."""
+        for write in [self._quantized(layer, role, src, page, slot) for role, src in (("k", k_src), ("v", v_src))]:
+            write()
+
+    def _quantized(self, layer, role, src, page, slot):
+        """One role's granules quantized (the torch path; the kernel path quantizes as it writes, checking only shapes):
+        returns what writes them to the role's codes, params and fp32 copy."""
         codes = (self.k_codes if role == "k" else self.v_codes)[layer]
         params = (self.k_params if role == "k" else self.v_params)[layer]
         if self.use_kernels:
             from .kernels.quantize import quantize_tiles
 
-            quantize_tiles(src, page, slot, codes, params, self.scheme, role, self.arch.layout)
-            return
+            return functools.partial(quantize_tiles, src, page, slot, codes, params, self.scheme, role,
+                                     self.arch.layout)
         quant = self.scheme.k if role == "k" else self.scheme.v
         page = torch.where(page < 0, self.trash_page, page).long()
         c, scale, offset = quantize_groups(src, quant, name=role)
@@ -828,13 +835,18 @@ class PagedKVCache:
         pack = PACKERS[self.arch.layout][0]
         words = pack(c.reshape(n, kvh, t // TILE_TOKENS, TILE_TOKENS, d), TileGeometry(role, quant.bits, d))
         tiles = (slot.long() // TILE_TOKENS)[:, None] + torch.arange(t // TILE_TOKENS, device=src.device)[None, :]
-        codes[page[:, None], :, tiles] = words.transpose(1, 2)
         first = quant.params_shape(slot.long(), d)[0]  # the granule's first params row
         rows = first[:, None] + torch.arange(quant.params_shape(t, d)[0], device=src.device)[None, :]
-        params[page[:, None], :, rows] = stack_params(scale, offset, quant).transpose(1, 2)
+        stacked = stack_params(scale, offset, quant).transpose(1, 2)
         tokens = (page * self.page_size + slot.long())[:, None] + torch.arange(t, device=src.device)[None, :]
         values = dequantize_groups(c, scale, offset, quant)  # [N, kvh, T, D]
-        self._dequantized[role][layer].index_copy_(1, tokens.reshape(-1), values.transpose(0, 1).reshape(kvh, n * t, d))
+        values = values.transpose(0, 1).reshape(kvh, n * t, d)
+
+        def write():
+            codes[page[:, None], :, tiles] = words.transpose(1, 2)
+            params[page[:, None], :, rows] = stacked
+            self._dequantized[role][layer].index_copy_(1, tokens.reshape(-1), values)
+        return write
 
     # ------------------------------------------------------------------ attend
 

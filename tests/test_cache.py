@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import foscar.cache
 from foscar import Scheme
 from foscar.cache import PagedKVCache, PagePoolFull, hadamard
 from foscar.quantize import dequantize_groups, quantize_groups
@@ -284,7 +285,10 @@ def test_hadamard_and_rotation_helps_int2(rng):
 
 def snapshot(cache):
     tensors = {n: getattr(cache, n).clone() for n in ("k_codes", "k_params", "v_codes", "v_params", "k_bf16", "v_bf16",
-                                                       "lengths", "page_table")}
+                                                       "lengths", "page_table", "_written")}
+    for copies in ("_dequantized", "_slots_fp32"):  # the torch path's fp32 copies
+        for role, t in (getattr(cache, copies) or {}).items():
+            tensors[f"{copies}[{role}]"] = t.clone()
     host = (list(cache._free_pages), [None if p is None else list(p) for p in cache._pages], cache._host_len.clone())
     return tensors, host
 
@@ -299,8 +303,9 @@ def assert_unchanged(cache, snap):
 @pytest.mark.parametrize("held", [127, 100], ids=["one-token", "multi-token"])
 def test_a_quantizer_refusal_leaves_the_cache_unchanged(held, rng, monkeypatch):
     """The torch path quantizes a granule in the append that completes it, after that append's checks: a refusal
-    there (a format may refuse what the up-front checks pass) leaves the cache as it was: the lengths, and so every
-    attend, the host and device lengths in step, and the page the append reserved for the granule (given back)."""
+    there (a format may refuse what the up-front checks pass; here v's, after k's quantizer ran) leaves the cache as
+    it was: the lengths, and so every attend, the host and device lengths in step, k's codes, params and fp32 copy,
+    and the page the append reserved for the granule (given back)."""
     scheme = SCHEMES[1]  # a 64-token granule: the 128th token completes the first past the window
     caches = [make_cache(scheme, layers=1, sink=0, window=64) for _ in range(2)]
     k, v = kv(rng, scheme, 1, 128)
@@ -312,10 +317,12 @@ def test_a_quantizer_refusal_leaves_the_cache_unchanged(held, rng, monkeypatch):
     before, snap = refused.attend(0, [0], q), snapshot(refused)
     assert refused.pages_of(0) == []  # the refused append is the one that needs a page
 
-    def refuse(*args):
-        raise ValueError("refused by the format")
+    def refuse_v(src, quant, name):
+        if name == "v":
+            raise ValueError("refused by the format")
+        return quantize_groups(src, quant, name=name)
 
-    monkeypatch.setattr(refused, "_quantize", refuse)
+    monkeypatch.setattr(foscar.cache, "quantize_groups", refuse_v)
     with pytest.raises(ValueError, match="refused by the format"):
         refused.append(0, [0], k[:, :, held:], v[:, :, held:])
     monkeypatch.undo()
