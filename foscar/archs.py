@@ -137,15 +137,16 @@ class Arch:
 
 
     def takes_prefill(self, scheme: Scheme) -> bool:
-        """Whether this arch has a prefill kernel that builds ``scheme`` (Hopper's ``foscar.hopper.prefill``: head_dim
-        128, formats the dequantize kernel reads); compiles nothing."""
+        """Whether the cache may route a chunk's packed pages to this arch's prefill kernel: it builds ``scheme``
+        (Hopper's ``foscar.hopper.prefill``: head_dim 128, formats the dequantize kernel reads) and has run its
+        configuration on a GPU (``PrefillConfig.has_run``); compiles nothing."""
         if self.prefill_module is None:
             return False
         try:
-            importlib.import_module(self.prefill_module).prefill_config(scheme, "bfloat16", self.layout)
+            cfg = importlib.import_module(self.prefill_module).prefill_config(scheme, "bfloat16", self.layout)
         except ValueError:
             return False
-        return True
+        return cfg.has_run
 
     def run_prefill(self, q_rows, k_codes, k_params, v_codes, v_params, page_row, tokens: int, sm_scale: float,
                     scheme: Scheme):

@@ -10,8 +10,10 @@ import torch
 
 from foscar import Scheme
 from foscar.archs import BLACKWELL, HOPPER
-from foscar.hopper.prefill import TILE_N, PrefillConfig, compile_prefill, prefill_splits
+from foscar.hopper.prefill import RAN_ON_A_GPU, TILE_N, PrefillConfig, compile_prefill, prefill_splits
 from foscar.inspect import artifacts
+from test_cache_chunk import GPU_SCHEMES
+from user_formats import INT8, SYM_INT4
 
 COMPILED = [Scheme.make(2, "channel", 128, "token", 128, 128, 4),
             Scheme.make(4, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16),
@@ -41,6 +43,26 @@ def test_what_the_prefill_kernel_takes():
             PrefillConfig.of(other)
     with pytest.raises(NotImplementedError, match="sm_100a"):
         BLACKWELL.run_prefill(None, None, None, None, None, None, 64, 0.1, COMPILED[0])
+
+
+@pytest.mark.parametrize("scheme", [Scheme.make(2, "channel", 128, "channel", 128, 128, 4),  # V channel-wise
+                                    Scheme.make(format=INT8, head_dim=128, gqa_ratio=4),
+                                    Scheme.make(2, "channel", 64, "token", 64, 128, 4),
+                                    Scheme.make(format=SYM_INT4, head_dim=128, gqa_ratio=4)],
+                         ids=lambda s: s.name)
+def test_the_route_leaves_configurations_no_gpu_has_run(scheme):
+    """The kernel builds these (the dequantize kernel reads their formats), but none has run on a GPU: the cache's
+    route gives their chunks to the decode kernel or the blocks."""
+    assert not PrefillConfig.of(scheme).has_run and not HOPPER.takes_prefill(scheme)
+
+
+def test_what_has_run_is_what_the_gpu_tests_run():
+    """Every configuration the route takes is one that ``tests/test_cache_chunk.py``'s GPU tests force through the
+    kernel, and every scheme those tests force through it is taken (else they would test another path)."""
+    assert all(HOPPER.takes_prefill(scheme) for scheme in GPU_SCHEMES)
+    ran = {role: {(c.bits, c.axis, c.group, c.offset_per_scale) for c in
+                  (getattr(PrefillConfig.of(scheme), role) for scheme in GPU_SCHEMES)} for role in ("k", "v")}
+    assert ran == RAN_ON_A_GPU
 
 
 @pytest.mark.parametrize("row_tiles, kv_heads, tiles, want", [
