@@ -24,8 +24,9 @@ def causal_attention(q, k, v, sm_scale):
 
 
 def check_verify(cache, ids, tokens, rng, layer=0, sm_scale=0.1, atol=1e-2, low_dtype=None):
-    """Append ``tokens`` fresh random tokens to ``ids`` and attend them; returns the max error and the
-    tolerance (``atol``, or with ``low_dtype`` 2x the error of the same attention in that dtype + 1e-5)."""
+    """Append ``tokens`` fresh random tokens to ``ids`` and attend them; returns the error and the tolerance
+    (``atol``, or with ``low_dtype`` 2x the error of the same attention in that dtype + 1e-5) of the sequence whose
+    error is furthest past (or least within) its own tolerance."""
     scheme, dev = cache.scheme, cache.device
     k_new, v_new = kv(rng, scheme, len(ids), tokens, heads=cache.kv_heads)
     cache.append(layer, ids, k_new.to(dev), v_new.to(dev))
@@ -33,23 +34,24 @@ def check_verify(cache, ids, tokens, rng, layer=0, sm_scale=0.1, atol=1e-2, low_
     q = q.to(scheme.q_dtype).to(dev)
     out, lse = cache.attend(layer, ids, q, sm_scale=sm_scale, return_lse=True)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
-    err, tol = 0.0, atol
+    checked = []  # (error, tolerance) of each sequence
     for b, seq in enumerate(ids):
         k, v = cache.dense(layer, seq)
         qb = cache._rotate(q[b]).cpu()
         ref, ref_lse = causal_attention(qb, k.cpu(), v.cpu(), sm_scale)
-        err = max(err, float((out[b].cpu().double() - ref).abs().max()))
+        err = float((out[b].cpu().double() - ref).abs().max())
+        assert math.isfinite(err), seq
         lse_err = float((lse[b].cpu().double() - ref_lse).abs().max())
         if low_dtype is None:  # the torch path: fp32 softmax over the same fp32 values, the output in q's dtype
             assert lse_err / float(ref_lse.abs().clamp_min(1).min()) < 1e-4, seq
             # (a BF16 output of |o| ~ 4 rounds by up to 0.016 on its own: atol alone failed seed 1827394871)
-            tol = max(tol, atol + float((ref.to(out.dtype).double() - ref).abs().max()))
+            tol = atol + float((ref.to(out.dtype).double() - ref).abs().max())
         else:  # the kernel: scores of the 16-bit q, fp32 exp2 sums (the decode tests' lse rule)
             low, _ = causal_attention(qb.to(low_dtype), k.to(low_dtype).cpu(), v.to(low_dtype).cpu(), sm_scale)
-            tol = max(tol, 2 * float((low.to(low_dtype).double() - ref).abs().max()) + 1e-5)
+            tol = 2 * float((low.to(low_dtype).double() - ref).abs().max()) + 1e-5
             assert lse_err <= max(tol, 1e-3), (seq, lse_err)
-    assert math.isfinite(err)
-    return err, tol
+        checked.append((err, tol))
+    return max(checked, key=lambda pair: pair[0] - pair[1])
 
 
 @pytest.mark.parametrize("rotate", [False, True])
