@@ -206,7 +206,7 @@ def test_padded_query_rows_are_attended_then_dropped(rng, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [5, 130, 1000])
-def test_full_blocks_take_cudnn_with_padded_rows_the_rest_fa2(tokens, monkeypatch):
+def test_full_blocks_take_cudnn_with_padded_rows_the_rest_fa2(tokens, rng, monkeypatch):
     """On the GPU: a block of CUDNN_TOKENS keys goes to cuDNN (query rows padded), a shorter block and the chunk's own
     tokens to FA2 (rows as they are); every element within the rule against float64."""
     kv_heads, group, d = 2, 4, 128
@@ -215,7 +215,7 @@ def test_full_blocks_take_cudnn_with_padded_rows_the_rest_fa2(tokens, monkeypatc
     monkeypatch.setattr(chunk_attention, "fused_attention",
                         lambda q, k, v, s, causal, cudnn=False: calls.append((cudnn, q.shape[2], k.shape[2]))
                         or fused(q, k, v, s, causal, cudnn))
-    gen = torch.Generator("cuda").manual_seed(7)
+    gen = torch.Generator("cuda").manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))  # fresh inputs
     n = CUDNN_TOKENS + 3000
     k = (torch.randn(kv_heads, n + tokens, d, device="cuda", generator=gen) + 1).to(torch.bfloat16)
     v = torch.randn(kv_heads, n + tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
