@@ -15,7 +15,8 @@ Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, on
 * ``foscar-attend-chunk``: ``PagedKVCache.attend_chunk`` on a kernel cache (``foscar.chunk_attention``), its packed
   pages attended one of three ways, a row each (the call's own choice follows ``PREFILL_COLUMNS`` and
   ``DECODE_COLUMNS``): ``prefill``, by the Hopper prefill kernel (``PackedPrefill``: 128 query rows a CTA, each packed
-  tile dequantized once per CTA in shared memory, never in BF16 in global memory); ``blocks``, dequantized a block at
+  tile dequantized once per CTA in shared memory, never in BF16 in global memory; only for a scheme the route gives
+  it, ``Arch.takes_prefill``); ``blocks``, dequantized a block at
   a time into a fused attention; ``decode``, by the folded decode kernel with the chunk's tokens as query heads
   (``PackedPrefix``: the pages read once per 16 rows, never in BF16), measured up to ``--decode-up-to`` tokens.
   The 16-bit slots and the chunk's own tokens take the fused attention either way; all merge by LSE.
@@ -217,7 +218,8 @@ def measure(method: str, prefix: int, chunks, reps: int, decode_up_to: int):
                     return foscar()
             return call
 
-        paths = ("prefill", "blocks", *(("decode",) if chunk <= decode_up_to else ()))
+        paths = (*(("prefill",) if cache.arch.takes_prefill(scheme) else ()),  # (else the row would be another path)
+                 "blocks", *(("decode",) if chunk <= decode_up_to else ()))
         for name, fn in (("flashinfer-bf16", bf16), ("dequant+flashinfer", oscar),
                          *((f"foscar-attend-chunk, {p}", packed_by(p)) for p in paths)):
             us, extra, first, host, gpu = timed(fn, reps)
