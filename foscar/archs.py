@@ -139,11 +139,13 @@ class Arch:
     def takes_prefill(self, scheme: Scheme) -> bool:
         """Whether the cache may route a chunk's packed pages to this arch's prefill kernel: it builds ``scheme``
         (Hopper's ``foscar.hopper.prefill``: head_dim 128, formats the dequantize kernel reads) and has run its
-        configuration on a GPU (``PrefillConfig.has_run``); compiles nothing."""
+        configuration (both roles' formats and q's dtype together) on a GPU (``PrefillConfig.has_run``); compiles
+        nothing."""
         if self.prefill_module is None:
             return False
         try:
-            cfg = importlib.import_module(self.prefill_module).prefill_config(scheme, "bfloat16", self.layout)
+            cfg = importlib.import_module(self.prefill_module).prefill_config(
+                scheme, str(scheme.q_dtype).removeprefix("torch."), self.layout)
         except ValueError:
             return False
         return cfg.has_run

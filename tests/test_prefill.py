@@ -10,7 +10,7 @@ import torch
 
 from foscar import Scheme
 from foscar.archs import BLACKWELL, HOPPER
-from foscar.hopper.prefill import RAN_ON_A_GPU, TILE_N, PrefillConfig, compile_prefill, prefill_splits, ran_key
+from foscar.hopper.prefill import RAN_ON_A_GPU, TILE_N, PrefillConfig, compile_prefill, prefill_splits
 from foscar.inspect import artifacts
 from test_cache_chunk import GPU_SCHEMES
 from user_formats import INT8, SYM_INT4
@@ -25,8 +25,7 @@ def test_the_prefill_kernel_compiles_without_spills(scheme):
     """Both roles' loops: the consumers issue ``D/16`` QK and 4 PV warpgroup MMAs per 64-token tile and nothing
     spills; shared memory is stored whole vectors at a time (8 values of a chunk in the swizzled tiles: 16 bytes; the
     packed words staged: 8 or 16), never element by element."""
-    dtype = "float16" if scheme.q_dtype == torch.float16 else "bfloat16"
-    found = artifacts(compile_prefill(PrefillConfig.of(scheme, dtype)))
+    found = artifacts(compile_prefill(PrefillConfig.of(scheme, dtype_of(scheme))))
     assert found.resources().local_bytes == 0
     mma_loops = [loop for loop in found.loops() if loop.mma]
     assert [loop.mma for loop in mma_loops] == [scheme.head_dim // 16 + TILE_N // 16]
@@ -45,23 +44,30 @@ def test_what_the_prefill_kernel_takes():
         BLACKWELL.run_prefill(None, None, None, None, None, None, 64, 0.1, COMPILED[0])
 
 
+def dtype_of(scheme) -> str:
+    return str(scheme.q_dtype).removeprefix("torch.")
+
+
 @pytest.mark.parametrize("scheme", [Scheme.make(2, "channel", 128, "channel", 128, 128, 4),  # V channel-wise
                                     Scheme.make(format=INT8, head_dim=128, gqa_ratio=4),
                                     Scheme.make(2, "channel", 64, "token", 64, 128, 4),
-                                    Scheme.make(format=SYM_INT4, head_dim=128, gqa_ratio=4)],
+                                    Scheme.make(format=SYM_INT4, head_dim=128, gqa_ratio=4),
+                                    # each role's format ran, but not these pairs or query dtypes
+                                    Scheme.make(2, "token", 128, "token", 128, 128, 4),
+                                    Scheme.make(4, "token", 128, "token", 128, 128, 4, q_dtype=torch.float16),
+                                    Scheme.make(k_bits=4, v_bits=2, head_dim=128, gqa_ratio=8)],
                          ids=lambda s: s.name)
 def test_the_route_leaves_configurations_no_gpu_has_run(scheme):
     """The kernel builds these (the dequantize kernel reads their formats), but none has run on a GPU: the cache's
     route gives their chunks to the decode kernel or the blocks."""
-    assert not PrefillConfig.of(scheme).has_run and not HOPPER.takes_prefill(scheme)
+    assert not PrefillConfig.of(scheme, dtype_of(scheme)).has_run and not HOPPER.takes_prefill(scheme)
 
 
 def test_what_has_run_is_what_the_gpu_tests_run():
     """Every configuration the route takes is one that ``tests/test_cache_chunk.py``'s GPU tests force through the
     kernel, and every scheme those tests force through it is taken (else they would test another path)."""
     assert all(HOPPER.takes_prefill(scheme) for scheme in GPU_SCHEMES)
-    ran = {role: {ran_key(getattr(PrefillConfig.of(scheme), role)) for scheme in GPU_SCHEMES} for role in ("k", "v")}
-    assert ran == RAN_ON_A_GPU
+    assert {PrefillConfig.of(scheme, dtype_of(scheme)).ran_key for scheme in GPU_SCHEMES} == RAN_ON_A_GPU
 
 
 @pytest.mark.parametrize("row_tiles, kv_heads, tiles, want", [

@@ -55,7 +55,7 @@ from ..scheme import Axis, Scheme, params_shape
 from ..softmax import normalize, rescale_factor
 
 __all__ = ["PrefillConfig", "HopperPackedPrefill", "RAN_ON_A_GPU", "TILE_ROWS", "compile_prefill", "prefill_config",
-           "prefill_splits", "ran_key", "run_prefill"]
+           "prefill_splits", "run_prefill"]
 
 TILE_ROWS = 128  # query rows of a CTA: two consumer warpgroups of 64
 TILE_N = TILE_TOKENS  # keys of a ring stage: one packed tile
@@ -64,17 +64,12 @@ CONSUMER_WARPGROUPS = TILE_ROWS // 64
 THREADS = CONVERTER_THREADS * (1 + CONSUMER_WARPGROUPS)
 ROW_BYTES_ALIGN = 1024  # the swizzled wgmma tiles' alignment
 DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-# Each role's (head_dim, bits, group axis, group, offset_per_scale) the kernel has run with against float64 on a GPU
-# (the GPU schemes of tests/test_cache_chunk.py). Others compile, but the cache's route leaves them to the verified
-# paths until a GPU has run them.
-RAN_ON_A_GPU = {"k": {(128, 2, Axis.CHANNEL, 128, None), (128, 2, Axis.TOKEN, 128, None),
-                      (128, 4, Axis.TOKEN, 128, None)},
-                "v": {(128, 2, Axis.TOKEN, 128, None), (128, 4, Axis.TOKEN, 128, None)}}
-
-
-def ran_key(cfg: DequantizeConfig) -> tuple:
-    """A role's key in ``RAN_ON_A_GPU``."""
-    return cfg.head_dim, cfg.bits, cfg.axis, cfg.group, cfg.offset_per_scale
+# The configurations the kernel has run with against float64 on a GPU (the GPU schemes of tests/test_cache_chunk.py),
+# as ``PrefillConfig.ran_key``: (K's, V's (head_dim, bits, group axis, group, offset_per_scale), q's dtype). Others
+# compile, but the cache's route leaves them to the verified paths until a GPU has run them.
+RAN_ON_A_GPU = {((128, 2, Axis.CHANNEL, 128, None), (128, 2, Axis.TOKEN, 128, None), "bfloat16"),
+                ((128, 4, Axis.TOKEN, 128, None), (128, 4, Axis.TOKEN, 128, None), "bfloat16"),
+                ((128, 2, Axis.TOKEN, 128, None), (128, 2, Axis.TOKEN, 128, None), "float16")}
 
 
 @dataclass(frozen=True)
@@ -96,9 +91,14 @@ class PrefillConfig:
         return self.k.head_dim
 
     @property
+    def ran_key(self) -> tuple:
+        """The configuration as ``RAN_ON_A_GPU`` names it."""
+        return (*((c.head_dim, c.bits, c.axis, c.group, c.offset_per_scale) for c in (self.k, self.v)), self.k.dtype)
+
+    @property
     def has_run(self) -> bool:
-        """Whether both roles' configurations have run on a GPU (``RAN_ON_A_GPU``)."""
-        return all(ran_key(cfg) in RAN_ON_A_GPU[cfg.role] for cfg in (self.k, self.v))
+        """Whether this configuration has run on a GPU (``RAN_ON_A_GPU``)."""
+        return self.ran_key in RAN_ON_A_GPU
 
     @property
     def dtype(self):
