@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 import os
 from typing import NamedTuple
@@ -753,9 +752,10 @@ class PagedKVCache:
         page = self.page_table[index, column]
         page = torch.where(q1 > q0, page, -1).to(torch.int32)
         slot_in_page = (q0 % self.page_size).to(torch.int32)
-        k_src, v_src = (bf16[layer][index[:, None], :, ring].permute(0, 2, 1, 3).contiguous()  # [B, kvh, T, D]
-                        for bf16 in (self.k_bf16, self.v_bf16))
-        self._quantize(layer, k_src, v_src, page, slot_in_page)
+        slots = {"k": self.k_bf16[layer], "v": self.v_bf16[layer]}
+        # each role's granule out of the ring: [B, kvh, T, D]
+        self._quantize(layer, lambda role: slots[role][index[:, None], :, ring].permute(0, 2, 1, 3).contiguous(),
+                       page, slot_in_page)
 
     def _append_bulk(self, layer, ids, index, k, v):
         srcs, pages, slots = {"k": [], "v": []}, [], []
@@ -790,7 +790,7 @@ class PagedKVCache:
         if pages:
             page = torch.tensor(pages, dtype=torch.int32).to(self.device)
             slot = torch.tensor(slots, dtype=torch.int32).to(self.device)
-            self._quantize(layer, *(torch.cat(srcs[role]).contiguous() for role in "kv"), page, slot)
+            self._quantize(layer, lambda role: torch.cat(srcs[role]).contiguous(), page, slot)
         # the slots after the quantize step: its sources were copied out of the ring, and a quantizer's refusal
         # (torch path) leaves the cache as it was
         for where, k_sink, v_sink in sink_writes:
@@ -812,22 +812,31 @@ class PagedKVCache:
             if self._slots_fp32 is not None:
                 self._slots_fp32[role][layer][where] = x.float()
 
-    def _quantize(self, layer, k_src, v_src, page, slot):
-        """Quantize granules ``k_src``, ``v_src [N, kvh, T, D]`` into ``page`` (< 0: skip) at token ``slot``: both
-        roles' quantizers run before either writes, so that a format's refusal of v leaves k's pages as they were."""
-        for write in [self._quantized(layer, role, src, page, slot) for role, src in (("k", k_src), ("v", v_src))]:
-            write()
-
-    def _quantized(self, layer, role, src, page, slot):
-        """One role's granules quantized (the torch path; the kernel path quantizes as it writes, checking only shapes):
-        returns what writes them to the role's codes, params and fp32 copy."""
-        codes = (self.k_codes if role == "k" else self.v_codes)[layer]
-        params = (self.k_params if role == "k" else self.v_params)[layer]
+    def _quantize(self, layer, source, page, slot):
+        """Quantize the granules ``source(role) [N, kvh, T, D]`` gives into ``page`` (< 0: skip) at token ``slot``.
+        The kernel path quantizes a role as it writes it (its launch refuses nothing; one role's source at a time);
+        the torch path runs both roles' quantizers before either writes, so that a format's refusal of v leaves k's
+        pages as they were."""
         if self.use_kernels:
             from .kernels.quantize import quantize_tiles
 
-            return functools.partial(quantize_tiles, src, page, slot, codes, params, self.scheme, role,
-                                     self.arch.layout)
+            for role in ("k", "v"):
+                quantize_tiles(source(role), page, slot, *self._packed(layer, role), self.scheme, role,
+                               self.arch.layout)
+            return
+        for write in [self._quantized(layer, role, source(role), page, slot) for role in ("k", "v")]:
+            write()
+
+    def _packed(self, layer, role):
+        """A role's packed codes and params of ``layer``."""
+        if role == "k":
+            return self.k_codes[layer], self.k_params[layer]
+        return self.v_codes[layer], self.v_params[layer]
+
+    def _quantized(self, layer, role, src, page, slot):
+        """One role's granules quantized on the torch path: returns what writes them to the role's codes, params
+        and fp32 copy."""
+        codes, params = self._packed(layer, role)
         quant = self.scheme.k if role == "k" else self.scheme.v
         page = torch.where(page < 0, self.trash_page, page).long()
         c, scale, offset = quantize_groups(src, quant, name=role)
@@ -1101,8 +1110,7 @@ class PagedKVCache:
         lookups are paid once, not at every block of every chunk."""
         key = (layer, role, dtype)
         if key not in self._dequantizers:
-            codes, params = (self.k_codes, self.k_params) if role == "k" else (self.v_codes, self.v_params)
-            self._dequantizers[key] = PagesDequantizer(codes[layer], params[layer], self.scheme, role, dtype,
+            self._dequantizers[key] = PagesDequantizer(*self._packed(layer, role), self.scheme, role, dtype,
                                                        layout=self.arch.layout)
         return self._dequantizers[key]
 
