@@ -16,9 +16,9 @@ Rows per chunk size (Qwen3-8B attention: 32 query / 8 KV heads, head_dim 128, on
   pages attended one of three ways, a row each (the call's own choice follows ``PREFILL_COLUMNS`` and
   ``DECODE_COLUMNS``): ``prefill``, by the Hopper prefill kernel (``PackedPrefill``: 128 query rows a CTA, each packed
   tile dequantized once per CTA in shared memory, never in BF16 in global memory; only for a scheme the route gives
-  it, ``Arch.takes_prefill``); ``blocks``, dequantized a block at
-  a time into a fused attention; ``decode``, by the folded decode kernel with the chunk's tokens as query heads
-  (``PackedPrefix``: the pages read once per 16 rows, never in BF16), measured up to ``--decode-up-to`` tokens.
+  it, ``Arch.takes_prefill``); ``blocks``, dequantized a block at a time into a fused attention; ``decode``, by the
+  folded decode kernel with the chunk's tokens as query heads (``PackedPrefix``: the pages read once per 16 rows,
+  never in BF16), measured up to ``--decode-up-to`` tokens.
   The 16-bit slots and the chunk's own tokens take the fused attention either way; all merge by LSE.
 * ``foscar-attend-chunk, growing prefix``: the same, each call after a one-token append, as in serving, where the
   prefix is one step longer at every call: the last block and the slots are new shapes each time (what a fused

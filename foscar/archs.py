@@ -144,8 +144,8 @@ class Arch:
         if self.prefill_module is None:
             return False
         try:
-            cfg = importlib.import_module(self.prefill_module).prefill_config(
-                scheme, str(scheme.q_dtype).removeprefix("torch."), self.layout)
+            cfg = importlib.import_module(self.prefill_module).prefill_config(scheme, scheme.q_dtype_name,
+                                                                              self.layout)
         except ValueError:
             return False
         return cfg.has_run

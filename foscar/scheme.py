@@ -217,12 +217,17 @@ class Scheme:
         return self.k.bits
 
     @property
+    def q_dtype_name(self) -> str:
+        """``q_dtype`` as the kernels' configs name it: "bfloat16" or "float16"."""
+        return str(self.q_dtype).removeprefix("torch.")
+
+    @property
     def name(self) -> str:
         kf, vf = self.k.format, self.v.format
         bits = kf.name if kf == vf else f"k{kf.name.removeprefix('int')}v{vf.name.removeprefix('int')}"
         return (
             f"{bits}-k{self.k.axis.value[0]}{self.k.group}-v{self.v.axis.value[0]}{self.v.group}"
-            f"-d{self.head_dim}-gqa{self.gqa_ratio}-{str(self.q_dtype).removeprefix('torch.')}"
+            f"-d{self.head_dim}-gqa{self.gqa_ratio}-{self.q_dtype_name}"
         )
 
     def plan(self, arch: str = "sm_90a", *, construction: Construction | None = None) -> FoldingPlan:

@@ -25,7 +25,7 @@ def test_the_prefill_kernel_compiles_without_spills(scheme):
     """Both roles' loops: the consumers issue ``D/16`` QK and 4 PV warpgroup MMAs per 64-token tile and nothing
     spills; shared memory is stored whole vectors at a time (8 values of a chunk in the swizzled tiles: 16 bytes; the
     packed words staged: 8 or 16), never element by element."""
-    found = artifacts(compile_prefill(PrefillConfig.of(scheme, dtype_of(scheme))))
+    found = artifacts(compile_prefill(PrefillConfig.of(scheme, scheme.q_dtype_name)))
     assert found.resources().local_bytes == 0
     mma_loops = [loop for loop in found.loops() if loop.mma]
     assert [loop.mma for loop in mma_loops] == [scheme.head_dim // 16 + TILE_N // 16]
@@ -44,10 +44,6 @@ def test_what_the_prefill_kernel_takes():
         BLACKWELL.run_prefill(None, None, None, None, None, None, 64, 0.1, COMPILED[0])
 
 
-def dtype_of(scheme) -> str:
-    return str(scheme.q_dtype).removeprefix("torch.")
-
-
 @pytest.mark.parametrize("scheme", [Scheme.make(2, "channel", 128, "channel", 128, 128, 4),  # V channel-wise
                                     Scheme.make(format=INT8, head_dim=128, gqa_ratio=4),
                                     Scheme.make(2, "channel", 64, "token", 64, 128, 4),
@@ -60,14 +56,14 @@ def dtype_of(scheme) -> str:
 def test_the_route_leaves_configurations_no_gpu_has_run(scheme):
     """The kernel builds these (the dequantize kernel reads their formats), but none has run on a GPU: the cache's
     route gives their chunks to the decode kernel or the blocks."""
-    assert not PrefillConfig.of(scheme, dtype_of(scheme)).has_run and not HOPPER.takes_prefill(scheme)
+    assert not PrefillConfig.of(scheme, scheme.q_dtype_name).has_run and not HOPPER.takes_prefill(scheme)
 
 
 def test_what_has_run_is_what_the_gpu_tests_run():
     """Every configuration the route takes is one that ``tests/test_cache_chunk.py``'s GPU tests force through the
     kernel, and every scheme those tests force through it is taken (else they would test another path)."""
     assert all(HOPPER.takes_prefill(scheme) for scheme in GPU_SCHEMES)
-    assert {PrefillConfig.of(scheme, dtype_of(scheme)).ran_key for scheme in GPU_SCHEMES} == RAN_ON_A_GPU
+    assert {PrefillConfig.of(scheme, scheme.q_dtype_name).ran_key for scheme in GPU_SCHEMES} == RAN_ON_A_GPU
 
 
 @pytest.mark.parametrize("row_tiles, kv_heads, tiles, want", [

@@ -158,9 +158,8 @@ class QuantizeConfig:
         mismatch = affine_mismatch(quant.format) or append_mismatch(quant.format)
         if mismatch:
             raise ValueError(f"Scheme.{role}.format: {mismatch}")
-        src = str(scheme.q_dtype).removeprefix("torch.")
-        return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), src, layout,
-                   quant.format.append_rule, quant.param_fields)
+        return cls(quant.bits, scheme.head_dim, role, quant.axis, quant.group, granule_of(scheme), scheme.q_dtype_name,
+                   layout, quant.format.append_rule, quant.param_fields)
 
     @property
     def geometry(self) -> TileGeometry:
